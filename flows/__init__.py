@@ -1,0 +1,1 @@
+"""Prefect flows: one per stage, composed by `flows.pipeline`."""

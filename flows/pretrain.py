@@ -1,0 +1,19 @@
+"""The pretraining stage flow: plan, launch DeepSpeed, verify checkpoints, export to HF format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.stage import run_stage_steps
+from tasks.artifacts import publish_pretrain, publish_stage
+
+
+@flow(name="pretrain", flow_run_name="pretrain-{config.name}", log_prints=True)
+def pretrain_flow(config: Any, manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    results, hits = run_stage_steps("pretrain", config, manifests)
+    publish_stage("pretrain", results, hits)
+    if "pretrain/train" in results:
+        publish_pretrain(results["pretrain/train"])
+    return {"manifests": results, "hits": hits}

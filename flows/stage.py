@@ -1,0 +1,26 @@
+"""Run the steps of one stage as Prefect tasks, in dependency order, independent steps concurrently."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lmforge.executor import graph
+from tasks.steps import step_task
+
+
+def run_stage_steps(stage: str, config: Any, manifests: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
+    """Submit the stage's active steps; upstream outputs of earlier stages come in `manifests`.
+
+    Returns the manifests and, per step, whether it was a cache hit (its output predates this run).
+    """
+    started = time.time()
+    futures: dict[str, Any] = {}
+    for step in graph().active(config, config.stages):
+        if step.stage != stage:
+            continue
+        upstream = {name: futures.get(name, manifests.get(name)) for name in step.upstream(config)}
+        futures[step.name] = step_task(step.name, config).submit(step.name, config, upstream)
+    results = {name: future.result() for name, future in futures.items()}
+    hits = {name: m["timings"]["finished_at"] < started for name, m in results.items()}
+    return results, hits

@@ -1,0 +1,7 @@
+"""lmforge: a language model's whole life as one Prefect pipeline.
+
+The `lmforge` package holds the orchestrator-free core: typed configuration, the
+content-addressed stage store, the step graph with its cache keys, and the CLI.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""The `lmforge` command line.
+
+    lmforge run                      the full pipeline on the tiny-cpu preset
+    lmforge stage curate             one stage (and what it needs upstream, reused when cached)
+    lmforge explain curate           would each step be reused? if not, exactly why
+    lmforge plan                     the pretraining parallelism plan and compute budget
+    lmforge server start|stop|status a local Prefect UI/API on 127.0.0.1
+    lmforge deploy                   serve the pipeline as a Prefect deployment
+    lmforge config show|validate     the resolved configuration
+
+All of them take --config PRESET|FILE, --set KEY=VALUE (repeatable) and --workspace DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from lmforge.errors import ConfigError, LmforgeError
+
+EPILOG = """examples:
+  lmforge run                                     # demo corpus -> tiny model, on CPU
+  lmforge run --set pretrain.max_steps=100        # change one field; only what depends on it reruns
+  lmforge stage curate --set curate.near_dedup.enabled=false
+  lmforge explain pretrain --set pretrain.optim.lr=1e-3
+  lmforge run --config gpu-1node --workspace /data/ws
+"""
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", default="tiny-cpu", help="preset name (configs/NAME.yaml) or YAML path (default: tiny-cpu)")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set pretrain.optim.lr=1e-3 (repeatable)")
+    parser.add_argument("--workspace", "-w", help="where stage outputs live (default: from the config, ./workspace)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__.split("\n\n")[0],
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run the full pipeline (every stage in the config's `stages`)")
+    _common(run)
+    run.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
+    stage = sub.add_parser("stage", help="run one stage and what it needs upstream")
+    stage.add_argument("name", choices=["curate", "pretrain"])
+    _common(stage)
+    stage.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
+    explain = sub.add_parser("explain", help="say whether each step would be reused, and why not")
+    explain.add_argument("stage", choices=["curate", "pretrain", "all"])
+    _common(explain)
+    plan = sub.add_parser("plan", help="print the pretraining parallelism plan and compute budget")
+    _common(plan)
+    plan.add_argument("--gpus", type=int, help="plan for a node with this many GPUs instead of this machine")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU for --gpus (default 80)")
+    plan.add_argument("--gpu-name", default="H100", help="GPU model for --gpus, for its peak FLOP/s (default H100)")
+    server = sub.add_parser("server", help="manage a local Prefect server (UI on http://127.0.0.1:4200)")
+    server.add_argument("action", choices=["start", "stop", "status"])
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=4200)
+    deploy = sub.add_parser("deploy", help="serve the pipeline as a deployment (`prefect deployment run ...`)")
+    _common(deploy)
+    deploy.add_argument("--name", help="deployment name (default: the preset name)")
+    config = sub.add_parser("config", help="show or validate the resolved configuration")
+    config.add_argument("action", choices=["show", "validate"])
+    _common(config)
+    config.add_argument("--skip-path-checks", action="store_true",
+                        help="validate a preset meant for another machine (input files may not exist here)")
+    return parser
+
+
+def _load(args: argparse.Namespace, check_paths: bool = True):  # type: ignore[no-untyped-def]
+    from lmforge.config import load_config
+
+    return load_config(args.config, args.overrides, args.workspace, check_paths=check_paths)
+
+
+def _use_server_if_running() -> str | None:
+    from lmforge import server
+
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    url = server.running_api_url()
+    if url:
+        os.environ["PREFECT_API_URL"] = url
+    return url
+
+
+def _print_summary(steps: dict[str, dict[str, Any]], workspace: str, seconds: float, api_url: str | None) -> None:
+    width = max(len(n) for n in steps)
+    print(f"\n{'step'.ljust(width)}  {'status':9}  {'key':16}  output")
+    for name, info in steps.items():
+        status = "cached" if info["cache_hit"] else "computed"
+        print(f"{name.ljust(width)}  {status:9}  {info['key']:16}  {info['dir']}")
+    hits = sum(i["cache_hit"] for i in steps.values())
+    print(f"\n{len(steps)} steps, {hits} cache hits, {len(steps) - hits} computed, {seconds:.1f}s")
+    print(f"results: {os.path.abspath(workspace)}")
+    if "pretrain/train" in steps:
+        print(f"model:   {steps['pretrain/train']['dir']}/hf  (transformers.AutoModelForCausalLM.from_pretrained)")
+    if api_url:
+        print(f"Prefect UI: {api_url.removesuffix('/api')}  (flow runs, artifacts: curation-stats, pretrain-summary, pipeline-lineage)")
+    else:
+        print("Prefect UI: start `lmforge server start` before running to browse runs, logs and artifacts")
+
+
+def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
+    config = _load(args)
+    started = time.time()
+    if args.local:
+        from lmforge.executor import run_pipeline_locally
+
+        logging.basicConfig(level=config.runtime.log_level, format="%(asctime)s %(name)s %(message)s")
+        manifests = run_pipeline_locally(config, stages or config.stages)
+        steps = {n: {"key": m["key"], "dir": m["dir"], "cache_hit": m["timings"]["finished_at"] < started}
+                 for n, m in manifests.items()}
+        _print_summary(steps, config.workspace, time.time() - started, None)
+        return 0
+    api_url = _use_server_if_running()
+    from flows.pipeline import pipeline
+
+    result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
+    _print_summary(result["steps"], result["workspace"], time.time() - started, api_url)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from lmforge.explain import explain, format_explanations
+
+    config = _load(args)
+    stages = ["curate", "pretrain"] if args.stage == "all" else [args.stage]
+    config.stages = stages
+    print(format_explanations(explain(config, stages)))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo
+    from training.planner import format_plan, plan_parallelism
+
+    config = _load(args, check_paths=False)
+    device, peak = None, None
+    if args.gpus:
+        device = DeviceInfo("cuda", args.gpu_name, args.gpus, int(args.gpu_memory_gib * 1024**3), True, 64)
+        peak = KNOWN_GPU_PEAK_TFLOPS.get(args.gpu_name)
+    plan = plan_parallelism(config.pretrain, config.curate.tokenizer.vocab_size, device=device, peak_tflops=peak)
+    print(format_plan(plan))
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from lmforge import server
+
+    if args.action == "start":
+        url = server.start(args.host, args.port)
+        print(f"Prefect server up: UI {url.removesuffix('/api')}  API {url}")
+    elif args.action == "stop":
+        print("stopped" if server.stop() else "not running")
+    else:
+        print(server.status())
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if not _use_server_if_running():
+        raise ConfigError("deploy needs a Prefect server: run `lmforge server start` first (or set PREFECT_API_URL)")
+    from flows.pipeline import pipeline
+
+    name = args.name or config.name
+    print(f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
+          f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)")
+    pipeline.serve(name=name, parameters={"preset": args.config, "overrides": args.overrides,
+                                          "workspace": args.workspace})
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    config = _load(args, check_paths=not args.skip_path_checks)
+    if args.action == "show":
+        print(yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False))
+    else:
+        print(f"{args.config}: valid")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("run", "stage"):
+            return cmd_run(args, [args.name] if args.command == "stage" else None)
+        handler = {"explain": cmd_explain, "plan": cmd_plan, "server": cmd_server,
+                   "deploy": cmd_deploy, "config": cmd_config}[args.command]
+        return handler(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except LmforgeError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; completed work is kept and the next run resumes from it", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Error types that carry their own retry semantics.
+
+A retry only helps when the failure came from the outside world (a killed rank, a
+preempted node, a flaky filesystem). Configuration errors, divergence and parity
+failures fail the same way every time, so they are marked non-retryable and the
+Prefect retry condition (`tasks.retry.should_retry`) refuses to retry them.
+"""
+
+
+class LmforgeError(Exception):
+    """Base class; `retryable` says whether running again could succeed."""
+
+    retryable = False
+
+
+class ConfigError(LmforgeError):
+    """A configuration problem: unknown key, wrong type, missing file."""
+
+
+class DataError(LmforgeError):
+    """Input data that cannot be processed at all (not per-record problems, which are quarantined)."""
+
+
+class DeterministicError(LmforgeError):
+    """A failure that would repeat on retry (divergence, failed parity check)."""
+
+
+class TrainingDiverged(DeterministicError):
+    """Too many consecutive loss spikes or non-finite losses."""
+
+
+class ParityError(DeterministicError):
+    """The exported model does not reproduce the training engine's logits."""
+
+
+class RetryableError(LmforgeError):
+    """A transient failure; retrying resumes from the last verified state."""
+
+    retryable = True
+
+
+class TrainingInterrupted(RetryableError):
+    """A rank was killed or preempted; the next attempt resumes from a checkpoint."""
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Retry lmforge errors only when they say so; other exceptions (OSError, crashes) are retried."""
+    if isinstance(exc, LmforgeError):
+        return exc.retryable
+    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError))

@@ -1,0 +1,170 @@
+"""Running steps: plan (key + cache check), open, run units, close (finalize + manifest).
+
+These building blocks are shared by the Prefect tasks (`tasks/steps.py`) and by the
+orchestrator-free `run_pipeline_locally`, so both follow exactly the same cache, resume
+and manifest rules.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import logging
+import multiprocessing
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import lmforge
+from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
+from lmforge.store import StageStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    step: Step
+    key: str
+    components: dict[str, Any]
+    directory: Path
+    manifest: dict[str, Any] | None
+    reason: str
+
+    @property
+    def cached(self) -> bool:
+        return self.manifest is not None
+
+
+@functools.lru_cache(maxsize=1)
+def graph() -> Graph:
+    return build_graph()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    version: dict[str, Any] = {"lmforge": lmforge.__version__}
+    try:
+        version["git"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout
+        version["dirty"] = bool(dirty.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return version
+
+
+def plan_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:
+    components = key_components(step, config, upstream)
+    key = step_key(components)
+    manifest, reason = store.check(step.name, key)
+    return StepPlan(step, key, components, store.step_dir(step.name, key), manifest, reason)
+
+
+def open_step(plan: StepPlan, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepContext:
+    if plan.directory.exists() and store.read_manifest(plan.directory) is not None:
+        log.warning("%s/%s: %s; recomputing", plan.step.name, plan.key, plan.reason)
+        store.invalidate(plan.directory)
+    plan.directory.mkdir(parents=True, exist_ok=True)
+    needed = {name: upstream[name] for name in plan.step.upstream(config)}
+    return StepContext(plan.step.name, plan.key, plan.directory, config, needed, store.root)
+
+
+def split_units(ctx: StepContext, store: StageStore) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(results of units already complete, units still to run)."""
+    step = graph().get(ctx.step)
+    done: dict[str, dict[str, Any]] = {}
+    todo: list[str] = []
+    for unit in step.units(ctx):
+        result = store.unit_result(ctx.out_dir, unit)
+        if result is None:
+            todo.append(unit)
+        else:
+            done[unit] = result
+    return done, todo
+
+
+def run_unit(ctx: StepContext, unit: str, verify_mode: str = "checksum") -> dict[str, Any]:
+    """Compute one unit and leave its completion marker. Runs in worker processes."""
+    step = graph().get(ctx.step)
+    assert step.run_unit is not None, f"{ctx.step} has no units"
+    files, result = step.run_unit(ctx, unit)
+    StageStore(ctx.workspace, verify_mode).mark_unit(ctx.out_dir, unit, files, result)  # type: ignore[arg-type]
+    return result
+
+
+def close_step(
+    plan: StepPlan, ctx: StepContext, results: dict[str, dict[str, Any]], store: StageStore,
+    started: float, units_reused: int = 0,
+) -> dict[str, Any]:
+    """Run the step's global part, then checksum everything and write the manifest last."""
+    outcome = plan.step.finalize(ctx, results)
+    finished = time.time()
+    manifest = {
+        "schema": 1,
+        "step": plan.step.name,
+        "stage": plan.step.stage,
+        "description": plan.step.description,
+        "key": plan.key,
+        "dir": str(plan.directory),
+        "key_components": plan.components,
+        "inputs": {name: {k: m[k] for k in ("key", "digest", "dir")} for name, m in ctx.upstream.items()},
+        "params": plan.components["config"],
+        "counts": outcome.get("counts", {}),
+        "metrics": outcome.get("metrics", {}),
+        "extra": outcome.get("extra", {}),
+        "timings": {
+            "started_at": started,
+            "finished_at": finished,
+            "seconds": round(finished - started, 3),
+            "units_computed": len(results) - units_reused,
+            "units_reused": units_reused,
+        },
+        "code_version": code_version(),
+    }
+    manifest = store.finish(plan.directory, manifest)
+    store.record_use(plan.step.name, manifest)
+    return manifest
+
+
+def make_pool(workers: int) -> cf.Executor:
+    """Worker processes for shard units (spawned: safe next to Prefect's threads)."""
+    if workers <= 1:
+        return cf.ThreadPoolExecutor(max_workers=1)
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def execute_step(
+    step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]], pool: cf.Executor
+) -> tuple[dict[str, Any], bool]:
+    """Plan, and compute when needed; returns (manifest, cache_hit)."""
+    plan = plan_step(step, config, store, upstream)
+    if plan.cached:
+        store.record_use(step.name, plan.manifest)  # type: ignore[arg-type]
+        return plan.manifest, True  # type: ignore[return-value]
+    with store.lock(step.name, plan.key):
+        plan = plan_step(step, config, store, upstream)
+        if plan.cached:
+            return plan.manifest, True  # type: ignore[return-value]
+        started = time.time()
+        ctx = open_step(plan, config, store, upstream)
+        done, todo = split_units(ctx, store)
+        futures = {unit: pool.submit(run_unit, ctx, unit, store.verify_mode) for unit in todo}
+        results = {**done, **{unit: f.result() for unit, f in futures.items()}}
+        return close_step(plan, ctx, results, store, started, units_reused=len(done)), False
+
+
+def run_pipeline_locally(config: Any, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Run the selected stages without Prefect (tests, notebooks, debugging)."""
+    store = StageStore(config.workspace, config.runtime.verify)
+    manifests: dict[str, dict[str, Any]] = {}
+    with make_pool(config.runtime.workers) as pool:
+        for step in graph().active(config, list(stages)):
+            manifests[step.name], hit = execute_step(step, config, store, manifests, pool)
+            log.info("%s: %s (%s)", step.name, "cache hit" if hit else "computed", manifests[step.name]["key"])
+    return manifests

@@ -1,0 +1,103 @@
+"""`lmforge server start|stop|status`: a local Prefect server (UI + API) on SQLite.
+
+The server binds to 127.0.0.1 unless told otherwise, keeps its database under
+`~/.lmforge/server` (or $LMFORGE_HOME), and is found again by pid file. While it runs,
+`lmforge run` sends runs to it so they stay browsable in the UI; without it Prefect
+starts a temporary server for the duration of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from lmforge.errors import ConfigError
+
+
+def home() -> Path:
+    return Path(os.environ.get("LMFORGE_HOME", Path.home() / ".lmforge")) / "server"
+
+
+def _state() -> dict | None:
+    try:
+        return json.loads((home() / "server.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def running_api_url() -> str | None:
+    """The API URL of the lmforge-managed server, if it is up."""
+    state = _state()
+    if state and _alive(state["pid"]) and healthy(state["api_url"]):
+        return state["api_url"]
+    return None
+
+
+def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> str:
+    if (url := running_api_url()) is not None:
+        return url
+    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        raise ConfigError(f"server host {host}: exposing the API beyond this machine needs "
+                          "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set")
+    directory = home()
+    directory.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = open(directory / "server.log", "ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    api_url = f"http://{host}:{port}/api"
+    (directory / "server.json").write_text(json.dumps({"pid": process.pid, "api_url": api_url,
+                                                       "ui_url": f"http://{host}:{port}"}))
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        if healthy(api_url):
+            return api_url
+        if process.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {process.returncode}; see {directory / 'server.log'}")
+        time.sleep(1)
+    raise RuntimeError(f"prefect server did not answer within {wait_s:.0f}s; see {directory / 'server.log'}")
+
+
+def stop() -> bool:
+    state = _state()
+    if not state or not _alive(state["pid"]):
+        return False
+    os.killpg(os.getpgid(state["pid"]), signal.SIGTERM)
+    for _ in range(50):
+        if not _alive(state["pid"]):
+            break
+        time.sleep(0.2)
+    (home() / "server.json").unlink(missing_ok=True)
+    return True
+
+
+def status() -> str:
+    state = _state()
+    if state and _alive(state["pid"]):
+        health = "healthy" if healthy(state["api_url"]) else "starting or unhealthy"
+        return f"running (pid {state['pid']}, {health}): UI {state['ui_url']}  API {state['api_url']}"
+    return "not running (start it with: lmforge server start)"

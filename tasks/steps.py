@@ -1,0 +1,75 @@
+"""The Prefect tasks every step runs through.
+
+`run_step` is cached on the step's content address (`StageKeyPolicy`), retried per the
+step's policy, and returns the small manifest. Inside it, each unit (shard) of the step is
+its own `run_unit` task, retryable on its own and visible in the UI; the units execute
+in a shared pool of worker processes. A retry of either skips units whose completion
+markers verify, so it resumes instead of restarting.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from lmforge.executor import close_step, graph, make_pool, open_step, plan_step, run_unit, split_units
+from lmforge.graph import StepContext
+from lmforge.store import StageStore
+from tasks.cache import StageKeyPolicy, results_dir
+from tasks.retry import should_retry
+
+log = logging.getLogger("lmforge.tasks")
+_pool: cf.Executor | None = None
+_pool_lock = threading.Lock()
+
+
+def shared_pool(workers: int) -> cf.Executor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = make_pool(workers)
+            atexit.register(_pool.shutdown, cancel_futures=True)
+        return _pool
+
+
+@task(name="unit", task_run_name="{step_name}[{unit}]", cache_policy=NO_CACHE,
+      retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
+def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
+    return shared_pool(workers).submit(run_unit, ctx, unit, verify).result()
+
+
+@task(name="step", task_run_name="{step_name}", cache_policy=StageKeyPolicy(), result_serializer="json",
+      retries=2, retry_delay_seconds=2, retry_condition_fn=should_retry)
+def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    step = graph().get(step_name)
+    store = StageStore(config.workspace, config.runtime.verify)
+    plan = plan_step(step, config, store, upstream)
+    if plan.cached:
+        store.record_use(step_name, plan.manifest)  # type: ignore[arg-type]
+        return plan.manifest  # type: ignore[return-value]
+    with store.lock(step_name, plan.key):
+        plan = plan_step(step, config, store, upstream)
+        if plan.cached:
+            return plan.manifest  # type: ignore[return-value]
+        started = time.time()
+        ctx = open_step(plan, config, store, upstream)
+        done, todo = split_units(ctx, store)
+        if done:
+            log.info("%s: resuming; %d of %d units already complete", step_name, len(done), len(done) + len(todo))
+        futures = {u: run_unit_task.submit(step_name, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
+        results = {**done, **{u: f.result() for u, f in futures.items()}}
+        manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
+    log.info("%s: computed in %.1fs -> %s", step_name, manifest["timings"]["seconds"], manifest["dir"])
+    return manifest
+
+
+def step_task(step_name: str, config: Any):  # type: ignore[no-untyped-def]
+    """`run_step` with the step's retry count and the workspace's result storage."""
+    return run_step.with_options(retries=graph().get(step_name).retries, result_storage=results_dir(config.workspace))
