@@ -1,0 +1,221 @@
+"""Typed configuration of the curation stage (`curate:` in a preset).
+
+Thresholds that only decide keep/remove live here next to the parameters that change
+what is computed; `data_prep.steps` decides which fields belong to which step's cache
+key, so moving a threshold re-runs only the cheap selection step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lmforge.configbase import StrictModel
+
+Fraction = Field(ge=0.0, le=1.0)
+
+
+class FilterBase(StrictModel):
+    enabled: bool = Field(True, description="Switch this step off with --set curate.<step>.enabled=false.")
+    skip_domains: list[str] = Field(
+        default_factory=list, description="Domains this filter does not apply to (e.g. code for prose rules)."
+    )
+
+
+class DemoCorpusConfig(StrictModel):
+    """The built-in demo corpus, used when `curate.inputs` is empty."""
+
+    seed: int = Field(7, description="Seed for sampling and generated noise.")
+    max_stdlib_files: int = Field(300, ge=0, description="Standard-library modules used as code documents.")
+    max_pypi_docs: int = Field(250, ge=0, description="Installed packages' long descriptions used as web pages.")
+    prose_chunk_chars: int = Field(3000, ge=200, description="Python reference topics are split into documents of about this size.")
+    dialogue_conversations_per_doc: int = Field(6, ge=1, description="chatterbot conversations joined into one dialogue document.")
+    num_exact_duplicates: int = Field(150, ge=0, description="Planted exact copies of existing documents.")
+    num_near_duplicates: int = Field(240, ge=0, description="Planted near-copies at the edit rates below.")
+    near_duplicate_edit_rates: list[float] = Field(
+        default_factory=lambda: [0.01, 0.03, 0.05, 0.1, 0.2, 0.35], description="Word-level edit rates of near-copies."
+    )
+    num_boilerplate: int = Field(80, ge=0, description="Generated navigation/cookie/boilerplate pages.")
+    num_spam: int = Field(80, ge=0, description="Generated keyword-stuffed spam pages.")
+    num_encoding_junk: int = Field(40, ge=0, description="Mojibake and replacement-character pages.")
+    num_short: int = Field(60, ge=0, description="Very short documents.")
+    num_long: int = Field(2, ge=0, description="Very long documents (beyond Gopher's 100k-word limit).")
+    num_pii_docs: int = Field(40, ge=0, description="Pages with planted e-mail addresses, phone numbers and IPs.")
+    num_contaminated: int = Field(20, ge=0, description="HumanEval prompts planted for the evaluation stage to find.")
+    num_malformed_lines: int = Field(12, ge=0, description="Broken JSONL lines (bad JSON, bad UTF-8, missing text).")
+
+
+class NormalizeConfig(StrictModel):
+    enabled: bool = Field(True, description="Unicode normalization, control characters and whitespace cleanup.")
+    unicode_form: Literal["NFC", "NFKC"] = Field("NFC", description="Unicode normalization form.")
+
+
+class ExactDedupConfig(StrictModel):
+    enabled: bool = Field(True, description="Drop documents whose normalized text was seen before.")
+    url: bool = Field(True, description="Also drop documents whose normalized URL was seen before.")
+
+
+class NearDedupConfig(StrictModel):
+    """MinHash-LSH near-duplicate removal; defaults follow FineWeb/datatrove."""
+
+    enabled: bool = Field(True, description="Cluster near-duplicates and keep one document per cluster.")
+    ngram: int = Field(5, ge=1, description="Word n-gram shingle size (on normalized text).")
+    bands: int = Field(14, ge=1, description="LSH bands.")
+    rows: int = Field(8, ge=1, description="Rows (hashes) per band; bands*rows permutations in all.")
+    seed: int = Field(1, description="Seed of the hash permutations.")
+    threshold: float = Field(0.8, ge=0.0, le=1.0, description="Jaccard similarity at or above which two documents are duplicates.")
+    store_min_jaccard: float = Field(
+        0.5, ge=0.0, le=1.0, description="Candidate pairs at or above this Jaccard are stored, so the threshold can move without recomputing."
+    )
+    batch_docs: int = Field(512, ge=1, description="Documents whose signatures are computed in one vectorized batch (bounds memory).")
+
+    @property
+    def num_perm(self) -> int:
+        return self.bands * self.rows
+
+
+class LangIdConfig(FilterBase):
+    keep: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep; empty keeps all.")
+    min_score: float = Field(0.65, ge=0.0, le=1.0, description="fastText confidence below which a document is removed.")
+    max_chars: int = Field(1000, ge=50, description="Leading characters of each document given to the classifier (speed).")
+
+
+class LengthConfig(FilterBase):
+    min_chars: int = Field(100, ge=0, description="Documents shorter than this are removed.")
+    max_chars: int = Field(500_000, ge=1, description="Documents longer than this are removed.")
+
+
+class EncodingConfig(FilterBase):
+    max_bad_char_ratio: float = Field(0.01, ge=0.0, le=1.0, description="Max fraction of replacement/mojibake/C1-control characters.")
+
+
+class GopherQualityConfig(FilterBase):
+    """Gopher quality rules (Rae et al. 2021), thresholds as in datatrove."""
+
+    min_doc_words: int | None = 50
+    max_doc_words: int | None = 100_000
+    min_avg_word_length: float | None = 3
+    max_avg_word_length: float | None = 10
+    max_symbol_word_ratio: float | None = 0.1
+    max_bullet_lines_ratio: float | None = 0.9
+    max_ellipsis_lines_ratio: float | None = 0.3
+    max_non_alpha_words_ratio: float | None = 0.8
+    min_stop_words: int | None = 2
+
+
+class GopherRepetitionConfig(FilterBase):
+    """Gopher repetition rules, thresholds as in datatrove."""
+
+    dup_line_frac: float | None = 0.3
+    dup_para_frac: float | None = 0.3
+    dup_line_char_frac: float | None = 0.2
+    dup_para_char_frac: float | None = 0.2
+    top_n_grams: dict[int, float] = Field(default_factory=lambda: {2: 0.2, 3: 0.18, 4: 0.16})
+    dup_n_grams: dict[int, float] = Field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
+    )
+
+
+class C4Config(FilterBase):
+    """C4 rules (Raffel et al. 2020) applied at document level, as datatrove's C4QualityFilter."""
+
+    min_num_sentences: int | None = 5
+    filter_lorem_ipsum: bool = True
+    filter_curly_bracket: bool = True
+    # The next parameters change how sentences are counted, so they are part of the heuristics key.
+    filter_no_terminal_punct: bool = Field(False, description="FineWeb sets this off; C4 had it on.")
+    min_words_per_line: int = 3
+    max_word_length: int = 1000
+
+
+class FineWebConfig(FilterBase):
+    """FineWeb's additional quality rules, thresholds as in datatrove."""
+
+    line_punct_thr: float | None = 0.12
+    line_punct_exclude_zero: bool = False
+    short_line_thr: float | None = 0.67
+    short_line_length: int = 30
+    char_duplicates_ratio: float | None = 0.01
+    new_line_ratio: float | None = 0.3
+
+
+class QualityClassifierConfig(FilterBase):
+    """A DCLM-style fastText classifier: reference prose (positive) vs. a web-like sample of the pool."""
+
+    reference: list[str] = Field(
+        default_factory=list,
+        description="Files of curated reference text (JSONL/Parquet/txt); empty uses Python's reference documentation.",
+    )
+    negative_domains: list[str] = Field(
+        default_factory=list, description="Pool domains sampled as the web-like (negative) class; empty samples all."
+    )
+    max_train_docs: int = Field(2000, ge=10, description="Cap on documents per class for training.")
+    epochs: int = Field(10, ge=1)
+    lr: float = Field(0.5, gt=0)
+    word_ngrams: int = Field(2, ge=1)
+    dim: int = Field(32, ge=4)
+    bucket: int = Field(100_000, ge=0, description="Hash buckets for word n-grams (model size = (vocab + bucket) * dim floats).")
+    seed: int = Field(0)
+    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Keep documents whose P(reference) is at least this.")
+    keep_fraction: float | None = Field(0.85, gt=0.0, le=1.0, description="Keep this top fraction by score (per filtered pool).")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> "QualityClassifierConfig":
+        if self.threshold is not None and self.keep_fraction is not None:
+            raise ValueError("set either threshold or keep_fraction, not both")
+        return self
+
+
+class PIIConfig(FilterBase):
+    email: bool = Field(True, description="Replace e-mail addresses with <EMAIL>.")
+    phone: bool = Field(True, description="Replace phone numbers with <PHONE>.")
+    ip: bool = Field(True, description="Replace public IPv4/IPv6 addresses with <IP_ADDRESS>.")
+
+
+class MixConfig(StrictModel):
+    enabled: bool = Field(True, description="Resample domains towards target token shares.")
+    weights: dict[str, float] = Field(
+        default_factory=dict, description="Target share per domain; unlisted domains keep their natural size."
+    )
+    max_repeat: float = Field(4.0, ge=1.0, description="Upsampling cap: no document is repeated more than this many times.")
+    seed: int = 0
+
+
+class TokenizerConfig(StrictModel):
+    vocab_size: int = Field(8192, ge=300, le=1_000_000, description="Byte-level BPE vocabulary size, special tokens included.")
+    min_frequency: int = Field(2, ge=1)
+    max_train_docs: int = Field(20_000, ge=1, description="Documents sampled (seeded) to train the tokenizer.")
+
+
+class PackConfig(StrictModel):
+    val_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Share of documents held out for validation (by id hash).")
+    seed: int = 0
+
+
+class CurateConfig(StrictModel):
+    """Everything the curation stage does, from raw files to packed token shards."""
+
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="Input paths or globs: .jsonl(.gz/.zst), .parquet, folders of .txt, HF datasets saved to disk (or hf:NAME).",
+    )
+    text_field: str = Field("text", description="Field holding the document text in JSONL/Parquet inputs.")
+    id_field: str = Field("id", description="Field holding the document id (generated when missing).")
+    docs_per_shard: int = Field(1000, ge=1, description="Documents per work shard (one Prefect task per shard and step).")
+    demo: DemoCorpusConfig = DemoCorpusConfig()
+    normalize: NormalizeConfig = NormalizeConfig()
+    exact_dedup: ExactDedupConfig = ExactDedupConfig()
+    near_dedup: NearDedupConfig = NearDedupConfig()
+    length: LengthConfig = LengthConfig()
+    langid: LangIdConfig = LangIdConfig()
+    encoding: EncodingConfig = EncodingConfig()
+    gopher_quality: GopherQualityConfig = GopherQualityConfig()
+    gopher_repetition: GopherRepetitionConfig = GopherRepetitionConfig()
+    c4: C4Config = C4Config()
+    fineweb: FineWebConfig = FineWebConfig()
+    quality_classifier: QualityClassifierConfig = QualityClassifierConfig()
+    pii: PIIConfig = PIIConfig()
+    mix: MixConfig = MixConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    pack: PackConfig = PackConfig()

@@ -1,0 +1,259 @@
+"""Ingest: read raw inputs, quarantine malformed records, normalize, write Parquet shards.
+
+Inputs are JSONL (plain, .gz, .zst), Parquet, folders of .txt files, and Hugging Face
+datasets (saved to disk, or `hf:NAME` when a hub is reachable). A malformed record (bad
+JSON, invalid UTF-8, missing/non-string/empty text) never crashes the run and never
+vanishes: it goes to `quarantine.jsonl` with its file, line and reason, and is counted.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import gzip
+import io
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import xxhash
+
+from data_prep.config import CurateConfig
+from data_prep.records import DOC_SCHEMA, dumps_meta, shard_path, write_rows
+from lmforge.errors import ConfigError, DataError
+from data_prep.textnorm import normalize_document
+
+log = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Paths matching the patterns, sorted within each pattern, duplicates dropped."""
+    found: list[str] = []
+    for pattern in patterns:
+        if pattern.startswith("hf:"):
+            found.append(pattern)
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        found.extend(m for m in matches if m not in found)
+    return found
+
+
+@dataclass
+class Raw:
+    """One input record before validation: where it came from and what was there."""
+
+    origin: str
+    line: int
+    data: Any = None
+    problem: str | None = None
+    raw: bytes = b""
+
+
+@dataclass
+class ShardWriter:
+    """Buffers normalized documents and flushes one Parquet shard per `docs_per_shard`."""
+
+    out_dir: Path
+    prefix: str
+    docs_per_shard: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    shards: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.docs_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        name = f"{self.prefix}-s{len(self.shards):05d}"
+        write_rows(shard_path(self.out_dir, name), self.rows, DOC_SCHEMA)
+        self.shards.append({"name": name, "num_docs": len(self.rows)})
+        self.rows = []
+
+
+def _open_binary(path: str) -> BinaryIO:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))  # type: ignore[arg-type]
+    return open(path, "rb")
+
+
+def _read_jsonl(path: str) -> Iterator[Raw]:
+    with _open_binary(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield Raw(path, number, problem=f"invalid_utf8 (byte {exc.start})", raw=line)
+                continue
+            try:
+                yield Raw(path, number, data=json.loads(text), raw=line)
+            except json.JSONDecodeError as exc:
+                yield Raw(path, number, problem=f"invalid_json ({exc.msg} at column {exc.colno})", raw=line)
+
+
+def _read_parquet(path: str) -> Iterator[Raw]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    number = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            number += 1
+            yield Raw(path, number, data=row)
+
+
+def _read_text_folder(path: str) -> Iterator[Raw]:
+    root = Path(path)
+    for number, file in enumerate(sorted(root.rglob("*.txt")), start=1):
+        data = file.read_bytes()
+        rel = str(file.relative_to(root))
+        try:
+            yield Raw(str(file), 1, data={"id": rel, "text": data.decode("utf-8"), "source": root.name}, raw=b"")
+        except UnicodeDecodeError as exc:
+            yield Raw(str(file), 1, problem=f"invalid_utf8 (byte {exc.start})", raw=data[:4096])
+
+
+def _read_hf_dataset(path: str) -> Iterator[Raw]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{path}: reading Hugging Face datasets needs the `datasets` package") from None
+    try:
+        if path.startswith("hf:"):
+            dataset = datasets.load_dataset(path[3:], split="train")
+        else:
+            dataset = datasets.load_from_disk(path)
+    except Exception as exc:  # hub unreachable, bad folder: one clear line, no traceback
+        raise DataError(f"{path}: cannot load Hugging Face dataset ({type(exc).__name__}: {exc})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
+    for number, row in enumerate(dataset, start=1):
+        yield Raw(path, number, data=row)
+
+
+def read_input(path: str) -> Iterator[Raw]:
+    """Dispatch on the input's form."""
+    if path.startswith("hf:") or (os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json"))):
+        return _read_hf_dataset(path)
+    if os.path.isdir(path) and (Path(path) / "state.json").exists():
+        return _read_hf_dataset(path)
+    if os.path.isdir(path):
+        return _read_text_folder(path)
+    if path.endswith(".parquet"):
+        return _read_parquet(path)
+    if path.endswith(JSONL_SUFFIXES) or path.endswith((".json", ".gz", ".zst")):
+        return _read_jsonl(path)
+    raise ConfigError(f"{path}: unsupported input format (use .jsonl[.gz|.zst], .parquet, a folder of .txt, or a HF dataset)")
+
+
+def normalize_url(url: str) -> str:
+    """Lowercase scheme/host, drop fragment, default ports and trailing slash: one page, one URL."""
+    parts = urlsplit(url.strip())
+    host = (parts.hostname or "").lower()
+    if parts.port and parts.port not in (80, 443):
+        host = f"{host}:{parts.port}"
+    path = parts.path.rstrip("/") or "/"
+    return urlunsplit((parts.scheme.lower() or "http", host, path, parts.query, ""))
+
+
+def validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(document, None) for a good record, (None, reason) for a bad one."""
+    if raw.problem:
+        return None, raw.problem
+    data = raw.data
+    if not isinstance(data, dict):
+        return None, f"not_an_object (got {type(data).__name__})"
+    if cfg.text_field not in data:
+        return None, f"missing_text (no field {cfg.text_field!r})"
+    text = data[cfg.text_field]
+    if not isinstance(text, str):
+        return None, f"text_not_string (got {type(text).__name__})"
+    if cfg.normalize.enabled:
+        text = normalize_document(text, cfg.normalize.unicode_form)
+    if not text.strip():
+        return None, "empty_text"
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    source = str(data.get("source") or default_source)
+    url = data.get("url") if isinstance(data.get("url"), str) and data.get("url") else None
+    doc_id = data.get(cfg.id_field)
+    return {
+        "id": str(doc_id) if doc_id not in (None, "") else f"{default_source}:{raw.line}",
+        "text": text,
+        "source": source,
+        "domain": str(meta.get("domain") or source),
+        "url": url,
+        "meta": dumps_meta(meta),
+        "text_hash": xxhash.xxh3_128_hexdigest(text.encode("utf-8")),
+        "url_norm": normalize_url(url) if url else None,
+        "n_chars": len(text),
+        "origin": f"{raw.origin}:{raw.line}",
+    }, None
+
+
+def quarantine_record(raw: Raw, reason: str) -> dict[str, Any]:
+    """What is kept of a bad record: enough to find it, see it and fix it."""
+    record: dict[str, Any] = {"file": raw.origin, "line": raw.line, "reason": reason}
+    if raw.raw:
+        record["raw"] = raw.raw.decode("utf-8", errors="replace").rstrip("\n")
+        record["raw_base64"] = base64.b64encode(raw.raw).decode()
+    else:
+        record["raw"] = repr(raw.data)[:10_000]
+    return record
+
+
+def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
+                label: str | None = None) -> tuple[list[str], dict[str, Any]]:
+    """Ingest one input into shards `f<index>-s<k>` and `quarantine/f<index>.jsonl`.
+
+    `label` is how records name their origin (default: the path), so outputs do not depend
+    on where the workspace happens to live.
+    """
+    prefix = f"f{index:04d}"
+    writer = ShardWriter(out_dir, prefix, cfg.docs_per_shard)
+    quarantined: list[dict[str, Any]] = []
+    reasons: Counter[str] = Counter()
+    domains: Counter[str] = Counter()
+    default_source = Path(path.rstrip("/")).name.split(".")[0] or "input"
+    total = 0
+    for raw in read_input(path):
+        total += 1
+        if label and raw.origin.startswith(path):
+            raw.origin = label + raw.origin[len(path):]
+        doc, problem = validate(raw, cfg, default_source)
+        if doc is None:
+            reasons[problem.split(" ")[0]] += 1  # type: ignore[union-attr]
+            quarantined.append(quarantine_record(raw, problem))  # type: ignore[arg-type]
+            continue
+        domains[doc["domain"]] += 1
+        writer.add(doc)
+    writer.flush()
+    files = [str(shard_path(out_dir, s["name"]).relative_to(out_dir)) for s in writer.shards]
+    if quarantined:
+        qpath = out_dir / "quarantine" / f"{prefix}.jsonl"
+        qpath.parent.mkdir(parents=True, exist_ok=True)
+        qpath.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in quarantined))
+        files.append(str(qpath.relative_to(out_dir)))
+    if reasons:
+        log.warning("%s: quarantined %d of %d records (%s)", path, len(quarantined), total, dict(reasons))
+    return files, {
+        "input": total,
+        "docs": total - len(quarantined),
+        "quarantined": dict(reasons),
+        "domains": dict(domains),
+        "shards": writer.shards,
+    }

@@ -1,0 +1,122 @@
+"""Reading packed token shards for training: memory-mapped, deterministic, resumable, rank-sharded.
+
+`TokenWindows` cuts every shard of a split into non-overlapping windows of `seq_len + 1`
+tokens (inputs and shifted targets) without copying: shards are `np.memmap`ed.
+
+`BatchSchedule` fixes which windows every micro-batch holds. The window order is a
+seeded permutation per epoch; global micro-batch `g` of rank `r` holds the windows at
+positions `g*M*W + r*M ... + M` of that order (M = micro-batch size, W = ranks). An
+optimizer step of global batch B therefore always covers the same B windows however B is
+split into ranks and accumulation steps. Its whole state is the next micro-batch index and
+the set of skipped indices, which checkpoints save.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+
+class TokenWindows:
+    """Random access to fixed-length token windows of one split of a pack output."""
+
+    def __init__(self, pack_dir: str | Path, split: str, seq_len: int):
+        self.pack_dir = Path(pack_dir)
+        index = json.loads((self.pack_dir / "index.json").read_text())
+        self.vocab_size: int = index["vocab_size"]
+        self.eos_id: int = index["eos_id"]
+        self.seq_len = seq_len
+        dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        self.shards = [s for s in index["splits"][split] if s["num_tokens"] > seq_len]
+        self._maps = [np.memmap(self.pack_dir / s["file"], dtype=dtype, mode="r") for s in self.shards]
+        counts = [(len(m) - 1) // seq_len for m in self._maps]
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._docs: dict[int, dict[str, list[Any]]] = {}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def locate(self, window: int) -> tuple[int, int]:
+        """(shard number, first token offset) of a window."""
+        shard = bisect.bisect_right(self._starts, window) - 1
+        return shard, int(window - self._starts[shard]) * self.seq_len
+
+    def __getitem__(self, window: int) -> np.ndarray:
+        shard, start = self.locate(window)
+        return np.asarray(self._maps[shard][start : start + self.seq_len + 1], dtype=np.int64)
+
+    def batch(self, windows: list[int]) -> np.ndarray:
+        return np.stack([self[w] for w in windows]) if windows else np.zeros((0, self.seq_len + 1), np.int64)
+
+    def describe(self, window: int) -> dict[str, Any]:
+        """Shard, token offset and the ids of the documents a window overlaps (for anomaly reports)."""
+        shard, start = self.locate(window)
+        if shard not in self._docs:
+            self._docs[shard] = pq.read_table(self.pack_dir / self.shards[shard]["docs"]).to_pydict()
+        docs = self._docs[shard]
+        end = start + self.seq_len + 1
+        first = max(bisect.bisect_right(docs["start"], start) - 1, 0)
+        ids = []
+        for i in range(first, len(docs["start"])):
+            if docs["start"][i] >= end:
+                break
+            ids.append(docs["id"][i])
+        return {"window": int(window), "shard": self.shards[shard]["shard"], "token_offset": start, "doc_ids": ids}
+
+
+@dataclass
+class BatchSchedule:
+    """Deterministic, resumable assignment of windows to (micro-batch, rank)."""
+
+    num_windows: int
+    micro_batch: int
+    world_size: int
+    rank: int
+    seed: int
+    position: int = 0
+    skipped: set[int] = field(default_factory=set)
+    _epoch: int = -1
+    _order: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_windows < self.micro_batch * self.world_size:
+            raise ValueError(
+                f"only {self.num_windows} windows of data: fewer than one micro-batch on every rank "
+                f"({self.micro_batch} x {self.world_size}); use more data or a shorter seq_len"
+            )
+
+    def _window_at(self, sequence_position: int) -> int:
+        epoch, offset = divmod(sequence_position, self.num_windows)
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._epoch = epoch
+        return int(self._order[offset])  # type: ignore[index]
+
+    def windows(self, index: int) -> list[int]:
+        """Windows of global micro-batch `index` on this rank."""
+        base = index * self.micro_batch * self.world_size + self.rank * self.micro_batch
+        return [self._window_at(base + i) for i in range(self.micro_batch)]
+
+    def next(self) -> tuple[int, list[int]]:
+        """(micro-batch index, its windows) and advance; skipped indices are passed over."""
+        while self.position in self.skipped:
+            self.position += 1
+        index = self.position
+        self.position += 1
+        return index, self.windows(index)
+
+    def epoch_of(self, index: int) -> float:
+        return index * self.micro_batch * self.world_size / self.num_windows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "skipped": sorted(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.skipped = set(int(i) for i in state.get("skipped", []))

@@ -1,0 +1,358 @@
+"""The curation stage as steps of the pipeline graph.
+
+    demo -> ingest -> minhash ----------\
+                   -> langid ------------\
+                   -> heuristics ---------> select -> tokenizer -> pack
+                   -> quality-model -> quality /
+
+Each scoring step writes per-shard attributes beside the documents; `select` is the only
+step whose key holds the thresholds, so moving a threshold re-runs selection (and what
+depends on its output) but never signatures, language ID or classifier training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_prep import demo as demo_module
+from data_prep import heuristics
+from data_prep.config import CurateConfig
+from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
+from data_prep.ingest import expand_inputs, ingest_file
+from data_prep.langid import LanguageIdentifier, default_model_path
+from data_prep.minhash import MinHasher, band_keys, candidate_pairs, exact_jaccard
+from data_prep.pack import pack_shard, token_dtype, unigram_entropy
+from data_prep.quality import QualityScorer, builtin_reference, read_reference, train_classifier
+from data_prep.records import read_columns, shard_names, shard_path, write_rows
+from data_prep.select import AttributeDirs, run_selection
+from data_prep.tokenizer import fertility, sample_groups, train_bpe
+from lmforge.configbase import pick
+from lmforge.errors import DeterministicError
+from lmforge.graph import Step, StepContext
+from lmforge.hashing import FingerprintCache, atomic_write_json, file_sha256
+
+DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
+HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
+SELECT, TOKENIZER, PACK = "curate/select", "curate/tokenizer", "curate/pack"
+
+
+def _cur(ctx_or_config: Any) -> CurateConfig:
+    config = ctx_or_config.config if isinstance(ctx_or_config, StepContext) else ctx_or_config
+    return config.curate
+
+
+def _shards(ctx: StepContext) -> list[str]:
+    return shard_names(ctx.upstream[INGEST])
+
+
+def _ingest_dir(ctx: StepContext) -> Path:
+    return ctx.upstream_dir(INGEST)
+
+
+def _write_attributes(ctx: StepContext, shard: str, columns: dict[str, list[Any]]) -> list[str]:
+    rel = f"attributes/{shard}.parquet"
+    write_rows(ctx.out_dir / rel, [dict(zip(columns, row)) for row in zip(*columns.values())],
+               pa.Table.from_pydict(columns).schema)
+    return [rel]
+
+
+# -- demo corpus --------------------------------------------------------------------------
+
+def _demo_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    return {"counts": build_demo_corpus(_cur(ctx).demo, ctx.out_dir)}
+
+
+# -- ingest -------------------------------------------------------------------------------
+
+def _input_paths(ctx: StepContext) -> list[str]:
+    cfg = _cur(ctx)
+    return expand_inputs(cfg.inputs) if cfg.inputs else [str(ctx.upstream_dir(DEMO) / "demo.jsonl")]
+
+
+def _ingest_identity(config: Any) -> dict[str, Any]:
+    cfg = config.curate
+    ident = pick(config, "curate.text_field", "curate.id_field", "curate.docs_per_shard", "curate.normalize")
+    if cfg.inputs:
+        cache = FingerprintCache(Path(config.workspace) / ".cache" / "fingerprints.json")
+        ident["input_files"] = {p: (p if p.startswith("hf:") else cache.path_fingerprint(p))
+                                for p in expand_inputs(cfg.inputs)}
+        cache.save()
+    return ident
+
+
+def _ingest_unit(ctx: StepContext, unit: str) -> tuple[list[str], dict[str, Any]]:
+    index = int(unit[1:])
+    path = _input_paths(ctx)[index]
+    inside = Path(path).resolve().is_relative_to(ctx.workspace)
+    label = str(Path(path).resolve().relative_to(ctx.workspace)) if inside else path
+    return ingest_file(path, index, _cur(ctx), ctx.out_dir, label)
+
+
+def _ingest_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    ordered = [results[u] for u in sorted(results)]
+    quarantined: Counter[str] = Counter()
+    domains: Counter[str] = Counter()
+    for r in ordered:
+        quarantined.update(r["quarantined"])
+        domains.update(r["domains"])
+    counts = {"input": sum(r["input"] for r in ordered), "docs": sum(r["docs"] for r in ordered),
+              "quarantined": sum(quarantined.values()), "quarantined_by_reason": dict(quarantined),
+              "docs_by_domain": dict(domains)}
+    return {"counts": counts, "extra": {"shards": [s for r in ordered for s in r["shards"]],
+                                        "inputs": _input_paths(ctx)}}
+
+
+# -- near-duplicates ----------------------------------------------------------------------
+
+def _hasher(cfg: CurateConfig) -> MinHasher:
+    nd = cfg.near_dedup
+    return MinHasher(num_perm=nd.num_perm, ngram=nd.ngram, seed=nd.seed)
+
+
+def _minhash_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    cfg = _cur(ctx)
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    hasher, size = _hasher(cfg), cfg.near_dedup.batch_docs
+    signatures = np.concatenate([hasher.signatures(texts[i : i + size]) for i in range(0, len(texts), size)])
+    rel = f"signatures/{shard}.npy"
+    (ctx.out_dir / "signatures").mkdir(parents=True, exist_ok=True)
+    tmp = ctx.out_dir / "signatures" / f".{shard}.tmp.npy"
+    np.save(tmp, signatures)
+    tmp.replace(ctx.out_dir / rel)
+    return [rel], {"docs": len(texts)}
+
+
+def _verify_candidates(ctx: StepContext, pairs: np.ndarray, offsets: np.ndarray) -> list[float]:
+    """Exact shingle Jaccard for every candidate pair, reading each involved shard once."""
+    shards = _shards(ctx)
+    needed = np.unique(pairs)
+    hasher, shingles = _hasher(_cur(ctx)), {}
+    for number in np.unique(np.searchsorted(offsets, needed, side="right") - 1):
+        texts = read_columns(shard_path(_ingest_dir(ctx), shards[number]), ["text"])["text"]
+        cache: dict[str, int] = {}
+        for g in needed[(needed >= offsets[number]) & (needed < offsets[number + 1])]:
+            shingles[int(g)] = hasher.shingles(texts[int(g - offsets[number])], cache)
+    return [exact_jaccard(shingles[int(a)], shingles[int(b)]) for a, b in pairs]
+
+
+def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    nd = _cur(ctx).near_dedup
+    shards = _shards(ctx)
+    offsets = np.cumsum([0] + [results[s]["docs"] for s in shards])
+    signatures = np.concatenate([np.load(ctx.out_dir / f"signatures/{s}.npy", mmap_mode="r") for s in shards])
+    pairs = candidate_pairs(band_keys(signatures, nd.bands, nd.rows))
+    similarity = _verify_candidates(ctx, pairs, offsets)
+    keep = [i for i, s in enumerate(similarity) if s >= nd.store_min_jaccard]
+    edges = pa.table({"a": pa.array(pairs[keep, 0] if keep else [], pa.int64()),
+                      "b": pa.array(pairs[keep, 1] if keep else [], pa.int64()),
+                      "jaccard": pa.array([similarity[i] for i in keep], pa.float32())})
+    pq.write_table(edges, ctx.out_dir / "edges.parquet")
+    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": len(keep),
+                       "edges_at_threshold": sum(similarity[i] >= nd.threshold for i in keep)}}
+
+
+# -- language ID, heuristics, quality -----------------------------------------------------
+
+def _langid_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    langs, scores = LanguageIdentifier(max_chars=_cur(ctx).langid.max_chars).predict(texts)
+    files = _write_attributes(ctx, shard, {"lang": langs, "lang_score": [float(s) for s in scores]})
+    return files, {"langs": dict(Counter(langs))}
+
+
+def _sum_counters(results: dict[str, Any], key: str) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for r in results.values():
+        total.update(r[key])
+    return dict(total.most_common())
+
+
+def _stat_params(cfg: CurateConfig) -> heuristics.StatParams:
+    return heuristics.StatParams.from_configs(cfg.c4, cfg.fineweb, cfg.gopher_repetition)
+
+
+def _heuristics_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    params = _stat_params(_cur(ctx))
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    rows = [heuristics.compute_stats(t, params) for t in texts]
+    columns = {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+    return _write_attributes(ctx, shard, columns), {"docs": len(rows)}
+
+
+def _heuristics_identity(config: Any) -> dict[str, Any]:
+    return {"stat_params": _stat_params(config.curate).__dict__}
+
+
+def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    qc = _cur(ctx).quality_classifier
+    rng = random.Random(qc.seed)
+    positives = list(read_reference(qc.reference)) if qc.reference else builtin_reference()
+    rng.shuffle(positives)
+    pool: list[str] = []
+    for shard in _shards(ctx):
+        cols = read_columns(shard_path(_ingest_dir(ctx), shard), ["text", "domain"])
+        pool += [t for t, d in zip(cols["text"], cols["domain"]) if not qc.negative_domains or d in qc.negative_domains]
+    negatives = rng.sample(pool, min(len(pool), qc.max_train_docs))
+    metrics = train_classifier(positives[: qc.max_train_docs], negatives, qc, ctx.out_dir / "model.bin")
+    return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
+
+
+def _quality_model_identity(config: Any) -> dict[str, Any]:
+    qc = config.curate.quality_classifier
+    ident = pick(config, *[f"curate.quality_classifier.{f}" for f in
+                           ("negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed")])
+    ident["reference_files"] = {p: file_sha256(p) for p in qc.reference} if qc.reference else "builtin:pydoc_data.topics"
+    return ident
+
+
+def _quality_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    scorer = QualityScorer(ctx.upstream_dir(QUALITY_MODEL) / "model.bin")
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    scores = scorer.score(texts)
+    return _write_attributes(ctx, shard, {"quality_score": scores}), {"mean": float(np.mean(scores)) if scores else 0.0}
+
+
+# -- selection ----------------------------------------------------------------------------
+
+def _select_upstream(config: Any) -> tuple[str, ...]:
+    cfg = config.curate
+    wanted = [INGEST]
+    if cfg.near_dedup.enabled:
+        wanted.append(MINHASH)
+    if cfg.langid.enabled:
+        wanted.append(LANGID)
+    if _heuristics_enabled(config):
+        wanted.append(HEURISTICS)
+    if cfg.quality_classifier.enabled:
+        wanted.append(QUALITY)
+    return tuple(wanted)
+
+
+def _heuristics_enabled(config: Any) -> bool:
+    return any(getattr(config.curate, section).enabled for section, _ in heuristics.ALL_RULE_FAMILIES.values())
+
+
+def _select_identity(config: Any) -> dict[str, Any]:
+    sections = ["exact_dedup", "near_dedup.enabled", "near_dedup.threshold", "length", "langid.enabled",
+                "langid.keep", "langid.min_score", "langid.skip_domains", "encoding", "gopher_quality",
+                "gopher_repetition", "c4", "fineweb", "quality_classifier.enabled", "quality_classifier.skip_domains",
+                "quality_classifier.threshold", "quality_classifier.keep_fraction", "pii", "mix"]
+    return pick(config, *[f"curate.{s}" for s in sections])
+
+
+def _select_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    up = ctx.upstream
+    dirs = AttributeDirs(
+        ingest=_ingest_dir(ctx), shards=_shards(ctx),
+        minhash=ctx.upstream_dir(MINHASH) if MINHASH in up else None,
+        langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
+        heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
+        quality=ctx.upstream_dir(QUALITY) if QUALITY in up else None,
+    )
+    outcome = run_selection(_cur(ctx), dirs, ctx.out_dir)
+    ingest_counts = up[INGEST]["counts"]
+    counts = {"input": ingest_counts["input"], "quarantined": ingest_counts["quarantined"], **outcome["counts"]}
+    if counts["kept"] + counts["removed_total"] + counts["quarantined"] != counts["input"]:
+        raise DeterministicError(f"selection lost documents: {counts}")
+    if counts["kept"] == 0:
+        raise DeterministicError("selection kept no documents; check the filters' thresholds (lmforge explain curate)")
+    return {"counts": counts, "metrics": outcome["metrics"], "extra": {"shards": dirs.shards}}
+
+
+# -- tokenizer and packing ----------------------------------------------------------------
+
+def _kept_rows(ctx: StepContext, columns: list[str]):  # type: ignore[no-untyped-def]
+    select_dir = ctx.upstream_dir(SELECT)
+    for shard in ctx.upstream[SELECT]["extra"]["shards"]:
+        yield from pq.read_table(select_dir / "kept" / f"{shard}.parquet", columns=columns).to_pylist()
+
+
+def _tokenizer_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    tc = _cur(ctx).tokenizer
+    rng = random.Random(0)
+    texts: list[str] = []
+    for seen, row in enumerate(_kept_rows(ctx, ["text"])):  # reservoir sample: bounded memory
+        if len(texts) < tc.max_train_docs:
+            texts.append(row["text"])
+        elif (j := rng.randrange(seen + 1)) < tc.max_train_docs:
+            texts[j] = row["text"]
+    info = train_bpe(texts, tc.vocab_size, tc.min_frequency, ctx.out_dir)
+    groups = sample_groups(_kept_rows(ctx, ["text", "lang", "domain"]), ("lang", "domain"), per_group=50, seed=0)
+    fert = fertility(ctx.out_dir, groups)
+    atomic_write_json(ctx.out_dir / "fertility.json", fert)
+    return {"counts": {"train_docs": len(texts), **info}, "metrics": {"fertility": fert}}
+
+
+def _pack_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    pc = _cur(ctx).pack
+    kept = ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet"
+    return pack_shard(kept, ctx.upstream_dir(TOKENIZER), ctx.out_dir, shard, pc.val_fraction, pc.seed)
+
+
+def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    info = ctx.upstream[TOKENIZER]["counts"]
+    shards = ctx.upstream[SELECT]["extra"]["shards"]
+    splits = {split: [{"shard": s, "file": f"tokens/{s}.{split}.bin", "docs": f"tokens/{s}.{split}.docs.parquet",
+                       "num_tokens": results[s]["tokens"][split]} for s in shards] for split in ("train", "val")}
+    counts = sum(np.load(ctx.out_dir / f"tokens/{s}.train.counts.npy") for s in shards)
+    domain_tokens: Counter[str] = Counter()
+    for s in shards:
+        domain_tokens.update(results[s]["domain_tokens"]["train"])
+    total = sum(domain_tokens.values()) or 1
+    index = {"dtype": token_dtype(info["vocab_size"]).name, "vocab_size": info["vocab_size"], "eos_id": info["eos_id"],
+             "pad_id": info["pad_id"], "splits": splits}
+    atomic_write_json(ctx.out_dir / "index.json", index)
+    tokens = {split: sum(x["num_tokens"] for x in splits[split]) for split in splits}
+    return {"counts": {"train_tokens": tokens["train"], "val_tokens": tokens["val"],
+                       "train_docs": sum(results[s]["docs"]["train"] for s in shards),
+                       "val_docs": sum(results[s]["docs"]["val"] for s in shards)},
+            "metrics": {"unigram_entropy_nats": unigram_entropy(np.asarray(counts)),
+                        "domain_token_share": {d: round(n / total, 4) for d, n in domain_tokens.most_common()},
+                        "mix_target": dict(_cur(ctx).mix.weights)}}
+
+
+CURATE_STEPS = [
+    Step(DEMO, 1, "Build the embedded demo corpus from text shipped in installed packages",
+         identity=lambda c: {**pick(c, "curate.demo"), "sources": demo_sources_fingerprint(c.curate.demo),
+                             "generator": file_sha256(demo_module.__file__)},
+         finalize=_demo_finalize, enabled=lambda c: not c.curate.inputs),
+    Step(INGEST, 1, "Read inputs, quarantine malformed records, normalize, shard",
+         identity=_ingest_identity, upstream=lambda c: () if c.curate.inputs else (DEMO,),
+         units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))], run_unit=_ingest_unit,
+         finalize=_ingest_finalize),
+    Step(MINHASH, 1, "MinHash signatures, LSH candidates, exact-Jaccard edges",
+         identity=lambda c: pick(c, *[f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")]),
+         upstream=lambda c: (INGEST,), units=_shards, run_unit=_minhash_unit, finalize=_minhash_finalize,
+         enabled=lambda c: c.curate.near_dedup.enabled),
+    Step(LANGID, 1, "fastText lid.176 language and confidence per document",
+         identity=lambda c: {**pick(c, "curate.langid.max_chars"), "model": file_sha256(default_model_path())},
+         upstream=lambda c: (INGEST,), units=_shards, run_unit=_langid_unit,
+         finalize=lambda ctx, r: {"counts": {"langs": _sum_counters(r, "langs")}},
+         enabled=lambda c: c.curate.langid.enabled),
+    Step(HEURISTICS, 1, "Gopher/C4/FineWeb/encoding statistics per document",
+         identity=_heuristics_identity, upstream=lambda c: (INGEST,), units=_shards, run_unit=_heuristics_unit,
+         finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
+         enabled=_heuristics_enabled),
+    Step(QUALITY_MODEL, 1, "Train the fastText quality classifier (reference vs. pool sample)",
+         identity=_quality_model_identity, upstream=lambda c: (INGEST,), finalize=_quality_model_finalize,
+         enabled=lambda c: c.curate.quality_classifier.enabled),
+    Step(QUALITY, 1, "Quality-classifier score per document",
+         identity=lambda c: {}, upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
+         finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled),
+    Step(SELECT, 1, "Apply dedup, language and quality rules; redact PII; mix domains",
+         identity=_select_identity, upstream=_select_upstream, finalize=_select_finalize),
+    Step(TOKENIZER, 1, "Train the byte-level BPE tokenizer on kept documents",
+         identity=lambda c: pick(c, "curate.tokenizer"), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize),
+    Step(PACK, 1, "Tokenize and pack kept documents into binary token shards",
+         identity=lambda c: pick(c, "curate.pack"), upstream=lambda c: (SELECT, TOKENIZER),
+         units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]), run_unit=_pack_unit,
+         finalize=_pack_finalize),
+]

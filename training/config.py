@@ -1,0 +1,114 @@
+"""Typed configuration of the pretraining stage (`pretrain:` in a preset).
+
+What the model learns from (architecture, data order, optimizer, schedule, global batch,
+steps, precision, guardrails) is cache identity. How the work is spread (ranks, ZeRO
+stage, offload, micro-batch, activation checkpointing) is not: the same global batch gives
+the same model up to floating-point reduction order, so those are runtime fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lmforge.configbase import StrictModel, runtime_field
+
+
+class ModelConfig(StrictModel):
+    """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+
+    hidden_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(688, ge=8, description="SwiGLU width (about 8/3 of hidden_size).")
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads for grouped-query attention.")
+    rope_theta: float = Field(10_000.0, gt=0)
+    tie_embeddings: bool = Field(True, description="Share input and output embeddings.")
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class OptimConfig(StrictModel):
+    """AdamW with linear warmup and cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping; 0 disables.")
+
+
+class GuardrailConfig(StrictModel):
+    """Loss-spike and NaN handling: roll back to the last good checkpoint and skip the batch."""
+
+    enabled: bool = True
+    spike_mode: Literal["ratio", "zscore"] = Field("zscore", description="How a spike is recognised.")
+    spike_ratio: float = Field(2.0, gt=1, description="ratio mode: loss above this multiple of the window mean.")
+    spike_zscore: float = Field(6.0, gt=0, description="zscore mode: loss this many standard deviations above the window mean.")
+    window: int = Field(20, ge=2, description="Recent steps the spike statistics are taken over.")
+    min_history: int = Field(10, ge=2, description="Steps of history needed before spikes are judged.")
+    lr_scale_on_spike: float = Field(1.0, gt=0, le=1, description="Multiply the learning rate by this after each rollback.")
+    max_consecutive_spikes: int = Field(3, ge=1, description="Stop (non-retryable) after this many rollbacks without progress.")
+
+
+class CheckpointConfig(StrictModel):
+    every_steps: int = Field(50, ge=1, description="Checkpoint interval; also where spike rollbacks return to.")
+    keep_last: int = runtime_field(3, description="Verified checkpoints kept; older ones are deleted.", ge=1)
+
+
+class DistributedConfig(StrictModel):
+    """How training is spread over processes; none of this changes the cache key."""
+
+    launcher: Literal["deepspeed", "torchrun"] = runtime_field("deepspeed", description="Process launcher.")
+    num_ranks: int | Literal["auto"] = runtime_field("auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
+    hostfile: str | None = runtime_field(None, description="DeepSpeed hostfile for multi-node runs.")
+    num_nodes: int = runtime_field(1, description="Nodes to use from the hostfile.", ge=1)
+    master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
+    zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field("auto", description="ZeRO stage; auto asks the planner.")
+    offload: Literal["auto", "none", "optimizer", "optimizer+params"] = runtime_field(
+        "auto", description="CPU offload; auto asks the planner."
+    )
+    micro_batch_size: int = runtime_field(8, description="Sequences per rank per forward pass.", ge=1)
+    activation_checkpointing: bool = runtime_field(False, description="Recompute activations in backward to save memory.")
+    memory_headroom: float = runtime_field(0.2, description="Fraction of device memory the planner leaves free.", ge=0, lt=1)
+
+
+class FaultInjectionConfig(StrictModel):
+    """Test hooks that make failures reproducible."""
+
+    nan_at_batches: list[int] = Field(default_factory=list, description="Global micro-batch indices whose loss is made NaN.")
+
+
+class PretrainConfig(StrictModel):
+    enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    seq_len: int = Field(256, ge=8, description="Training sequence length in tokens.")
+    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, over all ranks and accumulation.")
+    max_steps: int = Field(300, ge=1)
+    seed: int = 1234
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = bf16 on GPUs that support it, else fp32.")
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    guardrails: GuardrailConfig = GuardrailConfig()
+    fault: FaultInjectionConfig = FaultInjectionConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    eval_every: int = runtime_field(50, description="Validation interval in steps.", ge=1)
+    eval_batches: int = runtime_field(8, description="Validation micro-batches per evaluation.", ge=1)
+    log_every: int = runtime_field(10, description="Progress-log interval in steps.", ge=1)
+    resume: Literal["auto", "never"] = runtime_field(
+        "auto", description="auto resumes from the latest verified checkpoint; never wipes the output and restarts."
+    )
+    peak_tflops: float | None = runtime_field(None, description="Device peak for MFU; measured with a matmul when unset.")
+    parity_tolerance: float = runtime_field(1e-3, description="Max |logit difference| allowed between engine and export.", gt=0)
+    assumed_mfu: float = runtime_field(0.4, description="MFU the planner assumes for its time estimate.", gt=0, le=1)

@@ -1,0 +1,91 @@
+"""What we are running on: device kind, count, memory, bf16 support, and its measured peak."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Dense bf16 peak per GPU (TFLOP/s) from vendor data sheets, used when not measured.
+KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str             # "cuda" or "cpu"
+    name: str
+    count: int            # GPUs on this node; 1 for the CPU host
+    memory_bytes: int     # per GPU, or the host's RAM for CPU
+    bf16: bool
+    cores: int
+
+
+def detect_device() -> DeviceInfo:
+    import psutil
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return DeviceInfo("cuda", props.name, torch.cuda.device_count(), props.total_memory,
+                          torch.cuda.is_bf16_supported(), cores)
+    return DeviceInfo("cpu", _cpu_name(), 1, psutil.virtual_memory().total, _cpu_bf16(), cores)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _cpu_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def measure_peak_tflops(dtype_name: str = "fp32", size: int = 2048, repeats: int = 5) -> float:
+    """Best-of-N dense matmul throughput on this device (what MFU is measured against)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def peak_tflops(device: DeviceInfo, dtype_name: str, cache_dir: Path | None = None) -> float:
+    """Per-device peak: data-sheet value for known GPUs, else measured once and cached."""
+    if device.kind == "cuda":
+        for name, value in KNOWN_GPU_PEAK_TFLOPS.items():
+            if name in device.name:
+                return value if dtype_name != "fp32" else value / 2
+    cache = (cache_dir or Path.home() / ".cache" / "lmforge") / "peak_tflops.json"
+    key = f"{device.kind}:{device.name}:{device.cores}:{dtype_name}"
+    try:
+        known = json.loads(cache.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        known[key] = measure_peak_tflops(dtype_name)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=1))
+    return float(known[key])

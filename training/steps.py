@@ -1,0 +1,1 @@
+PRETRAIN_STEPS: list = []
