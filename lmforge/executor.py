@@ -127,7 +127,7 @@ def close_step(
         },
         "code_version": code_version(),
     }
-    manifest = store.finish(plan.directory, manifest)
+    manifest = store.finish(plan.directory, manifest, plan.step.bookkeeping, plan.step.digest_paths)
     store.record_use(plan.step.name, manifest)
     return manifest
 

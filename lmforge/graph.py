@@ -55,6 +55,10 @@ class Step:
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
     enabled: Callable[[Any], bool] = lambda config: True
     retries: int = 2
+    # top-level folders kept out of the manifest's file list (self-verifying state, logs)
+    bookkeeping: tuple[str, ...] = ()
+    # output path prefixes that make up the digest downstream keys see (None: all outputs)
+    digest_paths: tuple[str, ...] | None = None
 
     @property
     def stage(self) -> str:

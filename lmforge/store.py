@@ -30,12 +30,17 @@ UNITS = ".units"
 VerifyMode = Literal["checksum", "size"]
 
 
-def list_outputs(directory: Path) -> list[str]:
-    """Relative paths of all output files (hidden bookkeeping and the manifest excluded)."""
+def list_outputs(directory: Path, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Relative paths of all output files.
+
+    Hidden files, the manifest and top-level folders named in `exclude` (state that verifies
+    itself, such as training checkpoints, or logs that change on every attempt) are left out.
+    """
     found = []
     for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_root = Path(root).relative_to(directory)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                         and not (rel_root == Path(".") and d in exclude))
         for name in sorted(files):
             if name.startswith(".") or (rel_root == Path(".") and name == MANIFEST):
                 continue
@@ -50,9 +55,15 @@ def describe_files(directory: Path, rel_paths: list[str]) -> dict[str, dict[str,
     }
 
 
-def outputs_digest(outputs: dict[str, dict[str, Any]]) -> str:
-    """The fingerprint downstream keys use: a digest of file names and contents only."""
-    return digest(sorted((rel, meta["sha256"]) for rel, meta in outputs.items()), length=32)
+def outputs_digest(outputs: dict[str, dict[str, Any]], prefixes: tuple[str, ...] | None = None) -> str:
+    """The fingerprint downstream keys use: a digest of file names and contents only.
+
+    `prefixes` limits it to the deliverable (a trained model's weights, not its timing logs),
+    so downstream steps are not invalidated by bytes that carry no meaning for them.
+    """
+    chosen = [(rel, meta["sha256"]) for rel, meta in outputs.items()
+              if prefixes is None or rel.startswith(prefixes)]
+    return digest(sorted(chosen), length=32)
 
 
 def verify_files(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> str | None:
@@ -100,12 +111,14 @@ class StageStore:
         problem = verify_files(directory, manifest.get("outputs", {}), self.verify_mode)
         if problem:
             return None, f"output is damaged: {problem}"
+        manifest["dir"] = str(directory)  # where it is now, even if the workspace was moved
         return manifest, "complete and verified"
 
-    def finish(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, directory: Path, manifest: dict[str, Any], exclude: tuple[str, ...] = (),
+               digest_prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Checksum every output, add the digest, write the manifest last and atomically."""
-        outputs = describe_files(directory, list_outputs(directory))
-        manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs)}
+        outputs = describe_files(directory, list_outputs(directory, exclude))
+        manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs, digest_prefixes)}
         atomic_write_json(directory / MANIFEST, manifest)
         return manifest
 

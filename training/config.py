@@ -98,7 +98,7 @@ class PretrainConfig(StrictModel):
     global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, over all ranks and accumulation.")
     max_steps: int = Field(300, ge=1)
     seed: int = 1234
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = bf16 on GPUs that support it, else fp32.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = bf16 where the hardware has it (recent GPUs; CPUs with AVX512-BF16/AMX), else fp32.")
     checkpoint: CheckpointConfig = CheckpointConfig()
     guardrails: GuardrailConfig = GuardrailConfig()
     fault: FaultInjectionConfig = FaultInjectionConfig()

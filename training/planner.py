@@ -50,7 +50,7 @@ class Plan:
 def _precision(cfg: PretrainConfig, device: DeviceInfo) -> str:
     if cfg.precision != "auto":
         return cfg.precision
-    return "bf16" if device.kind == "cuda" and device.bf16 else "fp32"
+    return "bf16" if device.bf16 else "fp32"  # CUDA bf16, or CPU AVX512-BF16/AMX
 
 
 def memory_per_rank(params: int, cfg: PretrainConfig, precision: str, world: int, stage: int,

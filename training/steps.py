@@ -1,1 +1,100 @@
-PRETRAIN_STEPS: list = []
+"""The pretraining stage as a step of the pipeline graph.
+
+`pretrain/train` reads the packed token shards and the tokenizer of the curation stage,
+plans the parallelism, launches DeepSpeed, and leaves a Hugging Face model in `hf/`.
+Its output digest covers `hf/` only: the weights are what downstream stages consume,
+while logs, metrics and timings differ on every run. Checkpoints verify themselves and
+are kept out of the manifest's file list.
+
+A retry of this step (after a killed rank) finds the verified checkpoints in the same
+directory and resumes; it never starts over in a directory that has progress in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lmforge.configbase import pick
+from lmforge.errors import DeterministicError
+from lmforge.graph import Step, StepContext
+from lmforge.hashing import atomic_write_json
+
+log = logging.getLogger(__name__)
+PACK, TOKENIZER = "curate/pack", "curate/tokenizer"
+TRAIN = "pretrain/train"
+
+
+def _special_tokens(pack_dir: Path) -> tuple[int, dict[str, int]]:
+    index = json.loads((pack_dir / "index.json").read_text())
+    return index["vocab_size"], {"bos_id": index["eos_id"], "eos_id": index["eos_id"], "pad_id": index["pad_id"]}
+
+
+def _check_resumable(out_dir: Path, resume: str) -> None:
+    """Refuse to silently restart from step 0 where earlier progress exists but cannot be verified."""
+    from training import checkpoint
+
+    root = out_dir / "checkpoints"
+    if resume == "never":
+        for name in ("checkpoints", "tensorboard", "metrics.jsonl", "hf"):
+            target = out_dir / name
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        return
+    had_any = root.exists() and any(p.name.startswith(("step-", ".corrupt-")) for p in root.iterdir())
+    if had_any and checkpoint.latest_verified(root) is None:
+        raise DeterministicError(f"{root}: checkpoints exist but none verifies; refusing to restart from step 0 "
+                                 "(set pretrain.resume=never to start over)")
+
+
+def _next_attempt(out_dir: Path) -> int:
+    return len(list((out_dir / "logs").glob("attempt-*"))) + 1 if (out_dir / "logs").exists() else 1
+
+
+def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from training.device import detect_device, peak_tflops
+    from training.launcher import build_command, classify, exit_records, free_port, launch
+    from training.planner import format_plan, plan_parallelism
+
+    cfg, out_dir = ctx.config.pretrain, ctx.out_dir
+    pack_dir, tokenizer_dir = ctx.upstream_dir(PACK), ctx.upstream_dir(TOKENIZER)
+    vocab_size, special = _special_tokens(pack_dir)
+    device = detect_device()
+    plan = plan_parallelism(cfg, vocab_size, device)
+    per_device = cfg.peak_tflops or peak_tflops(device, plan.precision)
+    plan.budget["peak_tflops_per_device"] = round(per_device, 3)
+    log.info("%s", format_plan(plan))
+    _check_resumable(out_dir, cfg.resume)
+    attempt = _next_attempt(out_dir)
+    spec = {"config": cfg.model_dump(mode="json"), "plan": dataclasses.asdict(plan), "out_dir": str(out_dir),
+            "pack_dir": str(pack_dir), "tokenizer_dir": str(tokenizer_dir), "special": special, "attempt": attempt,
+            "peak_tflops": per_device * device.count * cfg.distributed.num_nodes}
+    atomic_write_json(out_dir / "run_spec.json", spec)
+    from training.ds_config import build_ds_config
+
+    atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
+    command = build_command(cfg.distributed.launcher, plan.num_ranks, out_dir / "run_spec.json",
+                            cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes)
+    returncode = launch(command, out_dir)
+    classify(returncode, exit_records(out_dir, attempt), plan.world_size)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    anomalies = json.loads((out_dir / "anomalies.json").read_text())
+    unigram = ctx.upstream[PACK]["metrics"].get("unigram_entropy_nats")
+    return {"counts": {"steps": summary["final_step"], "tokens": summary["tokens"], "anomalies": len(anomalies),
+                       "attempts": attempt, "params": summary["params"]},
+            "metrics": {**{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
+                        "unigram_entropy_nats": unigram},
+            "extra": {"anomalies": [{k: a[k] for k in ("step", "kind", "loss", "micro_batches", "action")} for a in anomalies],
+                      "plan": {"zero_stage": plan.zero_stage, "offload": plan.offload, "world_size": plan.world_size,
+                               "grad_accum": plan.grad_accum, "precision": plan.precision, "reasoning": plan.reasoning},
+                      "budget": plan.budget, "hf_dir": str(out_dir / "hf")}}
+
+
+PRETRAIN_STEPS = [
+    Step(TRAIN, 1, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
+         identity=lambda c: pick(c, "pretrain"), upstream=lambda c: (PACK, TOKENIZER), finalize=_train_finalize,
+         enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",)),
+]

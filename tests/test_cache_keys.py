@@ -1,0 +1,72 @@
+"""Which config fields change which step's cache key (and which change none).
+
+Each row sets one field and lists exactly the steps whose own identity changes. Steps
+downstream of those change too, through their upstream digests, but only if the upstream
+output bytes change: that is content addressing, tested in test_pipeline_local.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.executor import graph
+from lmforge.hashing import digest
+
+ALL_STEPS = ["curate/demo", "curate/ingest", "curate/minhash", "curate/langid", "curate/heuristics",
+             "curate/quality-model", "curate/quality", "curate/select", "curate/tokenizer", "curate/pack",
+             "pretrain/train"]
+
+
+def identities(overrides: list[str]) -> dict[str, str]:
+    config = load_config("tiny-cpu", overrides, "/tmp/lmforge-keys-test")
+    return {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("curate.demo.seed=8", {"curate/demo"}),
+    ("curate.docs_per_shard=500", {"curate/ingest"}),
+    ("curate.normalize.unicode_form=NFKC", {"curate/ingest"}),
+    ("curate.near_dedup.ngram=4", {"curate/minhash"}),
+    ("curate.near_dedup.bands=16", {"curate/minhash"}),
+    ("curate.near_dedup.threshold=0.7", {"curate/select"}),
+    ("curate.langid.max_chars=500", {"curate/langid"}),
+    ("curate.langid.min_score=0.5", {"curate/select"}),
+    ("curate.langid.keep=[en]", {"curate/select"}),
+    ("curate.gopher_quality.min_doc_words=30", {"curate/select"}),
+    ("curate.gopher_repetition.dup_line_frac=0.5", {"curate/select"}),
+    ("curate.fineweb.short_line_length=40", {"curate/heuristics", "curate/select"}),
+    ("curate.c4.min_words_per_line=2", {"curate/heuristics", "curate/select"}),
+    ("curate.quality_classifier.epochs=5", {"curate/quality-model"}),
+    ("curate.quality_classifier.keep_fraction=0.5", {"curate/select"}),
+    ("curate.pii.phone=false", {"curate/select"}),
+    ("curate.mix.weights={code: 1.0}", {"curate/select"}),
+    ("curate.tokenizer.vocab_size=2048", {"curate/tokenizer"}),
+    ("curate.pack.val_fraction=0.1", {"curate/pack"}),
+    ("pretrain.optim.lr=1e-3", {"pretrain/train"}),
+    ("pretrain.max_steps=10", {"pretrain/train"}),
+    ("pretrain.global_batch_size=32", {"pretrain/train"}),
+    ("pretrain.guardrails.spike_zscore=4", {"pretrain/train"}),
+    ("pretrain.checkpoint.every_steps=10", {"pretrain/train"}),
+    # how work is run, not what it produces: no key changes
+    ("runtime.workers=8", set()),
+    ("runtime.verify=size", set()),
+    ("workspace=/elsewhere", set()),
+    ("curate.near_dedup.batch_docs=64", set()),
+    ("pretrain.distributed.micro_batch_size=4", set()),
+    ("pretrain.distributed.num_ranks=4", set()),
+    ("pretrain.distributed.zero_stage=3", set()),
+    ("pretrain.distributed.activation_checkpointing=true", set()),
+    ("pretrain.checkpoint.keep_last=5", set()),
+    ("pretrain.log_every=1", set()),
+    ("pretrain.eval_every=5", set()),
+    ("pretrain.resume=never", set()),
+])
+def test_field_changes_exactly_these_steps(override: str, changed: set[str]) -> None:
+    before, after = identities([]), identities([override])
+    assert {name for name in ALL_STEPS if before[name] != after[name]} == changed
+
+
+def test_select_reads_only_enabled_attribute_steps() -> None:
+    config = load_config("tiny-cpu", ["curate.langid.enabled=false", "curate.near_dedup.enabled=false"])
+    assert graph().get("curate/select").upstream(config) == ("curate/ingest", "curate/heuristics", "curate/quality")

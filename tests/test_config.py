@@ -1,0 +1,90 @@
+"""Configuration: presets, overrides, and one-line errors that name the field and the file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.errors import ConfigError
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu", "gpu-1node", "gpu-multinode"])
+def test_presets_validate(preset: str) -> None:
+    config = load_config(preset, check_paths=False)
+    assert config.name == preset
+    assert config.pretrain.seq_len >= 256
+
+
+def test_gpu_preset_extends_tiny_and_overrides() -> None:
+    config = load_config("gpu-1node", check_paths=False)
+    assert config.pretrain.model.num_layers == 22
+    assert config.pretrain.precision == "bf16"
+    assert config.curate.near_dedup.bands == 14  # inherited default
+
+
+def test_set_overrides_parse_yaml_values() -> None:
+    config = load_config("tiny-cpu", ["pretrain.optim.lr=1e-3", "curate.langid.keep=[en,fr]",
+                                      "curate.near_dedup.enabled=false", "runtime.workers=1"])
+    assert config.pretrain.optim.lr == pytest.approx(1e-3)
+    assert config.curate.langid.keep == ["en", "fr"]
+    assert config.curate.near_dedup.enabled is False
+    assert config.runtime.workers == 1
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("curate.near_dedup.treshold=0.7", "--set curate.near_dedup.treshold=0.7: curate.near_dedup.treshold: unknown field (did you mean 'threshold'?)"),
+    ("pretrain.optim.lr=fast", "pretrain.optim.lr: Input should be a valid number"),
+    ("pretrain.model.num_heads=3", "pretrain.model: Value error, hidden_size 256 is not divisible by num_heads 3"),
+    ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
+    ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
+])
+def test_bad_values_give_one_line_naming_the_field(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny-cpu", [override])
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_key_in_a_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("extends: tiny-cpu\npretrain:\n  modle: {}\n")
+    with pytest.raises(ConfigError, match=rf"{path}: pretrain.modle: unknown field \(did you mean 'model'\?\)"):
+        load_config(str(path))
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("curate:\n  inputs: [a, b\n")
+    with pytest.raises(ConfigError, match=rf"{path}: line \d+: invalid YAML"):
+        load_config(str(path))
+
+
+def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(f"extends: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"extends: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_cli_bad_config_exits_nonzero_with_one_line_and_no_traceback() -> None:
+    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "config", "validate",
+                             "--set", "pretrain.optim.lr=abc"], capture_output=True, text=True)
+    assert result.returncode == 2
+    lines = [l for l in result.stderr.splitlines() if l.strip() and "accelerator" not in l]
+    assert lines == [lines[0]] and lines[0].startswith("config error: --set pretrain.optim.lr=abc: pretrain.optim.lr:")
+    assert "Traceback" not in result.stderr
+
+
+def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
+    from lmforge.executor import graph
+
+    switches = ["near_dedup", "langid", "quality_classifier", "gopher_quality", "gopher_repetition", "c4",
+                "fineweb", "length", "encoding", "pii", "mix", "exact_dedup", "normalize"]
+    config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
+    active = {s.name for s in graph().active(config, ["curate"])}
+    assert active == {"curate/demo", "curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}

@@ -1,0 +1,80 @@
+"""MinHash-LSH near-duplicate detection and exact/URL dedup decisions."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pydoc_data.topics
+
+from data_prep.minhash import MinHasher, UnionFind, band_keys, candidate_pairs, estimated_jaccard, exact_jaccard
+from data_prep.textnorm import jaccard, shingle_set
+
+PROSE = [t for _, t in sorted(pydoc_data.topics.topics.items()) if len(t.split()) > 300]
+
+
+def _edit(text: str, rate: float, rng: random.Random) -> str:
+    words = text.split()
+    return " ".join(rng.choice(words) if rng.random() < rate else w for w in words)
+
+
+def test_shingle_hashes_give_the_exact_jaccard_of_shingle_sets() -> None:
+    rng = random.Random(0)
+    hasher = MinHasher()
+    for base in PROSE[:5]:
+        other = _edit(base, 0.1, rng)
+        assert exact_jaccard(hasher.shingles(base), hasher.shingles(other)) == jaccard(shingle_set(base, 5), shingle_set(other, 5))
+
+
+def test_signature_agreement_estimates_jaccard() -> None:
+    rng = random.Random(1)
+    hasher = MinHasher()
+    errors = []
+    for base in PROSE[:20]:
+        other = _edit(base, 0.05, rng)
+        sig = hasher.signatures([base, other])
+        errors.append(estimated_jaccard(sig[0], sig[1]) - jaccard(shingle_set(base, 5), shingle_set(other, 5)))
+    assert abs(np.mean(errors)) < 0.03 and np.mean(np.abs(errors)) < 0.08
+
+
+def test_signatures_do_not_depend_on_batching() -> None:
+    hasher = MinHasher()
+    texts = PROSE[:6] + ["", "one two"]
+    together = hasher.signatures(texts)
+    apart = np.concatenate([hasher.signatures([t]) for t in texts])
+    assert np.array_equal(together, apart)
+    assert (together[6] == np.iinfo(np.uint64).max).all()  # empty document
+
+
+def test_lsh_finds_near_duplicates_with_high_precision_and_recall() -> None:
+    """Pairs at known edit rates: candidates + exact verification recover those with J >= 0.8."""
+    rng = random.Random(2)
+    hasher = MinHasher()
+    texts, truth = [], {}
+    for base in PROSE[:40]:
+        rate = rng.choice([0.01, 0.03, 0.05, 0.1, 0.2])
+        other = _edit(base, rate, rng)
+        texts += [base, other]
+        truth[(len(texts) - 2, len(texts) - 1)] = jaccard(shingle_set(base, 5), shingle_set(other, 5))
+    pairs = candidate_pairs(band_keys(hasher.signatures(texts), 14, 8))
+    shingles = [hasher.shingles(t) for t in texts]
+    found = {(int(a), int(b)) for a, b in pairs if exact_jaccard(shingles[a], shingles[b]) >= 0.8}
+    positives = {p for p, j in truth.items() if j >= 0.8}
+    assert positives, "the generated set must contain true near-duplicates"
+    recall = len(found & positives) / len(positives)
+    precision = len(found & positives) / max(len(found), 1)
+    assert recall >= 0.9 and precision >= 0.95
+
+
+def test_union_find_roots_at_the_lowest_index() -> None:
+    forest = UnionFind()
+    forest.union(5, 3)
+    forest.union(3, 9)
+    forest.union(7, 8)
+    assert forest.find(9) == 3 and forest.find(5) == 3 and forest.find(8) == 7
+
+
+def test_big_buckets_stay_linear() -> None:
+    keys = np.zeros((500, 1), dtype=np.uint64)  # 500 identical documents in one bucket
+    pairs = candidate_pairs(keys)
+    assert len(pairs) == 499 and (pairs[:, 0] == 0).all()

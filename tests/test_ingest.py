@@ -1,0 +1,114 @@
+"""Ingest: every input form, and bad records quarantined with file, line and reason, never lost."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data_prep.config import CurateConfig
+from data_prep.ingest import ingest_file, normalize_url
+from data_prep.records import iter_rows, shard_path
+
+GOOD = [{"id": f"doc-{i}", "text": f"Document number {i} has some words in it.", "source": "unit"} for i in range(7)]
+BAD_LINES = [
+    (b'{"id": "x", "text": "unterminated', "invalid_json"),
+    (b'{"id": "y", "text": "caf\xe9 latin-1 byte"}', "invalid_utf8"),
+    (b'{"id": "z", "body": "no text field"}', "missing_text"),
+    (b'{"id": "n", "text": 42}', "text_not_string"),
+    (b'{"id": "e", "text": "   \\n  "}', "empty_text"),
+    (b'["an", "array"]', "not_an_object"),
+]
+
+
+def _mixed_jsonl_bytes() -> tuple[bytes, dict[int, str]]:
+    lines, bad_at = [], {}
+    good = iter(GOOD)
+    for i in range(len(GOOD) + len(BAD_LINES)):
+        if i % 2 == 1 and len(bad_at) < len(BAD_LINES):
+            raw, reason = BAD_LINES[len(bad_at)]
+            lines.append(raw)
+            bad_at[i + 1] = reason
+        else:
+            lines.append(json.dumps(next(good)).encode())
+    return b"\n".join(lines) + b"\n", bad_at
+
+
+def _ingest(path: Path, tmp_path: Path, **cfg) -> tuple[list[dict], list[dict], dict]:
+    out = tmp_path / "out"
+    files, result = ingest_file(str(path), 0, CurateConfig(**cfg), out)
+    docs = [row for s in result["shards"] for row in iter_rows(shard_path(out, s["name"]))]
+    qfile = out / "quarantine" / "f0000.jsonl"
+    quarantined = [json.loads(l) for l in qfile.read_text().splitlines()] if qfile.exists() else []
+    return docs, quarantined, result
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_bad_lines_are_quarantined_and_no_good_line_is_lost(tmp_path: Path, suffix: str) -> None:
+    data, bad_at = _mixed_jsonl_bytes()
+    path = tmp_path / f"mixed{suffix}"
+    if suffix.endswith(".gz"):
+        data = gzip.compress(data)
+    elif suffix.endswith(".zst"):
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    docs, quarantined, result = _ingest(path, tmp_path, docs_per_shard=3)
+    assert [d["id"] for d in docs] == [g["id"] for g in GOOD]
+    assert {q["line"]: q["reason"].split(" ")[0] for q in quarantined} == bad_at
+    assert all(q["file"] == str(path) for q in quarantined)
+    assert result["input"] == len(GOOD) + len(BAD_LINES) == result["docs"] + sum(result["quarantined"].values())
+    assert len(result["shards"]) == 3  # 7 docs at 3 per shard
+    assert "raw_base64" in next(q for q in quarantined if q["reason"].startswith("invalid_utf8"))
+
+
+def test_parquet_text_folder_and_hf_dataset(tmp_path: Path) -> None:
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": "Parquet text one."}, {"text": None}, {"text": "Two."}]), parquet)
+    docs, quarantined, _ = _ingest(parquet, tmp_path / "p")
+    assert [d["text"] for d in docs] == ["Parquet text one.", "Two."]
+    assert quarantined[0]["line"] == 2 and quarantined[0]["reason"].startswith("text_not_string")
+    assert docs[0]["id"] == "docs:1"  # generated when missing
+
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("First file.")
+    (folder / "sub" / "b.txt").write_text("Second file.")
+    docs, _, _ = _ingest(folder, tmp_path / "t")
+    assert [(d["id"], d["source"]) for d in docs] == [("a.txt", "texts"), ("sub/b.txt", "texts")]
+
+    import datasets
+
+    saved = tmp_path / "hf"
+    datasets.Dataset.from_dict({"text": ["from a dataset", ""], "id": ["h1", "h2"]}).save_to_disk(str(saved))
+    docs, quarantined, _ = _ingest(saved, tmp_path / "h")
+    assert [d["id"] for d in docs] == ["h1"] and quarantined[0]["reason"] == "empty_text"
+
+
+def test_normalization_and_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "n.jsonl"
+    record = {"id": "n1", "text": "Cafe\u0301\u00a0au lait\x07  \r\n\r\n\r\n\r\n    indented code  ",
+              "url": "HTTPS://Example.COM:443/Page/#frag", "meta": {"domain": "web", "lang": "fr"}}
+    path.write_text(json.dumps(record) + "\n")
+    docs, _, _ = _ingest(path, tmp_path)
+    assert docs[0]["text"] == "Caf\u00e9 au lait\n\n    indented code"
+    assert docs[0]["domain"] == "web" and json.loads(docs[0]["meta"])["lang"] == "fr"
+    assert docs[0]["url_norm"] == "https://example.com/Page"
+
+
+def test_url_normalization_keeps_what_identifies_a_page() -> None:
+    assert normalize_url("http://a.org/x/?q=1#top") == normalize_url("HTTP://A.ORG/x?q=1")
+    assert normalize_url("http://a.org/x?q=1") != normalize_url("http://a.org/x?q=2")
+
+
+def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
+    from lmforge.errors import ConfigError
+
+    path = tmp_path / "data.xlsx"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match="data.xlsx: unsupported input format"):
+        ingest_file(str(path), 0, CurateConfig(), tmp_path / "o")

@@ -1,0 +1,143 @@
+"""Pretraining for real: 2 DeepSpeed CPU ranks on gloo, checkpoints, resume, guardrails, export.
+
+These start real processes (about 15-30 s each) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lmforge.executor import run_pipeline_locally
+from tests.conftest import small_config
+
+pytestmark = pytest.mark.slow
+
+
+def _metrics(manifest: dict) -> list[dict]:
+    return [json.loads(l) for l in (Path(manifest["dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted 2-rank run of the small model (also the reference for resume tests)."""
+    workspace = tmp_path_factory.mktemp("trained")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace), ["pretrain"])["pretrain/train"]
+
+
+def test_two_ranks_train_and_the_loss_falls(trained: dict) -> None:
+    rows = _metrics(trained)
+    assert [r["step"] for r in rows] == list(range(1, 161))
+    assert trained["extra"]["plan"]["world_size"] == 2
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    # below what a model that ignores context can reach: it has learnt something about order
+    assert val[-1] < trained["metrics"]["unigram_entropy_nats"] - 0.4
+    last = rows[-1]
+    assert last["grad_norm"] > 0 and last["tokens_per_s"] > 0 and 0 < last["mfu"] < 1 and last["lr"] > 0
+    assert list((Path(trained["dir"]) / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoints_are_verified_and_pruned(trained: dict) -> None:
+    from training import checkpoint
+
+    root = Path(trained["dir"]) / "checkpoints"
+    names = [p.name for p in checkpoint.list_checkpoints(root)]
+    assert names == ["step-00000160", "step-00000140", "step-00000120"]  # keep_last = 3
+    assert all(checkpoint.verify(root / n) is None for n in names)
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_export_loads_generates_and_matches_the_engine(trained: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = Path(trained["dir"]) / "hf"
+    assert (hf / "model.safetensors").exists() and (hf / "generation_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(hf))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf))
+    inputs = tokenizer("def ", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
+    assert trained["metrics"]["parity_max_abs_logit_diff"] <= 1e-3
+    assert trained["digest"]  # downstream keys follow the exported weights
+
+
+def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event) -> None:
+    """SIGKILL one training rank once the run has logged `step`."""
+    while not done.is_set():
+        for metrics in workspace.glob("pretrain/train/*/metrics.jsonl"):
+            lines = metrics.read_text().splitlines()
+            if lines and json.loads(lines[-1])["step"] >= step:
+                for proc in psutil.process_iter(["cmdline"]):
+                    cmd = " ".join(proc.info["cmdline"] or [])
+                    if "training.train_entry" in cmd and f"--local_rank={rank}" in cmd and str(workspace) in cmd:
+                        proc.send_signal(signal.SIGKILL)
+                        return
+        time.sleep(0.2)
+
+
+def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
+        curated: tuple[Path, dict], trained: dict, tmp_path: Path, prefect_server) -> None:
+    from flows.pipeline import pipeline
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 50, done), daemon=True)
+    killer.start()
+    from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
+
+    result = pipeline(preset="tiny-cpu", overrides=SMALL_CURATE + SMALL_PRETRAIN, workspace=str(workspace),
+                      stages=["pretrain"])
+    done.set()
+    step = result["steps"]["pretrain/train"]
+    manifest = json.loads((Path(step["dir"]) / "manifest.json").read_text())
+    assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
+    log = (Path(step["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-000000" in log and "resumed from step-00000000 " not in log
+    resumed, reference = _metrics(manifest), _metrics(trained)
+    assert [r["step"] for r in resumed] == list(range(1, 161))
+    assert abs(resumed[-1]["loss"] - reference[-1]["loss"]) < 1e-4
+    assert abs(manifest["metrics"]["final_val_loss"] - trained["metrics"]["final_val_loss"]) < 1e-4
+
+
+def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52]", "pretrain.max_steps=60")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
+    assert len(anomalies) == 1
+    anomaly = anomalies[0]
+    assert anomaly["kind"] == "non_finite" and anomaly["step"] == 53 and anomaly["micro_batches"] == [52]
+    assert anomaly["action"].startswith("rolled back to step-00000040")
+    assert anomaly["samples"] and all(s["doc_ids"] and s["shard"] for s in anomaly["samples"])
+    rows = _metrics(manifest)
+    assert [r["step"] for r in rows] == list(range(1, 61)) and all(r["loss"] == r["loss"] for r in rows)
+    assert manifest["counts"]["anomalies"] == 1 and manifest["extra"]["anomalies"][0]["step"] == 53
+
+
+def test_corrupted_latest_checkpoint_resumes_from_the_previous(trained: dict, tmp_path: Path) -> None:
+    workspace = Path(trained["dir"]).parents[2]
+    copy = tmp_path / "ws"
+    shutil.copytree(workspace, copy)
+    out = copy / "pretrain" / "train" / trained["key"]
+    (out / "manifest.json").unlink()  # the step is incomplete again
+    (out / "hf" / "model.safetensors").unlink()
+    engine_file = next((out / "checkpoints" / "step-00000160" / "engine").rglob("*.pt"))
+    engine_file.write_bytes(b"not a checkpoint")
+    manifest = run_pipeline_locally(small_config(copy), ["pretrain"])["pretrain/train"]
+    log = (out / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-00000140 (step 140)" in log
+    assert (out / "checkpoints" / ".corrupt-step-00000160").exists()
+    assert abs(_metrics(manifest)[-1]["loss"] - _metrics(trained)[-1]["loss"]) < 1e-4

@@ -1,0 +1,105 @@
+"""The stage store: manifests written last, verification, unit markers, digests, locks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from lmforge.store import MANIFEST, StageStore, list_outputs, outputs_digest
+
+
+def _complete(store: StageStore, step: str = "demo/step", key: str = "k1") -> Path:
+    directory = store.step_dir(step, key)
+    (directory / "sub").mkdir(parents=True)
+    (directory / "a.txt").write_text("alpha")
+    (directory / "sub" / "b.bin").write_bytes(b"\x00\x01")
+    (directory / ".hidden").write_text("bookkeeping")
+    store.finish(directory, {"key": key, "step": step, "key_components": {}})
+    return directory
+
+
+def test_finish_lists_outputs_with_checksums_and_writes_manifest_last(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    directory = _complete(store)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    assert set(manifest["outputs"]) == {"a.txt", "sub/b.bin"}
+    assert manifest["outputs"]["a.txt"]["size"] == 5
+    assert len(manifest["digest"]) == 32
+    assert store.check("demo/step", "k1")[0] is not None
+
+
+def test_missing_file_and_changed_bytes_invalidate(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    directory = _complete(store)
+    (directory / "a.txt").write_text("alphA")  # same size, different content
+    manifest, reason = store.check("demo/step", "k1")
+    assert manifest is None and "checksum of a.txt" in reason
+    assert StageStore(tmp_path, verify="size").check("demo/step", "k1")[0] is not None
+    (directory / "a.txt").write_text("alpha")
+    assert store.check("demo/step", "k1")[0] is not None
+    (directory / "sub" / "b.bin").unlink()
+    assert "missing file sub/b.bin" in store.check("demo/step", "k1")[1]
+
+
+def test_directory_without_manifest_is_partial(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    store.step_dir("demo/step", "k2").mkdir(parents=True)
+    manifest, reason = store.check("demo/step", "k2")
+    assert manifest is None and "partial" in reason
+
+
+def test_unit_markers_resume_only_intact_units(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    directory = tmp_path / "s"
+    directory.mkdir()
+    for unit in ("u0", "u1"):
+        (directory / f"{unit}.txt").write_text(unit)
+        store.mark_unit(directory, unit, [f"{unit}.txt"], {"n": 1})
+    assert store.unit_result(directory, "u0") == {"n": 1}
+    (directory / "u1.txt").write_text("corrupted")
+    assert store.unit_result(directory, "u1") is None
+    assert not (directory / ".units" / "u1.json").exists()
+
+
+def test_digest_depends_on_content_only_and_can_be_limited(tmp_path: Path) -> None:
+    a = {"hf/model.safetensors": {"sha256": "x", "size": 1}, "metrics.jsonl": {"sha256": "y", "size": 1}}
+    b = {"hf/model.safetensors": {"sha256": "x", "size": 1}, "metrics.jsonl": {"sha256": "z", "size": 1}}
+    assert outputs_digest(a) != outputs_digest(b)
+    assert outputs_digest(a, ("hf/",)) == outputs_digest(b, ("hf/",))
+
+
+def test_bookkeeping_folders_are_not_outputs(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "x").write_text("1")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "w").write_text("2")
+    assert list_outputs(tmp_path, exclude=("checkpoints",)) == ["hf/w"]
+
+
+def test_lock_makes_a_second_computation_wait(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    order: list[str] = []
+
+    def hold() -> None:
+        with store.lock("demo/step", "k"):
+            order.append("first-in")
+            time.sleep(0.5)
+            order.append("first-out")
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    time.sleep(0.1)
+    with store.lock("demo/step", "k"):
+        order.append("second-in")
+    thread.join()
+    assert order == ["first-in", "first-out", "second-in"]
+
+
+def test_latest_points_at_last_used_output(tmp_path: Path) -> None:
+    store = StageStore(tmp_path)
+    directory = _complete(store)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    store.record_use("demo/step", manifest)
+    assert store.latest("demo/step")["key"] == "k1"

@@ -1,0 +1,168 @@
+"""Pretraining pieces that need no processes: planner, DeepSpeed config, guardrails,
+checkpoint verification, launcher commands and exit classification, retry policy."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.errors import ConfigError, ParityError, TrainingDiverged, TrainingInterrupted, is_retryable
+from training import checkpoint
+from training.config import GuardrailConfig, PretrainConfig
+from training.device import DeviceInfo
+from training.ds_config import build_ds_config
+from training.guardrails import SpikeDetector
+from training.launcher import build_command, classify
+from training.planner import count_parameters, plan_parallelism
+
+GIB = 1024**3
+
+
+def gpu(memory_gib: float, count: int = 8) -> DeviceInfo:
+    return DeviceInfo("cuda", "H100", count, int(memory_gib * GIB), True, 64)
+
+
+def test_parameter_count_matches_the_built_model() -> None:
+    from training.model import build_model
+
+    cfg = PretrainConfig()
+    model = build_model(cfg.model, 4096, cfg.seq_len, {"bos_id": 0, "eos_id": 0, "pad_id": 1}, seed=0)
+    assert count_parameters(cfg.model, 4096) == sum(p.numel() for p in model.parameters())
+
+
+def test_planner_picks_the_least_sharded_strategy_that_fits() -> None:
+    """For each rung of the ladder, a GPU just big enough for it (and too small for the one before)."""
+    from training.planner import STRATEGIES, memory_per_rank
+
+    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.memory_headroom=0",
+                                    "pretrain.distributed.activation_checkpointing=true",
+                                    "pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    params = count_parameters(cfg.model, 50304)
+    totals = [sum(memory_per_rank(params, cfg, "bf16", 8, st, off, 50304)[0].values()) for st, off in STRATEGIES]
+    assert totals == sorted(totals, reverse=True)
+    for (stage, offload), total in zip(STRATEGIES, totals):
+        plan = plan_parallelism(cfg, 50304, gpu(total * 1.001))
+        assert (plan.zero_stage, plan.offload) == (stage, offload)
+        assert plan.reasoning[-1].startswith(f"chosen: ZeRO-{stage}")
+        assert sum(plan.per_rank_gib.values()) <= plan.capacity_gib
+
+
+def test_planner_reports_the_compute_budget() -> None:
+    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
+    plan = plan_parallelism(cfg, 50304, gpu(80), peak_tflops=989)
+    n, d = plan.params, cfg.max_steps * cfg.global_batch_size * cfg.seq_len
+    assert plan.budget["flops_6nd"] == 6 * n * d
+    assert plan.budget["chinchilla_optimal_tokens"] == 20 * n
+    hours = plan.budget["flops_with_attention"] / (989e12 * 8 * 0.4) / 3600
+    assert plan.budget["estimated_hours"] == pytest.approx(hours, rel=1e-3)
+
+
+def test_planner_override_and_errors() -> None:
+    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.zero_stage=3"],
+                      check_paths=False).pretrain
+    assert plan_parallelism(cfg, 50304, gpu(80)).zero_stage == 3
+    tight = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
+    with pytest.raises(ConfigError, match="no strategy fits"):
+        plan_parallelism(tight, 50304, gpu(4))
+    odd = load_config("tiny-cpu", ["pretrain.global_batch_size=10"]).pretrain
+    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x world size"):
+        plan_parallelism(odd, 4096, DeviceInfo("cpu", "cpu", 1, 16 * GIB, False, 2))
+
+
+def test_deepspeed_config_follows_the_plan() -> None:
+    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
+    plan = plan_parallelism(cfg.model_copy(update={"distributed": cfg.distributed.model_copy(
+        update={"zero_stage": 3, "offload": "optimizer"})}), 50304, gpu(80))
+    ds = build_ds_config(cfg, plan)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["train_batch_size"] == cfg.global_batch_size == 8 * 8 * ds["gradient_accumulation_steps"]
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == cfg.optim.warmup_steps
+    assert ds["gradient_clipping"] == cfg.optim.grad_clip
+    small = plan_parallelism(cfg, 50304, gpu(80))
+    assert build_ds_config(cfg, small)["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_spike_detector() -> None:
+    detector = SpikeDetector(GuardrailConfig(min_history=5, window=10, spike_zscore=4))
+    for loss in [3.0, 3.1, 2.9, 3.0, 3.05]:
+        assert detector.judge(loss) is None
+        detector.accept(loss)
+    assert detector.judge(float("nan")) == "non_finite"
+    assert detector.judge(float("inf")) == "non_finite"
+    assert detector.judge(3.2) is None
+    assert detector.judge(6.0) == "spike"
+    ratio = SpikeDetector(GuardrailConfig(spike_mode="ratio", spike_ratio=1.5, min_history=2))
+    ratio.accept(2.0), ratio.accept(2.0)
+    assert ratio.judge(2.9) is None and ratio.judge(3.1) == "spike"
+    assert [detector.record_anomaly(s) for s in (10, 11, 12, 100)] == [1, 2, 3, 1]
+    restored = SpikeDetector(detector.cfg)
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    assert list(restored.history) == list(detector.history) and restored.consecutive == 1
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    directory = checkpoint.step_dir(root, step)
+    (directory / "engine").mkdir(parents=True)
+    (directory / "engine" / "w.pt").write_bytes(bytes([step % 256]) * 100)
+    (directory / "trainer.json").write_text(json.dumps({"step": step}))
+    from lmforge.hashing import file_sha256
+
+    files = ["engine/w.pt", "trainer.json"]
+    (directory / checkpoint.CHECKSUMS).write_text(json.dumps({f: file_sha256(directory / f) for f in files}))
+    return directory
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, 10)
+    latest = _fake_checkpoint(tmp_path, 20)
+    (latest / "engine" / "w.pt").write_bytes(b"\xff" * 100)
+    assert checkpoint.verify(latest) == "checksum mismatch in engine/w.pt"
+    assert checkpoint.latest_verified(tmp_path).name == "step-00000010"
+    assert (tmp_path / ".corrupt-step-00000020").exists()  # set aside for inspection, never loaded
+
+
+def test_rng_state_round_trips_through_json() -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = json.loads(json.dumps(checkpoint.rng_state()))
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_launch_commands() -> None:
+    command = build_command("deepspeed", 2, Path("/w/spec.json"), 29555)
+    assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert "--num_gpus" in command and command[command.index("--num_gpus") + 1] == "2"
+    assert command[-4:] == ["--module", "training.train_entry", "--spec", "/w/spec.json"]
+    multi = build_command("deepspeed", 8, Path("s"), 1, hostfile="/etc/hosts.ds", num_nodes=4)
+    assert multi[multi.index("--hostfile") + 1] == "/etc/hosts.ds" and multi[multi.index("--num_nodes") + 1] == "4"
+    assert "--nproc_per_node=2" in build_command("torchrun", 2, Path("s"), 1)
+
+
+def test_exit_classification_separates_retryable_from_deterministic() -> None:
+    ok = [{"rank": 0, "status": "ok"}, {"rank": 1, "status": "ok"}]
+    classify(0, ok, 2)
+    with pytest.raises(TrainingInterrupted, match="1 rank\\(s\\) died without a record"):
+        classify(247, [{"rank": 0, "status": "crash", "message": "gloo: Connection reset by peer"}], 2)
+    with pytest.raises(TrainingDiverged):
+        classify(3, [{"rank": 0, "status": "diverged", "message": "4 anomalies"}, {"rank": 1, "status": "diverged", "message": ""}], 2)
+    with pytest.raises(ParityError):
+        classify(4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
+    with pytest.raises(ConfigError):
+        classify(2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
+
+
+def test_retry_policy() -> None:
+    assert is_retryable(TrainingInterrupted("killed")) and is_retryable(OSError("disk"))
+    assert not is_retryable(ConfigError("x")) and not is_retryable(TrainingDiverged("x"))
+    assert not is_retryable(ParityError("x")) and not is_retryable(ValueError("x"))
+    assert math.isclose(1.0, 1.0)

@@ -1,0 +1,71 @@
+"""Consolidate the trained weights into a Hugging Face model directory and check parity.
+
+The directory holds safetensors weights, config, generation config and the curation
+tokenizer, so `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`
+and vLLM load it directly. Parity: the exported model, reloaded from disk, must reproduce
+the training engine's logits on a fixed validation batch within a tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from training.model import llama_config
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def consolidated_state(engine: Any, zero_stage: int) -> dict[str, Any] | None:
+    """Full state dict on rank 0 (collective under ZeRO-3), None elsewhere."""
+    import torch.distributed as dist
+
+    if zero_stage == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()} if dist.get_rank() == 0 else None
+
+
+def save_hf(state: dict[str, Any], trainer_cfg: Any, vocab_size: int, special: dict[str, int],
+            tokenizer_dir: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
+    dtype = next(iter(state.values())).dtype
+    config.dtype = str(dtype).removeprefix("torch.")
+    model = LlamaForCausalLM(config).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (trainer_cfg.model.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"export: state dict mismatch (missing {missing}, unexpected {unexpected})")
+    model.generation_config = GenerationConfig(bos_token_id=special["bos_id"], eos_token_id=special["eos_id"],
+                                               pad_token_id=special["pad_id"], max_length=trainer_cfg.seq_len)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy2(tokenizer_dir / name, out_dir / name)
+    del model
+    torch.set_grad_enabled(True)
+
+
+def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
+    """Max |logit difference| between the engine and the exported model on `batch` (rank 0 value)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    engine.eval()
+    with torch.no_grad():
+        reference = engine(input_ids=batch).logits.float().cpu()
+    engine.train()
+    if dist.get_rank() != 0:
+        return 0.0
+    exported = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype="auto")
+    exported.eval()
+    with torch.no_grad():
+        logits = exported(input_ids=batch.cpu()).logits.float()
+    return float((logits - reference).abs().max())

@@ -1,0 +1,98 @@
+"""Start distributed training as a subprocess and turn its ending into the right error.
+
+The command is explicit (`deepspeed --num_gpus N [--hostfile F --num_nodes K] --module
+training.train_entry --spec SPEC`, or torchrun). It runs in its own process group, so
+cancelling the stage stops every rank (the deepspeed launcher alone leaves orphans on
+SIGTERM). Rank-0 output is streamed line by line into the `training.launcher` logger,
+which reaches the Prefect run log.
+
+After exit, the per-rank exit records decide what happened: a deterministic failure
+(config error, divergence, parity) is non-retryable; a rank that died without a record
+(SIGKILL, OOM killer, preemption) or a communication error caused by a dead peer is a
+`TrainingInterrupted`, which the Prefect retry turns into a resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import ConfigError, ParityError, TrainingDiverged, TrainingInterrupted
+
+log = logging.getLogger(__name__)
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+NOISE = ("Setting accelerator to CPU", "get learning rate from scheduler before it has started")
+NON_RETRYABLE = {"config_error": ConfigError, "diverged": TrainingDiverged, "parity_failed": ParityError}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_command(launcher: str, num_ranks: int, spec_path: Path, master_port: int,
+                  hostfile: str | None = None, num_nodes: int = 1) -> list[str]:
+    module = ["training.train_entry", "--spec", str(spec_path)]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_ranks}",
+                f"--master_port={master_port}", "-m", *module]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
+    if hostfile:
+        command += ["--hostfile", hostfile, "--num_nodes", str(num_nodes)]
+    return command + ["--num_gpus", str(num_ranks), "--module", *module]
+
+
+def exit_records(out_dir: Path, attempt: int) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted((out_dir / "logs" / f"attempt-{attempt}").glob("exit-rank*.json")):
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+def classify(returncode: int, records: list[dict[str, Any]], world_size: int) -> None:
+    """Raise the error that matches how the run ended (nothing on success)."""
+    statuses = {r["status"] for r in records}
+    if returncode == 0 and statuses == {"ok"} and len(records) == world_size:
+        return
+    for record in records:
+        if record["status"] in NON_RETRYABLE:
+            raise NON_RETRYABLE[record["status"]](f"rank {record['rank']}: {record['message']}")
+    missing = world_size - len(records)
+    raise TrainingInterrupted(
+        f"training exited with code {returncode}; {missing} rank(s) died without a record"
+        + (f", others reported {sorted(statuses)}" if statuses else "")
+        + "; the next attempt resumes from the latest verified checkpoint"
+    )
+
+
+def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None) -> int:
+    """Run the launcher in its own process group, streaming its output into our log."""
+    log.info("launching: %s", " ".join(command))
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    full_env = {**os.environ, **QUIET_ENV, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, full_env.get("PYTHONPATH", "")) if p)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               env=full_env, cwd=out_dir, start_new_session=True)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            line = line.rstrip()
+            if line and not any(noise in line for noise in NOISE):
+                log.info("%s", line)
+        return process.wait()
+    except BaseException:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        raise

@@ -1,0 +1,292 @@
+"""The training loop that runs inside every DeepSpeed rank.
+
+One optimizer step = `grad_accum` micro-batches on every rank. Each micro-batch loss is
+averaged over ranks before its backward pass, so every rank takes the same decision:
+a non-finite loss, or a step loss that the spike detector flags, triggers a rollback to
+the last verified checkpoint with the offending micro-batches added to the skip set (and
+optionally a lower learning rate). The rollback rebuilds the engine before loading, so no
+half-accumulated gradient or DeepSpeed counter survives from the aborted step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from data_prep.reader import BatchSchedule, TokenWindows
+from lmforge.errors import TrainingDiverged
+from training import checkpoint
+from training.config import PretrainConfig
+from training.ds_config import build_ds_config
+from training.guardrails import SpikeDetector
+from training.metrics import MetricsWriter, flops_per_token, memory_mb
+from training.model import build_model
+from training.planner import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Anomaly:
+    kind: str
+    step: int
+    batches: list[int]
+    loss: float
+    window_mean: float | None
+
+
+class Trainer:
+    """Owns the engine, data schedule, guardrails and checkpoints of one rank."""
+
+    def __init__(self, cfg: PretrainConfig, plan: Plan, pack_dir: Path, out_dir: Path, special: dict[str, int],
+                 rank: int, world: int, peak_tflops: float | None):
+        import torch
+
+        self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
+        self.out_dir, self.special = out_dir, special
+        self.train_data = TokenWindows(pack_dir, "train", cfg.seq_len)
+        self.val_data = TokenWindows(pack_dir, "val", cfg.seq_len)
+        self.vocab_size = self.train_data.vocab_size
+        micro = cfg.distributed.micro_batch_size
+        self.schedule = BatchSchedule(len(self.train_data), micro, world, rank, cfg.seed)
+        self.val_schedule = (BatchSchedule(len(self.val_data), micro, world, rank, cfg.seed + 1)
+                             if len(self.val_data) >= micro * world else None)
+        self.detector = SpikeDetector(cfg.guardrails)
+        self.ckpt_root = out_dir / "checkpoints"
+        self.step, self.tokens, self.lr_scale, self.grad_norm = 0, 0, 1.0, float("nan")
+        self.anomalies: list[dict[str, Any]] = []
+        self.params = 0
+        self.engine = self._build_engine()
+        self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len)
+        self.peak_flops = (peak_tflops or 0.0) * 1e12
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    # -- engine ----------------------------------------------------------------------------
+
+    def _build_engine(self) -> Any:
+        import deepspeed
+
+        model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
+        self.params = sum(p.numel() for p in model.parameters())
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups,
+                                          config=build_ds_config(self.cfg, self.plan))
+        self._apply_lr_scale(engine)
+        return engine
+
+    def _apply_lr_scale(self, engine: Any) -> None:
+        scheduler = engine.lr_scheduler
+        if scheduler is not None and hasattr(scheduler, "org_lrs"):
+            scheduler.org_lrs = [self.cfg.optim.lr * self.lr_scale for _ in scheduler.org_lrs]
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def _mean_over_ranks(self, value: Any) -> float:
+        import torch
+        import torch.distributed as dist
+
+        tensor = value.detach().float().reshape(1).clone()
+        dist.all_reduce(tensor)
+        return float(tensor.item()) / self.world
+
+    # -- state -----------------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "lr_scale": self.lr_scale,
+                "detector": self.detector.state_dict(), "anomalies": self.anomalies}
+
+    def save_checkpoint(self) -> Path:
+        rank_state = {"rng": checkpoint.rng_state(), "schedule": self.schedule.state_dict()}
+        path = checkpoint.save(self.engine, self.ckpt_root, self.step, self.trainer_state(), rank_state,
+                               self.rank, self.cfg.checkpoint.keep_last, self._barrier)
+        log.info("checkpoint step %d saved and verified: %s", self.step, path)
+        return path
+
+    def restore(self, directory: Path, after_anomaly: bool = False) -> None:
+        trainer, own = checkpoint.load(self.engine, directory, self.rank)
+        skipped = set(self.schedule.skipped)
+        self.step, self.tokens = trainer["step"], trainer["tokens"]
+        self.detector.load_state_dict(trainer["detector"], keep_anomaly_count=after_anomaly)
+        self.schedule.load_state_dict(own["schedule"])
+        checkpoint.set_rng_state(own["rng"])
+        if after_anomaly:
+            self.schedule.skipped |= skipped
+        else:
+            self.lr_scale = trainer["lr_scale"]
+            self.anomalies = trainer["anomalies"]
+        self._apply_lr_scale(self.engine)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def micro_loss(self, windows: list[int], data: TokenWindows) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        batch = torch.from_numpy(data.batch(windows)).to(self.device)
+        logits = self.engine(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def train_step(self) -> Anomaly | float:
+        """Run one optimizer step; return its loss, or the anomaly that stopped it."""
+        losses: list[float] = []
+        indices: list[int] = []
+        for micro in range(self.plan.grad_accum):
+            index, windows = self.schedule.next()
+            indices.append(index)
+            loss = self.micro_loss(windows, self.train_data)
+            if index in self.cfg.fault.nan_at_batches:
+                loss = loss * float("nan")  # test hook: a batch that produces NaN
+            losses.append(self._mean_over_ranks(loss))
+            if not math.isfinite(losses[-1]):
+                return Anomaly("non_finite", self.step + 1, [index], losses[-1], self._window_mean())
+            if micro == self.plan.grad_accum - 1:
+                step_loss = sum(losses) / len(losses)
+                if self.detector.judge(step_loss) == "spike":
+                    return Anomaly("spike", self.step + 1, indices, step_loss, self._window_mean())
+            self.engine.backward(loss)
+            if micro == self.plan.grad_accum - 1 and self.plan.zero_stage == 0:
+                self.grad_norm = self._replicated_grad_norm()
+            self.engine.step()
+        if self.plan.zero_stage > 0:
+            self.grad_norm = _float(self.engine.get_global_grad_norm())
+        step_loss = sum(losses) / len(losses)
+        self.detector.accept(step_loss)
+        self.step += 1
+        self.tokens += self.cfg.global_batch_size * self.cfg.seq_len
+        return step_loss
+
+    def _replicated_grad_norm(self) -> float:
+        """Pre-clipping gradient norm under ZeRO-0, where DeepSpeed clips without reporting it.
+
+        Gradients are already averaged over ranks at the accumulation boundary, so the local
+        norm is the global one.
+        """
+        import torch
+
+        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else float("nan")
+
+    def _window_mean(self) -> float | None:
+        history = list(self.detector.history)
+        return sum(history) / len(history) if history else None
+
+    def handle_anomaly(self, anomaly: Anomaly) -> None:
+        """Record, roll back to the last verified checkpoint, skip the batches, maybe lower the LR."""
+        count = self.detector.record_anomaly(anomaly.step)
+        latest = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
+        latest = self._broadcast(latest)
+        record = {"step": anomaly.step, "kind": anomaly.kind, "loss": anomaly.loss, "window_mean": anomaly.window_mean,
+                  "grad_norm_before": self.grad_norm,
+                  "micro_batches": anomaly.batches, "samples": self._describe(anomaly.batches),
+                  "action": f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
+                            f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}",
+                  "consecutive": count}
+        self.anomalies.append(record)
+        log.warning("step %d: %s loss %.4g (recent mean %s); %s", anomaly.step, anomaly.kind, anomaly.loss,
+                    f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a", record["action"])
+        if count > self.cfg.guardrails.max_consecutive_spikes:
+            raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); stopping")
+        self.schedule.skipped |= set(anomaly.batches)
+        self.lr_scale *= self.cfg.guardrails.lr_scale_on_spike
+        del self.engine
+        self.engine = self._build_engine()
+        if latest is None:
+            raise TrainingDiverged("anomaly before the first checkpoint was written")
+        self.restore(latest, after_anomaly=True)
+
+    def _broadcast(self, value: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _describe(self, batches: list[int]) -> list[dict[str, Any]]:
+        """Every window of the given global micro-batches, on all ranks, with shard and document ids."""
+        micro, world = self.cfg.distributed.micro_batch_size, self.world
+        described = []
+        for index in batches:
+            for offset in range(micro * world):
+                window = self.schedule._window_at(index * micro * world + offset)
+                described.append(self.train_data.describe(window))
+        return described
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    def evaluate(self) -> float | None:
+        import torch
+
+        if self.val_schedule is None:
+            return None
+        self.engine.eval()
+        total = 0.0
+        with torch.no_grad():
+            for index in range(self.cfg.eval_batches):
+                total += self._mean_over_ranks(self.micro_loss(self.val_schedule.windows(index), self.val_data))
+        self.engine.train()
+        return total / self.cfg.eval_batches
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        resume = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
+        resume = self._broadcast(resume)
+        if resume is not None:
+            self.restore(resume)
+            log.info("resumed from %s (step %d)", resume.name, self.step)
+        else:
+            self.save_checkpoint()
+        metrics = MetricsWriter(self.out_dir, self.step, enabled=self.rank == 0)
+        started_step, started = self.step, time.perf_counter()
+        throughput: list[float] = []
+        last_val = None
+        while self.step < self.cfg.max_steps:
+            t0 = time.perf_counter()
+            outcome = self.train_step()
+            if isinstance(outcome, Anomaly):
+                self.handle_anomaly(outcome)
+                metrics.rewind(self.step)
+                continue
+            seconds = time.perf_counter() - t0
+            tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_len / seconds
+            if self.step > started_step + 2:
+                throughput.append(tokens_per_s)
+            values = {"loss": outcome, "lr": _float(self.engine.get_lr()[0]), "tokens_per_s": tokens_per_s,
+                      "grad_norm": self.grad_norm, "mem_mb": memory_mb(),
+                      "tokens": self.tokens}
+            if self.peak_flops:
+                values["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
+            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
+                last_val = self.evaluate()
+                if last_val is not None:
+                    values.update({"val_loss": last_val, "val_ppl": math.exp(min(last_val, 50))})
+            metrics.log(self.step, values)
+            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+                log.info("step %d/%d loss %.4f%s lr %.2e %.0f tok/s%s", self.step, self.cfg.max_steps, outcome,
+                         f" val {last_val:.4f}" if "val_loss" in values else "", values["lr"], tokens_per_s,
+                         f" mfu {values['mfu']:.2%}" if "mfu" in values else "")
+            if self.step % self.cfg.checkpoint.every_steps == 0 or self.step == self.cfg.max_steps:
+                self.save_checkpoint()
+        metrics.close()
+        mean_tps = sum(throughput) / len(throughput) if throughput else None
+        return {"final_step": self.step, "tokens": self.tokens, "final_val_loss": last_val,
+                "tokens_per_s": mean_tps, "wall_s": time.perf_counter() - started,
+                "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
+                "params": self.params, "anomalies": len(self.anomalies)}
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")

@@ -1,0 +1,68 @@
+"""Training metrics: FLOPs per token, MFU, memory, and where they are written.
+
+Rank 0 writes one JSON line per logged step to `metrics.jsonl` and the same scalars to
+TensorBoard event files under `tensorboard/`. On resume both are cut back to the resumed
+step, so a retried run's curves have no duplicate or orphaned points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from training.config import ModelConfig
+
+
+def flops_per_token(params: int, model: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the dense matmuls plus attention scores (fwd+bwd)."""
+    return 6 * params + 12 * model.num_layers * model.hidden_size * seq_len
+
+
+def memory_mb() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard, rank 0 only."""
+
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.out_dir = out_dir
+        self.path = out_dir / "metrics.jsonl"
+        self._tb = None
+        self.rewind(resume_step)
+
+    def rewind(self, step: int) -> None:
+        """Forget everything logged after `step` (a resume or a rollback goes back there)."""
+        if not self.enabled:
+            return
+        if self.path.exists():
+            kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
+            self.path.write_text("".join(l + "\n" for l in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.close()
+        self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=step + 1 if step else None)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **values}) + "\n")
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                self._tb.add_scalar(key.replace(".", "/"), value, step)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
