@@ -12,7 +12,7 @@ from tasks.artifacts import publish_curation, publish_stage
 
 @flow(name="curate", flow_run_name="curate-{config.name}", log_prints=True)
 def curate_flow(config: Any, manifests: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    results, hits = run_stage_steps("curate", config, manifests or {})
-    publish_stage("curate", results, hits)
+    results, status = run_stage_steps("curate", config, manifests or {})
+    publish_stage("curate", results, status)
     publish_curation(results)
-    return {"manifests": results, "hits": hits}
+    return {"manifests": results, "status": status}

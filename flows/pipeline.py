@@ -35,14 +35,15 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, works
         config.stages = stages  # type: ignore[assignment]
     needed = {step.stage for step in graph().active(config, config.stages)}
     manifests: dict[str, dict[str, Any]] = {}
-    hits: dict[str, bool] = {}
+    status: dict[str, str] = {}
     for stage, stage_flow in STAGE_FLOWS.items():
         if stage in needed:
             outcome = stage_flow(config, manifests)
             manifests.update(outcome["manifests"])
-            hits.update(outcome["hits"])
-    publish_lineage(manifests, hits)
-    get_run_logger().info("%d steps: %d cached, %d computed", len(hits), sum(hits.values()),
-                          len(hits) - sum(hits.values()))
-    return {"workspace": config.workspace, "steps": {name: {"key": m["key"], "dir": m["dir"], "cache_hit": hits[name],
-                                                            "counts": m["counts"]} for name, m in manifests.items()}}
+            status.update(outcome["status"])
+    publish_lineage(manifests, status)
+    computed = sum(s == "computed" for s in status.values())
+    get_run_logger().info("%d steps: %d cache hits, %d computed", len(status), len(status) - computed, computed)
+    return {"workspace": config.workspace,
+            "steps": {name: {"key": m["key"], "dir": m["dir"], "status": status[name], "counts": m["counts"]}
+                      for name, m in manifests.items()}}

@@ -12,8 +12,8 @@ from tasks.artifacts import publish_pretrain, publish_stage
 
 @flow(name="pretrain", flow_run_name="pretrain-{config.name}", log_prints=True)
 def pretrain_flow(config: Any, manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    results, hits = run_stage_steps("pretrain", config, manifests)
-    publish_stage("pretrain", results, hits)
+    results, status = run_stage_steps("pretrain", config, manifests)
+    publish_stage("pretrain", results, status)
     if "pretrain/train" in results:
         publish_pretrain(results["pretrain/train"])
-    return {"manifests": results, "hits": hits}
+    return {"manifests": results, "status": status}

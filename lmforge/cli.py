@@ -94,9 +94,8 @@ def _print_summary(steps: dict[str, dict[str, Any]], workspace: str, seconds: fl
     width = max(len(n) for n in steps)
     print(f"\n{'step'.ljust(width)}  {'status':9}  {'key':16}  output")
     for name, info in steps.items():
-        status = "cached" if info["cache_hit"] else "computed"
-        print(f"{name.ljust(width)}  {status:9}  {info['key']:16}  {info['dir']}")
-    hits = sum(i["cache_hit"] for i in steps.values())
+        print(f"{name.ljust(width)}  {info['status']:9}  {info['key']:16}  {info['dir']}")
+    hits = sum(i["status"] != "computed" for i in steps.values())
     print(f"\n{len(steps)} steps, {hits} cache hits, {len(steps) - hits} computed, {seconds:.1f}s")
     print(f"results: {os.path.abspath(workspace)}")
     if "pretrain/train" in steps:
@@ -115,7 +114,8 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
 
         logging.basicConfig(level=config.runtime.log_level, format="%(asctime)s %(name)s %(message)s")
         manifests = run_pipeline_locally(config, stages or config.stages)
-        steps = {n: {"key": m["key"], "dir": m["dir"], "cache_hit": m["timings"]["finished_at"] < started}
+        steps = {n: {"key": m["key"], "dir": m["dir"],
+                     "status": "reused" if m["timings"]["finished_at"] < started else "computed"}
                  for n, m in manifests.items()}
         _print_summary(steps, config.workspace, time.time() - started, None)
         return 0

@@ -13,12 +13,12 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 
-def _status(manifest: dict[str, Any], hit: bool) -> str:
-    return "cached" if hit else f"computed in {manifest['timings']['seconds']:.1f}s"
+def _status(manifest: dict[str, Any], status: str) -> str:
+    return f"computed in {manifest['timings']['seconds']:.1f}s" if status == "computed" else status
 
 
-def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], hits: dict[str, bool]) -> None:
-    rows = [{"step": name, "status": _status(m, hits[name]), "key": m["key"], "output": m["dir"]}
+def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> None:
+    rows = [{"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m["dir"]}
             for name, m in manifests.items() if m["stage"] == stage]
     if not rows:
         return
@@ -59,11 +59,11 @@ def publish_pretrain(manifest: dict[str, Any]) -> None:
                               description="loss spikes / non-finite losses: rolled back and skipped")
 
 
-def publish_lineage(manifests: dict[str, dict[str, Any]], hits: dict[str, bool]) -> str:
+def publish_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> str:
     lines = ["# lmforge lineage", "", "| step | key | reads | output digest | status |", "|---|---|---|---|---|"]
     for name, m in manifests.items():
         reads = ", ".join(f"{u}@{v['key'][:8]}" for u, v in m["inputs"].items()) or "raw inputs"
-        lines.append(f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, hits[name])} |")
+        lines.append(f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} |")
     markdown = "\n".join(lines)
     create_markdown_artifact(key="pipeline-lineage", markdown=markdown,
                              description="content addresses from raw text to model")

@@ -151,6 +151,7 @@ def test_launch_commands() -> None:
 def test_exit_classification_separates_retryable_from_deterministic() -> None:
     ok = [{"rank": 0, "status": "ok"}, {"rank": 1, "status": "ok"}]
     classify(0, ok, 2)
+    classify(250, ok, 2)  # a crash in interpreter teardown after every rank recorded success
     with pytest.raises(TrainingInterrupted, match="1 rank\\(s\\) died without a record"):
         classify(247, [{"rank": 0, "status": "crash", "message": "gloo: Connection reset by peer"}], 2)
     with pytest.raises(TrainingDiverged):

@@ -118,7 +118,19 @@ def main() -> int:
     (exit_dir / f"exit-rank{rank}.json").write_text(json.dumps(record))
     if status != "ok":
         logging.getLogger("training").error("rank %d: %s: %s", rank, status, message)
+    _shutdown_distributed()
     return EXIT_CODES[status]
+
+
+def _shutdown_distributed() -> None:
+    """Tear the process group down explicitly: left to interpreter exit, gloo's threads can abort."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - peers may already be gone; the outcome is recorded
+        pass
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Tokens/s of lmforge's DeepSpeed training step against a plain PyTorch loop, in one process.
+
+Both train the same model (same config, seed and initial weights) on the same batches,
+with the same dtype, thread count, AdamW settings, gradient clipping and LR schedule.
+The lmforge side is the real `training.loop.Trainer.train_step` on a DeepSpeed engine
+(world size 1, ZeRO-0 as the planner picks for this size), including its per-step loss
+all-reduce, spike detection and gradient-norm bookkeeping.
+
+    .venv/bin/python benchmarks/pretrain.py [--steps 30] [--preset tiny-cpu] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def synthetic_pack(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> Path:
+    """A pack output with Zipf-distributed random tokens (the content does not matter for speed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    (directory / "tokens").mkdir(parents=True)
+    for split, n in (("train", tokens), ("val", tokens // 10)):
+        stream = np.minimum(rng.zipf(1.2, n), vocab_size - 1).astype("<u2")
+        stream.tofile(directory / "tokens" / f"s.{split}.bin")
+        pq.write_table(pa.table({"id": ["synthetic"], "domain": ["x"], "start": [0], "length": [n]}),
+                       directory / "tokens" / f"s.{split}.docs.parquet")
+    index = {"dtype": "uint16", "vocab_size": vocab_size, "eos_id": 0, "pad_id": 1,
+             "splits": {s: [{"shard": "s", "file": f"tokens/s.{s}.bin", "docs": f"tokens/s.{s}.docs.parquet",
+                             "num_tokens": n}] for s, n in (("train", tokens), ("val", tokens // 10))}}
+    (directory / "index.json").write_text(json.dumps(index))
+    return directory
+
+
+def plain_loop(cfg, plan, trainer, steps: int) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    """The same training, written as the textbook PyTorch loop."""
+    import torch
+    import torch.nn.functional as F
+
+    from data_prep.reader import BatchSchedule
+    from training.model import build_model
+
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    model = build_model(cfg.model, trainer.vocab_size, cfg.seq_len, trainer.special, cfg.seed).to(dtype)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr,
+                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    schedule = BatchSchedule(len(trainer.train_data), cfg.distributed.micro_batch_size, 1, 0, cfg.seed)
+    losses, timings = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        for _ in range(plan.grad_accum):
+            _, windows = schedule.next()
+            batch = torch.from_numpy(trainer.train_data.batch(windows))
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            (loss / plan.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        timings.append(time.perf_counter() - start)
+    return _steady(timings), losses
+
+
+def _steady(timings: list[float]) -> float:
+    """Median step time after the first few (allocator and kernel warm-up)."""
+    return float(np.median(timings[3:] if len(timings) > 6 else timings))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29613"),
+                       "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+    import torch
+
+    from lmforge.config import load_config
+    from training.device import detect_device, peak_tflops
+    from training.loop import Trainer
+    from training.metrics import flops_per_token
+    from training.planner import plan_parallelism
+    from training.train_entry import init_distributed
+
+    config = load_config(args.preset, ["pretrain.distributed.num_ranks=1", *args.overrides])
+    cfg = config.pretrain.model_copy(update={"global_batch_size": config.pretrain.distributed.micro_batch_size})
+    vocab = config.curate.tokenizer.vocab_size
+    device = detect_device()
+    plan = plan_parallelism(cfg, vocab, device)
+    peak = cfg.peak_tflops or peak_tflops(device, plan.precision)
+    rank, world = init_distributed()
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        pack = synthetic_pack(Path(tmp) / "pack", vocab, 4_000_000)
+        special = {"bos_id": 0, "eos_id": 0, "pad_id": 1}
+        trainer = Trainer(cfg, plan, pack, Path(tmp) / "out", special, rank, world, peak)
+        timings, ds_losses = [], []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            ds_losses.append(trainer.train_step())
+            timings.append(time.perf_counter() - start)
+        ds_step = _steady(timings)
+        plain_step, plain_losses = plain_loop(cfg, plan, trainer, args.steps)
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len)
+    ds_tps, plain_tps = tokens_per_step / ds_step, tokens_per_step / plain_step
+    print(f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
+          f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps (median after warm-up)")
+    print(f"device peak {peak:.3f} TFLOP/s ({device.name}, {plan.precision} matmul, measured)")
+    print(f"{'path':28} {'tokens/s':>10} {'MFU':>7} {'first loss':>11} {'last loss':>10}")
+    print(f"{'plain PyTorch loop':28} {plain_tps:10.0f} {fpt * plain_tps / (peak * 1e12):7.1%} "
+          f"{plain_losses[0]:11.4f} {plain_losses[-1]:10.4f}")
+    print(f"{'lmforge DeepSpeed path':28} {ds_tps:10.0f} {fpt * ds_tps / (peak * 1e12):7.1%} "
+          f"{ds_losses[0]:11.4f} {ds_losses[-1]:10.4f}")
+    print(f"ratio (lmforge / plain): {ds_tps / plain_tps:.3f}  (target >= 0.85)")
+
+
+if __name__ == "__main__":
+    main()
