@@ -154,8 +154,11 @@ def execute_step(
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
         done, todo = split_units(ctx, store)
-        futures = {unit: pool.submit(run_unit, ctx, unit, store.verify_mode) for unit in todo}
-        results = {**done, **{unit: f.result() for unit, f in futures.items()}}
+        futures = {pool.submit(run_unit, ctx, unit, store.verify_mode): unit for unit in todo}
+        results = dict(done)
+        for finished, future in enumerate(cf.as_completed(futures), start=1):
+            results[futures[future]] = future.result()
+            log.info("%s: %d/%d units done", step.name, finished + len(done), len(done) + len(todo))
         return close_step(plan, ctx, results, store, started, units_reused=len(done)), False
 
 

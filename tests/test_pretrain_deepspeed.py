@@ -141,3 +141,19 @@ def test_corrupted_latest_checkpoint_resumes_from_the_previous(trained: dict, tm
     assert "resumed from step-00000140 (step 140)" in log
     assert (out / "checkpoints" / ".corrupt-step-00000160").exists()
     assert abs(_metrics(manifest)[-1]["loss"] - _metrics(trained)[-1]["loss"]) < 1e-4
+
+
+def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    from lmforge.errors import TrainingDiverged, is_retryable
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52,53,54,55]", "pretrain.max_steps=60",
+                          "pretrain.guardrails.max_consecutive_spikes=3")
+    with pytest.raises(TrainingDiverged, match="4 anomalies in a row") as info:
+        run_pipeline_locally(config, ["pretrain"])
+    assert not is_retryable(info.value)
+    out = next(workspace.glob("pretrain/train/*/"))
+    assert not (out / "manifest.json").exists()
+    records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
+    assert {r["status"] for r in records} == {"diverged"}

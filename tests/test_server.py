@@ -1,0 +1,66 @@
+"""`lmforge server start|status|stop`: a real Prefect server on 127.0.0.1 that runs are sent to."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path) -> None:
+    env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    port = str(_free_port())
+    cli = [sys.executable, "-m", "lmforge.cli"]
+
+    def lmforge(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, env=env, timeout=300)
+
+    try:
+        started = lmforge("server", "start", "--port", port)
+        assert started.returncode == 0, started.stderr
+        assert f"http://127.0.0.1:{port}/api" in started.stdout
+        assert lmforge("server", "status").stdout.startswith("running")
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=2):
+            pass
+        from tests.conftest import SMALL_CURATE
+
+        overrides = [a for o in SMALL_CURATE for a in ("--set", o)]
+        run = lmforge("stage", "curate", "--workspace", str(curated_copy), *overrides)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert f"Prefect UI: http://127.0.0.1:{port}" in run.stdout
+
+        from prefect.client.orchestration import PrefectClient
+
+        async def flow_run_names() -> list[str]:
+            async with PrefectClient(f"http://127.0.0.1:{port}/api") as client:
+                return [r.name for r in await client.read_flow_runs()]
+
+        assert "tiny-cpu" in asyncio.run(flow_run_names())
+        exposed = lmforge("server", "start", "--host", "0.0.0.0", "--port", str(_free_port()))
+        assert exposed.returncode == 0  # already running: the existing local server is reused
+    finally:
+        stopped = lmforge("server", "stop")
+    assert stopped.stdout.strip() == "stopped"
+    assert lmforge("server", "status").stdout.startswith("not running")
+
+
+def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
+    env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
+    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "server", "start", "--host", "0.0.0.0"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in result.stderr
