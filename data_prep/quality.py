@@ -65,8 +65,9 @@ def train_classifier(
     positives: list[str], negatives: list[str], cfg: QualityClassifierConfig, model_path: Path
 ) -> dict[str, float]:
     """Train, save the model, and report accuracy on a 10% held-out split of each class."""
-    import fasttext
+    from data_prep.langid import fasttext_module
 
+    fasttext = fasttext_module()
     rng = random.Random(cfg.seed)
     examples = [(POSITIVE, t) for t in positives] + [(NEGATIVE, t) for t in negatives]
     rng.shuffle(examples)

