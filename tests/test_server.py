@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,26 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
                 return [r.name for r in await client.read_flow_runs()]
 
         assert "tiny-cpu" in asyncio.run(flow_run_names())
+
+        # the same pipeline as a deployment, triggered the way users do: `prefect deployment run`
+        served = subprocess.Popen([*cli, "deploy", "--workspace", str(curated_copy), "--set", "stages=[curate]",
+                                   *overrides], env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            triggered = None
+            for _ in range(30):  # the deployment is registered a few seconds after serving starts
+                triggered = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run",
+                                            "lmforge-pipeline/tiny-cpu", "--watch", "--watch-timeout", "240"],
+                                           capture_output=True, text=True, timeout=300,
+                                           env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+                if triggered.returncode == 0 or "not found" not in (triggered.stdout + triggered.stderr).lower():
+                    break
+                time.sleep(2)
+            assert triggered is not None and triggered.returncode == 0, triggered.stdout[-2000:]
+            assert "Completed" in triggered.stdout
+        finally:
+            os.killpg(served.pid, signal.SIGTERM)
+            served.wait(timeout=30)
         exposed = lmforge("server", "start", "--host", "0.0.0.0", "--port", str(_free_port()))
         assert exposed.returncode == 0  # already running: the existing local server is reused
     finally:
