@@ -86,7 +86,7 @@ def test_threshold_change_reselects_without_recomputing_attributes(curated_copy:
 
 def test_deleted_file_makes_only_that_step_recompute(curated_copy: Path) -> None:
     config = small_config(curated_copy)
-    langid_dir = next((curated_copy / "curate" / "langid").iterdir())
+    langid_dir = next(p for p in (curated_copy / "curate" / "langid").iterdir() if p.is_dir())
     victim = next((langid_dir / "attributes").glob("*.parquet"))
     victim.unlink()
     explained = {e.step: e for e in explain(config, ["curate"])}

@@ -83,7 +83,7 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
                     if "training.train_entry" in cmd and f"--local_rank={rank}" in cmd and str(workspace) in cmd:
                         proc.send_signal(signal.SIGKILL)
                         return
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
@@ -93,7 +93,7 @@ def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
     done = threading.Event()
-    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 50, done), daemon=True)
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
     killer.start()
     from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 
