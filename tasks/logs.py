@@ -1,19 +1,24 @@
-"""Make `logging.getLogger(__name__)` in the domain packages reach the Prefect UI.
+"""Make `logging.getLogger(__name__)` in the domain packages reach the Prefect UI and the console.
 
-Prefect sends records of the `prefect.extra` logger to the API; giving our loggers the
-same handlers (what PREFECT_LOGGING_EXTRA_LOGGERS does at import time) works however and
-whenever prefect was imported. Records emitted outside any flow or task run (the
-orchestrator-free executor, worker start-up) go to the console only.
+Each domain logger gets Prefect's API handler (records emitted inside a flow or task run
+are shipped to the run's log) and a console handler (progress on the terminal). Prefect
+configures its own loggers lazily, so copying `prefect.extra`'s handlers at import time
+(what PREFECT_LOGGING_EXTRA_LOGGERS does) would find none; explicit handlers work
+whenever this runs, in the CLI, in tests and in deployment runners alike.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 LIBRARY_LOGGERS = ("lmforge", "data_prep", "training", "evaluation", "serving")
+CONSOLE_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
 
 
 class _InRunOnly(logging.Filter):
+    """Records outside any flow or task run have no run to attach to; keep them off the API."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         from prefect.context import FlowRunContext, TaskRunContext
 
@@ -23,14 +28,15 @@ class _InRunOnly(logging.Filter):
 def connect_library_loggers(level: str = "INFO") -> None:
     from prefect.logging.handlers import APILogHandler
 
-    source = logging.getLogger("prefect.extra")
-    for handler in source.handlers:
-        if isinstance(handler, APILogHandler) and not any(isinstance(f, _InRunOnly) for f in handler.filters):
-            handler.addFilter(_InRunOnly())
+    api = APILogHandler()
+    api.addFilter(_InRunOnly())
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(CONSOLE_FORMAT, "%H:%M:%S"))
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
+        if any(isinstance(h, APILogHandler) for h in logger.handlers):
+            continue
         logger.setLevel(level)
-        for handler in source.handlers:
-            if handler not in logger.handlers:
-                logger.addHandler(handler)
+        logger.addHandler(api)
+        logger.addHandler(console)
         logger.propagate = False
