@@ -157,3 +157,18 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, d
     assert not (out / "manifest.json").exists()
     records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
     assert {r["status"] for r in records} == {"diverged"}
+
+
+def test_zero3_with_activation_checkpointing_trains_and_exports(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    """Parameters sharded over both ranks: the export has to gather them (a collective)."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, "pretrain.distributed.zero_stage=3", "pretrain.max_steps=20",
+                          "pretrain.distributed.activation_checkpointing=true")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    assert manifest["extra"]["plan"]["zero_stage"] == 3
+    assert manifest["metrics"]["parity_max_abs_logit_diff"] <= 1e-3
+    ds_config = json.loads((Path(manifest["dir"]) / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == 3
+    rows = _metrics(manifest)
+    assert len(rows) == 20 and rows[-1]["grad_norm"] > 0

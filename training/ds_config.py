@@ -45,7 +45,4 @@ def build_ds_config(cfg: PretrainConfig, plan: Plan) -> dict[str, Any]:
         config["bf16"] = {"enabled": True}
     elif plan.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    if cfg.distributed.activation_checkpointing:
-        config["activation_checkpointing"] = {"partition_activations": plan.zero_stage == 3,
-                                              "contiguous_memory_optimization": False}
     return config

@@ -71,6 +71,9 @@ class Trainer:
         import deepspeed
 
         model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
+        if self.cfg.distributed.activation_checkpointing:
+            # recompute each decoder layer in backward instead of keeping its activations
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = sum(p.numel() for p in model.parameters())
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
