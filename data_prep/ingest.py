@@ -91,6 +91,13 @@ def _open_binary(path: str) -> BinaryIO:
 
 
 def _read_jsonl(path: str) -> Iterator[Raw]:
+    try:
+        yield from _jsonl_lines(path)
+    except (EOFError, OSError, ValueError) as exc:  # truncated .gz, corrupt .zst, unreadable file
+        yield Raw(path, -1, problem=f"unreadable_file ({type(exc).__name__}: {exc}); records after this point are lost")
+
+
+def _jsonl_lines(path: str) -> Iterator[Raw]:
     with _open_binary(path) as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -109,7 +116,12 @@ def _read_jsonl(path: str) -> Iterator[Raw]:
 def _read_parquet(path: str) -> Iterator[Raw]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    import pyarrow as pa
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
     number = 0
     for batch in parquet.iter_batches(batch_size=1024):
         for row in batch.to_pylist():
@@ -123,7 +135,7 @@ def _read_text_folder(path: str) -> Iterator[Raw]:
         data = file.read_bytes()
         rel = str(file.relative_to(root))
         try:
-            yield Raw(str(file), 1, data={"id": rel, "text": data.decode("utf-8"), "source": root.name}, raw=b"")
+            yield Raw(str(file), 1, data={"id": f"{root.name}/{rel}", "text": data.decode("utf-8"), "source": root.name})
         except UnicodeDecodeError as exc:
             yield Raw(str(file), 1, problem=f"invalid_utf8 (byte {exc.start})", raw=data[:4096])
 
@@ -161,18 +173,33 @@ def read_input(path: str) -> Iterator[Raw]:
     raise ConfigError(f"{path}: unsupported input format (use .jsonl[.gz|.zst], .parquet, a folder of .txt, or a HF dataset)")
 
 
-def normalize_url(url: str) -> str:
-    """Lowercase scheme/host, drop fragment, default ports and trailing slash: one page, one URL."""
-    parts = urlsplit(url.strip())
-    host = (parts.hostname or "").lower()
-    if parts.port and parts.port not in (80, 443):
-        host = f"{host}:{parts.port}"
+def normalize_url(url: str) -> str | None:
+    """Lowercase scheme/host, drop fragment, default ports and trailing slash: one page, one URL.
+
+    None for a URL that does not parse (the document is kept; it just takes no part in URL dedup).
+    """
+    try:
+        parts = urlsplit(url.strip())
+        host = (parts.hostname or "").lower()
+        if parts.port and parts.port not in (80, 443):
+            host = f"{host}:{parts.port}"
+    except ValueError:
+        return None
     path = parts.path.rstrip("/") or "/"
     return urlunsplit((parts.scheme.lower() or "http", host, path, parts.query, ""))
 
 
 def validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(document, None) for a good record, (None, reason) for a bad one."""
+    """(document, None) for a good record, (None, reason) for a bad one; never raises for bad data."""
+    try:
+        return _validate(raw, cfg, default_source)
+    except UnicodeError as exc:  # e.g. a lone surrogate "\ud800" escaped in valid JSON
+        return None, f"invalid_unicode ({exc.reason} at {exc.start})"
+    except (TypeError, ValueError) as exc:
+        return None, f"invalid_record ({type(exc).__name__}: {exc})"
+
+
+def _validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[str, Any] | None, str | None]:
     if raw.problem:
         return None, raw.problem
     data = raw.data
@@ -192,7 +219,7 @@ def validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[str
     url = data.get("url") if isinstance(data.get("url"), str) and data.get("url") else None
     doc_id = data.get(cfg.id_field)
     return {
-        "id": str(doc_id) if doc_id not in (None, "") else f"{default_source}:{raw.line}",
+        "id": str(doc_id) if doc_id not in (None, "") else f"{raw.origin}:{raw.line}",
         "text": text,
         "source": source,
         "domain": str(meta.get("domain") or source),

@@ -22,46 +22,48 @@ def _priority(doc_id: str, seed: int) -> int:
     return xxhash.xxh64_intdigest(doc_id.encode(), seed=seed)
 
 
-def plan_mix(
-    docs: list[tuple[str, str, int]], cfg: MixConfig
-) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
-    """docs: (id, domain, tokens) of survivors -> (repeat per id, 0 = dropped; report per domain)."""
+def plan_mix(docs: list[tuple[str, str, int]], cfg: MixConfig) -> tuple[list[int], dict[str, dict[str, float]]]:
+    """docs: (id, domain, tokens) of survivors -> (repeat per doc in input order, 0 = dropped; report per domain)."""
     tokens: dict[str, int] = defaultdict(int)
-    by_domain: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for doc_id, domain, size in docs:
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    for position, (_, domain, size) in enumerate(docs):
         tokens[domain] += size
-        by_domain[domain].append((doc_id, size))
+        by_domain[domain].append(position)
     listed = {d: w for d, w in cfg.weights.items() if w > 0 and tokens.get(d)}
     total_listed = sum(tokens[d] for d in listed)
     weight_sum = sum(listed.values()) or 1.0
-    repeats: dict[str, int] = {doc_id: 1 for doc_id, _, _ in docs}
+    repeats = [1] * len(docs)
     report: dict[str, dict[str, float]] = {}
     for domain, weight in listed.items():
         target = weight / weight_sum * total_listed
         ratio = min(target / tokens[domain], cfg.max_repeat)
-        members = sorted(by_domain[domain], key=lambda m: _priority(m[0], cfg.seed))
-        repeats.update(_resample(members, ratio, target))
+        members = sorted(by_domain[domain], key=lambda p: (_priority(docs[p][0], cfg.seed), p))
+        for position, repeat in _resample([(p, docs[p][2]) for p in members], ratio, target):
+            repeats[position] = repeat
         report[domain] = {"target_share": weight / weight_sum, "natural_share": tokens[domain] / total_listed,
                           "ratio": round(ratio, 4)}
-    achieved = {d: sum(repeats[i] * s for i, s in by_domain[d]) for d in listed}
+    achieved = {d: sum(repeats[p] * docs[p][2] for p in by_domain[d]) for d in listed}
     achieved_total = sum(achieved.values()) or 1
     for domain in listed:
         report[domain]["achieved_share"] = achieved[domain] / achieved_total
     return repeats, report
 
 
-def _resample(members: list[tuple[str, int]], ratio: float, target: float) -> dict[str, int]:
+def _resample(members: list[tuple[int, int]], ratio: float, target: float) -> list[tuple[int, int]]:
+    """(position, repeat) for members in priority order: keep until the target, or repeat up to it."""
+    out: list[tuple[int, int]] = []
     if ratio < 1:
-        out, taken = {}, 0
-        for doc_id, size in members:
-            out[doc_id] = 1 if taken < target else 0
-            taken += size * out[doc_id]
+        taken = 0
+        for position, size in members:
+            keep = 1 if taken < target else 0
+            taken += size * keep
+            out.append((position, keep))
         return out
     whole = math.floor(ratio)
     extra_target = (ratio - whole) * sum(size for _, size in members)
-    out, extra = {}, 0
-    for doc_id, size in members:
+    extra = 0
+    for position, size in members:
         bonus = 1 if extra < extra_target else 0
         extra += size * bonus
-        out[doc_id] = whole + bonus
+        out.append((position, whole + bonus))
     return out

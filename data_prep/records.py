@@ -61,4 +61,4 @@ def shard_names(manifest: dict[str, Any]) -> list[str]:
 
 
 def dumps_meta(meta: Any) -> str:
-    return json.dumps(meta, ensure_ascii=False, sort_keys=True) if meta else ""
+    return json.dumps(meta, ensure_ascii=False, sort_keys=True, default=str) if meta else ""

@@ -61,14 +61,19 @@ class Decisions:
     quality: list[float | None] = field(default_factory=list)
 
 
-def near_duplicate_roots(edges_path: Path, threshold: float) -> dict[int, int]:
-    """member index -> cluster root (lowest index) for every non-root member at `threshold`."""
+def near_duplicate_clusters(edges_path: Path, threshold: float) -> list[list[int]]:
+    """Connected components (sorted member lists) of the edges at or above `threshold`."""
     edges = pq.read_table(edges_path).to_pydict()
     forest = UnionFind()
+    nodes: set[int] = set()
     for a, b, similarity in zip(edges["a"], edges["b"], edges["jaccard"]):
         if similarity >= threshold:
             forest.union(a, b)
-    return {node: forest.find(node) for node in list(forest.parent) if forest.find(node) != node}
+            nodes.update((a, b))
+    clusters: dict[int, list[int]] = {}
+    for node in sorted(nodes):
+        clusters.setdefault(forest.find(node), []).append(node)
+    return list(clusters.values())
 
 
 def _attr(directory: Path | None, shard: str, columns: list[str] | None = None) -> list[dict[str, Any]] | None:
@@ -101,11 +106,15 @@ def _rule_failures(cfg: CurateConfig, domain: str, stats: dict[str, Any] | None,
 
 
 def decide(cfg: CurateConfig, dirs: AttributeDirs) -> Decisions:
-    """Every rule except the quality keep-fraction and mixing, from attributes only."""
+    """Every rule except the quality keep-fraction and mixing, from attributes only.
+
+    Filters run before dedup (FineWeb's order): the copy kept from a group of duplicates is
+    the first one that passes the filters, so a good copy is never dropped because its
+    first occurrence happened to be a truncated or mis-detected one.
+    """
     out = Decisions()
-    roots = near_duplicate_roots(dirs.minhash / "edges.parquet", cfg.near_dedup.threshold) if dirs.minhash else {}
-    seen_text: dict[str, int] = {}
-    seen_url: dict[str, int] = {}
+    hashes: list[str] = []
+    urls: list[str | None] = []
     for shard in dirs.shards:
         base = pq.read_table(shard_path(dirs.ingest, shard),
                              columns=["id", "domain", "text_hash", "url_norm", "n_chars"]).to_pylist()
@@ -113,32 +122,45 @@ def decide(cfg: CurateConfig, dirs: AttributeDirs) -> Decisions:
         stats = _attr(dirs.heuristics, shard) or [None] * len(base)
         quality = _attr(dirs.quality, shard) or [None] * len(base)
         for doc, lang, stat, qual in zip(base, langs, stats, quality):
-            index = len(out.ids)
-            reasons: list[str] = []
-            if cfg.exact_dedup.enabled:
-                first = seen_text.setdefault(doc["text_hash"], index)
-                if first != index:
-                    reasons.append("exact_dedup")
-                    out.duplicate_of[index] = first
-                if cfg.exact_dedup.url and doc["url_norm"]:
-                    first_url = seen_url.setdefault(doc["url_norm"], index)
-                    if first_url != index:
-                        reasons.append("exact_dedup:url")
-                        out.duplicate_of.setdefault(index, first_url)
-            if index in roots:
-                reasons.append("near_dedup")
-                out.duplicate_of.setdefault(index, roots[index])
             lang_code = lang["lang"] if lang else None
             lang_score = lang["lang_score"] if lang else None
-            reasons += _rule_failures(cfg, doc["domain"], stat, lang_code, lang_score)
+            out.reasons.append(_rule_failures(cfg, doc["domain"], stat, lang_code, lang_score))
             out.ids.append(doc["id"])
             out.domains.append(doc["domain"])
             out.sizes.append(doc["n_chars"])
-            out.reasons.append(reasons)
             out.langs.append(lang_code)
             out.lang_scores.append(lang_score)
             out.quality.append(qual["quality_score"] if qual else None)
+            hashes.append(doc["text_hash"])
+            urls.append(doc["url_norm"])
+    _deduplicate(cfg, dirs, out, hashes, urls)
     return out
+
+
+def _deduplicate(cfg: CurateConfig, dirs: AttributeDirs, out: Decisions, hashes: list[str], urls: list[str | None]) -> None:
+    """Exact, URL and near-duplicate removal among the documents that passed every filter."""
+    if cfg.exact_dedup.enabled:
+        seen_text: dict[str, int] = {}
+        seen_url: dict[str, int] = {}
+        for index, reasons in enumerate(out.reasons):
+            if reasons:
+                continue
+            first = seen_text.setdefault(hashes[index], index)
+            if first != index:
+                reasons.append("exact_dedup")
+                out.duplicate_of[index] = first
+            elif cfg.exact_dedup.url and urls[index]:
+                first_url = seen_url.setdefault(urls[index], index)  # type: ignore[arg-type]
+                if first_url != index:
+                    reasons.append("exact_dedup:url")
+                    out.duplicate_of[index] = first_url
+    if dirs.minhash is None:
+        return
+    for members in near_duplicate_clusters(dirs.minhash / "edges.parquet", cfg.near_dedup.threshold):
+        survivors = [m for m in members if not out.reasons[m]]
+        for member in survivors[1:]:
+            out.reasons[member].append("near_dedup")
+            out.duplicate_of[member] = survivors[0]
 
 
 def apply_quality_rule(cfg: CurateConfig, d: Decisions) -> float | None:
@@ -198,12 +220,13 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path) -> dict
     repeats: dict[int, int] = {}
     mix_report: dict[str, Any] = {}
     if cfg.mix.enabled and cfg.mix.weights:
-        by_id, mix_report = plan_mix([(str(i), decisions.domains[i], decisions.sizes[i]) for i in survivors], cfg.mix)
-        for key, repeat in by_id.items():
+        planned, mix_report = plan_mix([(decisions.ids[i], decisions.domains[i], decisions.sizes[i]) for i in survivors],
+                                       cfg.mix)
+        for i, repeat in zip(survivors, planned):
             if repeat == 0:
-                decisions.reasons[int(key)].append("mix:downsampled")
+                decisions.reasons[i].append("mix:downsampled")
             else:
-                repeats[int(key)] = repeat
+                repeats[i] = repeat
     removed, pii, kept = write_selection(cfg, dirs, decisions, repeats, out_dir)
     kept_domains = Counter(decisions.domains[i] for i, r in enumerate(decisions.reasons) if not r)
     return {

@@ -78,3 +78,15 @@ def test_big_buckets_stay_linear() -> None:
     keys = np.zeros((500, 1), dtype=np.uint64)  # 500 identical documents in one bucket
     pairs = candidate_pairs(keys)
     assert len(pairs) == 499 and (pairs[:, 0] == 0).all()
+
+
+def test_clusters_at_threshold_include_their_roots(tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.select import near_duplicate_clusters
+
+    path = tmp_path / "edges.parquet"
+    pq.write_table(pa.table({"a": [1, 2, 7], "b": [2, 5, 9], "jaccard": [0.9, 0.85, 0.6]}), path)
+    assert near_duplicate_clusters(path, 0.8) == [[1, 2, 5]]
+    assert sorted(near_duplicate_clusters(path, 0.5)) == [[1, 2, 5], [7, 9]]

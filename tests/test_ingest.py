@@ -72,14 +72,14 @@ def test_parquet_text_folder_and_hf_dataset(tmp_path: Path) -> None:
     docs, quarantined, _ = _ingest(parquet, tmp_path / "p")
     assert [d["text"] for d in docs] == ["Parquet text one.", "Two."]
     assert quarantined[0]["line"] == 2 and quarantined[0]["reason"].startswith("text_not_string")
-    assert docs[0]["id"] == "docs:1"  # generated when missing
+    assert docs[0]["id"] == f"{parquet}:1"  # generated when missing: file and row, unique
 
     folder = tmp_path / "texts"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_text("First file.")
     (folder / "sub" / "b.txt").write_text("Second file.")
     docs, _, _ = _ingest(folder, tmp_path / "t")
-    assert [(d["id"], d["source"]) for d in docs] == [("a.txt", "texts"), ("sub/b.txt", "texts")]
+    assert [(d["id"], d["source"]) for d in docs] == [("texts/a.txt", "texts"), ("texts/sub/b.txt", "texts")]
 
     import datasets
 
@@ -103,6 +103,34 @@ def test_normalization_and_metadata(tmp_path: Path) -> None:
 def test_url_normalization_keeps_what_identifies_a_page() -> None:
     assert normalize_url("http://a.org/x/?q=1#top") == normalize_url("HTTP://A.ORG/x?q=1")
     assert normalize_url("http://a.org/x?q=1") != normalize_url("http://a.org/x?q=2")
+
+
+def test_records_that_break_encoding_or_parsing_are_quarantined_too(tmp_path: Path) -> None:
+    path = tmp_path / "odd.jsonl"
+    path.write_text('{"id": "s", "text": "lone surrogate \\ud800 here"}\n'
+                    '{"id": "u", "text": "fine text", "url": "http://[bad-ipv6/x"}\n'
+                    '{"id": "ok", "text": "fine text two", "meta": {"when": {"nested": [1, 2]}}}\n')
+    docs, quarantined, _ = _ingest(path, tmp_path)
+    assert [q["reason"].split(" ")[0] for q in quarantined] == ["invalid_unicode"]
+    assert [d["id"] for d in docs] == ["u", "ok"] and docs[0]["url_norm"] is None
+
+
+def test_truncated_compressed_file_keeps_what_was_read_and_says_so(tmp_path: Path) -> None:
+    data = gzip.compress(b"".join(json.dumps(g).encode() + b"\n" for g in GOOD))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    docs, quarantined, result = _ingest(path, tmp_path)
+    assert quarantined[-1]["reason"].startswith("unreadable_file (EOFError")
+    assert result["input"] == len(docs) + len(quarantined)
+
+
+def test_corrupt_parquet_is_one_clear_error(tmp_path: Path) -> None:
+    from lmforge.errors import DataError
+
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="broken.parquet: not a readable Parquet file"):
+        ingest_file(str(path), 0, CurateConfig(), tmp_path / "o")
 
 
 def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
