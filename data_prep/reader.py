@@ -4,11 +4,12 @@
 tokens (inputs and shifted targets) without copying: shards are `np.memmap`ed.
 
 `BatchSchedule` fixes which windows every micro-batch holds. The window order is a
-seeded permutation per epoch; global micro-batch `g` of rank `r` holds the windows at
-positions `g*M*W + r*M ... + M` of that order (M = micro-batch size, W = ranks). An
-optimizer step of global batch B therefore always covers the same B windows however B is
-split into ranks and accumulation steps. Its whole state is the next micro-batch index and
-the set of skipped indices, which checkpoints save.
+seeded permutation per epoch, concatenated over epochs; a global micro-batch starting at
+position `p` of that order gives rank `r` the windows `p + r*M ... p + r*M + M - 1`
+(M = micro-batch size, W = ranks; the next micro-batch starts at `p + M*W`). An optimizer
+step of global batch B therefore always covers the same B windows however B is split
+into ranks and accumulation steps, and the state -- the next position and the skipped
+ranges, both counted in windows -- stays valid when a resumed run splits it differently.
 """
 
 from __future__ import annotations
@@ -80,16 +81,21 @@ class BatchSchedule:
     rank: int
     seed: int
     position: int = 0
-    skipped: set[int] = field(default_factory=set)
+    skipped: list[tuple[int, int]] = field(default_factory=list)  # [start, start + length) in windows
     _epoch: int = -1
     _order: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.num_windows < self.micro_batch * self.world_size:
+        if self.num_windows < self.span:
             raise ValueError(
                 f"only {self.num_windows} windows of data: fewer than one micro-batch on every rank "
                 f"({self.micro_batch} x {self.world_size}); use more data or a shorter seq_len"
             )
+
+    @property
+    def span(self) -> int:
+        """Windows in one global micro-batch (all ranks)."""
+        return self.micro_batch * self.world_size
 
     def _window_at(self, sequence_position: int) -> int:
         epoch, offset = divmod(sequence_position, self.num_windows)
@@ -98,25 +104,33 @@ class BatchSchedule:
             self._epoch = epoch
         return int(self._order[offset])  # type: ignore[index]
 
-    def windows(self, index: int) -> list[int]:
-        """Windows of global micro-batch `index` on this rank."""
-        base = index * self.micro_batch * self.world_size + self.rank * self.micro_batch
+    def windows(self, start: int, rank: int | None = None) -> list[int]:
+        """Windows of the global micro-batch starting at `start`, for `rank` (default: this rank)."""
+        base = start + (self.rank if rank is None else rank) * self.micro_batch
         return [self._window_at(base + i) for i in range(self.micro_batch)]
 
     def next(self) -> tuple[int, list[int]]:
-        """(micro-batch index, its windows) and advance; skipped indices are passed over."""
-        while self.position in self.skipped:
-            self.position += 1
-        index = self.position
-        self.position += 1
-        return index, self.windows(index)
+        """(start position, this rank's windows) of the next micro-batch; skipped ranges are passed over."""
+        moved = True
+        while moved:
+            moved = False
+            for begin, length in self.skipped:
+                if begin <= self.position < begin + length:
+                    self.position, moved = begin + length, True
+        start = self.position
+        self.position += self.span
+        return start, self.windows(start)
 
-    def epoch_of(self, index: int) -> float:
-        return index * self.micro_batch * self.world_size / self.num_windows
+    def skip(self, start: int) -> None:
+        self.skipped.append((start, self.span))
+
+    def index_of(self, start: int) -> int | None:
+        """The micro-batch number of a start position (None when it is not on the micro-batch grid)."""
+        return start // self.span if start % self.span == 0 else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "skipped": sorted(self.skipped)}
+        return {"position": self.position, "skipped": [list(r) for r in self.skipped]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
-        self.skipped = set(int(i) for i in state.get("skipped", []))
+        self.skipped = [(int(a), int(b)) for a, b in state.get("skipped", [])]

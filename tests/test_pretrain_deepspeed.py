@@ -40,7 +40,7 @@ def test_two_ranks_train_and_the_loss_falls(trained: dict) -> None:
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 4 and val[-1] < val[0] - 0.3
     # below what a model that ignores context can reach: it has learnt something about order
-    assert val[-1] < trained["metrics"]["unigram_entropy_nats"] - 0.4
+    assert val[-1] < trained["metrics"]["unigram_entropy_nats"] - 0.2
     last = rows[-1]
     assert last["grad_norm"] > 0 and last["tokens_per_s"] > 0 and 0 < last["mfu"] < 1 and last["lr"] > 0
     assert list((Path(trained["dir"]) / "tensorboard").glob("events.out.tfevents.*"))
@@ -172,3 +172,34 @@ def test_zero3_with_activation_checkpointing_trains_and_exports(curated: tuple[P
     assert ds_config["zero_optimization"]["stage"] == 3
     rows = _metrics(manifest)
     assert len(rows) == 20 and rows[-1]["grad_norm"] > 0
+
+
+def _reopen(trained: dict, tmp_path: Path, drop: tuple[str, ...]) -> tuple[Path, Path]:
+    """A copy of the trained workspace whose pretrain step is incomplete again."""
+    copy = tmp_path / "ws"
+    shutil.copytree(Path(trained["dir"]).parents[2], copy)
+    out = copy / "pretrain" / "train" / trained["key"]
+    (out / "manifest.json").unlink()
+    for name in drop:
+        shutil.rmtree(out / "checkpoints" / name)
+    return copy, out
+
+
+def test_resume_with_a_different_micro_batch_split(trained: dict, tmp_path: Path) -> None:
+    """micro-batch 4 x 2 ranks -> 2 x 2 ranks x 2 accumulation steps: same windows per step."""
+    copy, out = _reopen(trained, tmp_path, ("step-00000160", "step-00000140"))
+    manifest = run_pipeline_locally(small_config(copy, "pretrain.distributed.micro_batch_size=2"),
+                                    ["pretrain"])["pretrain/train"]
+    assert "resumed from step-00000120 (step 120)" in (out / "logs" / "rank-0.log").read_text()
+    assert manifest["extra"]["plan"]["grad_accum"] == 2
+    resumed, reference = _metrics(manifest), _metrics(trained)
+    assert [r["step"] for r in resumed] == list(range(1, 161))
+    assert abs(resumed[-1]["loss"] - reference[-1]["loss"]) < 0.05
+
+
+def test_resume_refuses_a_different_zero_layout(trained: dict, tmp_path: Path) -> None:
+    from lmforge.errors import ConfigError
+
+    copy, _ = _reopen(trained, tmp_path, ())
+    with pytest.raises(ConfigError, match="written with ZeRO-0 on 2 rank\\(s\\); this run uses ZeRO-2"):
+        run_pipeline_locally(small_config(copy, "pretrain.distributed.zero_stage=2"), ["pretrain"])

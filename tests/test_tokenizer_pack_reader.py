@@ -77,21 +77,34 @@ def test_schedule_is_deterministic_resumable_and_disjoint_across_ranks() -> None
     resumed = BatchSchedule(1000, 4, 2, 0, seed=7)
     resumed.load_state_dict(ranks[0].state_dict())
     assert resumed.next() == ranks[0].next()
-    skipping = BatchSchedule(1000, 4, 2, 0, seed=7, skipped={1})
-    assert [skipping.next()[0] for _ in range(2)] == [0, 2]
+    skipping = BatchSchedule(1000, 4, 2, 0, seed=7)
+    skipping.skip(8)
+    assert [skipping.next()[0] for _ in range(2)] == [0, 16]
+    assert skipping.index_of(16) == 2 and skipping.index_of(12) is None
+
+
+def _step_windows(micro: int, world: int, per_step: int, state: dict | None = None) -> tuple[set[int], dict]:
+    covered: set[int] = set()
+    schedules = [BatchSchedule(500, micro, world, rank, seed=3) for rank in range(world)]
+    for schedule in schedules:
+        if state:
+            schedule.load_state_dict(state)
+        for _ in range(per_step):
+            covered.update(schedule.next()[1])
+    return covered, schedules[0].state_dict()
 
 
 def test_an_optimizer_step_covers_the_same_windows_however_it_is_split() -> None:
     """Global batch 8: 1 rank x 2 micro-batches of 4 == 2 ranks x 1 micro-batch of 4 == 4 ranks x 2."""
-    def step_windows(micro: int, world: int, per_step: int) -> set[int]:
-        covered: set[int] = set()
-        for rank in range(world):
-            schedule = BatchSchedule(500, micro, world, rank, seed=3)
-            for _ in range(per_step):
-                covered.update(schedule.next()[1])
-        return covered
+    assert _step_windows(4, 1, 2)[0] == _step_windows(4, 2, 1)[0] == _step_windows(2, 4, 1)[0]
 
-    assert step_windows(4, 1, 2) == step_windows(4, 2, 1) == step_windows(2, 4, 1)
+
+def test_a_resumed_run_may_split_the_batch_differently() -> None:
+    """State saved by 2 ranks x 4 continues with 4 ranks x 2 at exactly the same windows."""
+    _, after_first = _step_windows(4, 2, 1)
+    second_original, _ = _step_windows(4, 2, 1, after_first)
+    second_resplit, _ = _step_windows(2, 4, 1, after_first)
+    assert second_original == second_resplit
 
 
 def test_schedule_refuses_too_little_data() -> None:

@@ -120,12 +120,21 @@ def save(engine: Any, root: Path, step: int, trainer_state: dict[str, Any], rank
     return final
 
 
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "trainer.json").read_text())
+
+
 def load(engine: Any, directory: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore engine state; returns (trainer state, this rank's state)."""
+    """Restore engine state; returns (trainer state, this rank's state).
+
+    A rank that did not exist when the checkpoint was written (the run now has more ranks)
+    takes rank 0's record: the data position is the same on every rank.
+    """
     path, _ = engine.load_checkpoint(str(directory / "engine"), tag=ENGINE_TAG,
                                      load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {directory}")
-    trainer = json.loads((directory / "trainer.json").read_text())
-    own = json.loads((directory / f"rank-{rank:05d}.json").read_text())
-    return trainer, own
+    own = directory / f"rank-{rank:05d}.json"
+    if not own.exists():
+        own = directory / "rank-00000.json"
+    return read_trainer_state(directory), json.loads(own.read_text())

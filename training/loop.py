@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class Anomaly:
     kind: str
     step: int
-    batches: list[int]
+    batches: list[int]  # start positions (in windows) of the offending global micro-batches
     loss: float
     window_mean: float | None
 
@@ -106,7 +106,8 @@ class Trainer:
 
     def trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens, "lr_scale": self.lr_scale,
-                "detector": self.detector.state_dict(), "anomalies": self.anomalies}
+                "detector": self.detector.state_dict(), "anomalies": self.anomalies,
+                "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage}}
 
     def save_checkpoint(self) -> Path:
         rank_state = {"rng": checkpoint.rng_state(), "schedule": self.schedule.state_dict()}
@@ -116,18 +117,30 @@ class Trainer:
         return path
 
     def restore(self, directory: Path, after_anomaly: bool = False) -> None:
+        self._check_layout(directory)
         trainer, own = checkpoint.load(self.engine, directory, self.rank)
-        skipped = set(self.schedule.skipped)
+        skipped = list(self.schedule.skipped)
         self.step, self.tokens = trainer["step"], trainer["tokens"]
         self.detector.load_state_dict(trainer["detector"], keep_anomaly_count=after_anomaly)
         self.schedule.load_state_dict(own["schedule"])
         checkpoint.set_rng_state(own["rng"])
         if after_anomaly:
-            self.schedule.skipped |= skipped
+            self.schedule.skipped += [r for r in skipped if r not in self.schedule.skipped]
         else:
             self.lr_scale = trainer["lr_scale"]
             self.anomalies = trainer["anomalies"]
         self._apply_lr_scale(self.engine)
+
+    def _check_layout(self, directory: Path) -> None:
+        """ZeRO shards optimizer state by rank: it reloads only into the same stage and world size."""
+        from lmforge.errors import ConfigError
+
+        saved = checkpoint.read_trainer_state(directory).get("layout", {})
+        stage, world = saved.get("zero_stage", self.plan.zero_stage), saved.get("world_size", self.world)
+        if stage != self.plan.zero_stage or (stage > 0 and world != self.world):
+            raise ConfigError(f"{directory.name} was written with ZeRO-{stage} on {world} rank(s); this run uses "
+                              f"ZeRO-{self.plan.zero_stage} on {self.world}. Set pretrain.distributed.zero_stage and "
+                              "num_ranks back, or pretrain.resume=never to start over")
 
     # -- one step --------------------------------------------------------------------------
 
@@ -144,14 +157,14 @@ class Trainer:
         losses: list[float] = []
         indices: list[int] = []
         for micro in range(self.plan.grad_accum):
-            index, windows = self.schedule.next()
-            indices.append(index)
+            start, windows = self.schedule.next()
+            indices.append(start)
             loss = self.micro_loss(windows, self.train_data)
-            if index in self.cfg.fault.nan_at_batches:
+            if self.schedule.index_of(start) in self.cfg.fault.nan_at_batches:
                 loss = loss * float("nan")  # test hook: a batch that produces NaN
             losses.append(self._mean_over_ranks(loss))
             if not math.isfinite(losses[-1]):
-                return Anomaly("non_finite", self.step + 1, [index], losses[-1], self._window_mean())
+                return Anomaly("non_finite", self.step + 1, [start], losses[-1], self._window_mean())
             if micro == self.plan.grad_accum - 1:
                 step_loss = sum(losses) / len(losses)
                 if self.detector.judge(step_loss) == "spike":
@@ -190,7 +203,8 @@ class Trainer:
         latest = self._broadcast(latest)
         record = {"step": anomaly.step, "kind": anomaly.kind, "loss": anomaly.loss, "window_mean": anomaly.window_mean,
                   "grad_norm_before": self.grad_norm,
-                  "micro_batches": anomaly.batches, "samples": self._describe(anomaly.batches),
+                  "micro_batches": [self.schedule.index_of(b) for b in anomaly.batches],
+                  "window_positions": anomaly.batches, "samples": self._describe(anomaly.batches),
                   "action": f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
                             f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}",
                   "consecutive": count}
@@ -199,7 +213,8 @@ class Trainer:
                     f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a", record["action"])
         if count > self.cfg.guardrails.max_consecutive_spikes:
             raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); stopping")
-        self.schedule.skipped |= set(anomaly.batches)
+        for start in anomaly.batches:
+            self.schedule.skip(start)
         self.lr_scale *= self.cfg.guardrails.lr_scale_on_spike
         del self.engine
         self.engine = self._build_engine()
@@ -214,15 +229,10 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _describe(self, batches: list[int]) -> list[dict[str, Any]]:
+    def _describe(self, starts: list[int]) -> list[dict[str, Any]]:
         """Every window of the given global micro-batches, on all ranks, with shard and document ids."""
-        micro, world = self.cfg.distributed.micro_batch_size, self.world
-        described = []
-        for index in batches:
-            for offset in range(micro * world):
-                window = self.schedule._window_at(index * micro * world + offset)
-                described.append(self.train_data.describe(window))
-        return described
+        return [self.train_data.describe(window) for start in starts for rank in range(self.world)
+                for window in self.schedule.windows(start, rank)]
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -235,7 +245,8 @@ class Trainer:
         total = 0.0
         with torch.no_grad():
             for index in range(self.cfg.eval_batches):
-                total += self._mean_over_ranks(self.micro_loss(self.val_schedule.windows(index), self.val_data))
+                windows = self.val_schedule.windows(index * self.val_schedule.span)
+                total += self._mean_over_ranks(self.micro_loss(windows, self.val_data))
         self.engine.train()
         return total / self.cfg.eval_batches
 
