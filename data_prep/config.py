@@ -74,6 +74,13 @@ class NearDedupConfig(StrictModel):
     def num_perm(self) -> int:
         return self.bands * self.rows
 
+    @model_validator(mode="after")
+    def _threshold_within_stored_edges(self) -> "NearDedupConfig":
+        if self.threshold < self.store_min_jaccard:
+            raise ValueError(f"threshold {self.threshold} is below store_min_jaccard {self.store_min_jaccard}: "
+                             "pairs in between are not stored; lower store_min_jaccard too")
+        return self
+
 
 class LangIdConfig(FilterBase):
     keep: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep; empty keeps all.")

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from data_prep.records import write_rows
+from data_prep.records import temp_path, write_rows
 from data_prep.tokenizer import EOS, load_tokenizer
 
 DOCS_SCHEMA = pa.schema([("id", pa.string()), ("domain", pa.string()), ("start", pa.int64()), ("length", pa.int64())])
@@ -37,7 +37,7 @@ def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     tmp.write_bytes(data)
     tmp.replace(path)
 

@@ -75,11 +75,13 @@ def train_classifier(
     train, test = examples[held:], examples[:held]
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as handle:
         handle.writelines(f"{label} {fasttext_line(text)}\n" for label, text in train)
-    model = fasttext.train_supervised(
-        input=handle.name, epoch=cfg.epochs, lr=cfg.lr, wordNgrams=cfg.word_ngrams, dim=cfg.dim,
-        bucket=cfg.bucket, thread=1, seed=cfg.seed, verbose=0, minCount=2,
-    )
-    Path(handle.name).unlink()
+    try:
+        model = fasttext.train_supervised(
+            input=handle.name, epoch=cfg.epochs, lr=cfg.lr, wordNgrams=cfg.word_ngrams, dim=cfg.dim,
+            bucket=cfg.bucket, thread=1, seed=cfg.seed, verbose=0, minCount=2,
+        )
+    finally:
+        Path(handle.name).unlink()
     model.save_model(str(model_path))
     scores = QualityScorer(model_path).score([t for _, t in test])
     correct = sum((s >= 0.5) == (label == POSITIVE) for s, (label, _) in zip(scores, test))

@@ -8,6 +8,8 @@ attributes join to documents by shard name and row.
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,9 +35,14 @@ DOC_SCHEMA = pa.schema(
 def write_table(path: Path, table: pa.Table) -> None:
     """Write Parquet atomically (temp + rename) so a crash never leaves half a shard."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     pq.write_table(table, tmp, compression="zstd")
     tmp.replace(path)
+
+
+def temp_path(path: Path) -> Path:
+    """A hidden sibling no other writer (process or thread) can be using at the same time."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> None:

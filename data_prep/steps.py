@@ -31,11 +31,11 @@ from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs, exact_jaccard
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
 from data_prep.quality import QualityScorer, builtin_reference, read_reference, train_classifier
-from data_prep.records import read_columns, shard_names, shard_path, write_rows
+from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_rows
 from data_prep.select import AttributeDirs, run_selection
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
 from lmforge.configbase import pick
-from lmforge.errors import DeterministicError
+from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import FingerprintCache, atomic_write_json, file_sha256
 
@@ -124,8 +124,9 @@ def _minhash_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
     signatures = np.concatenate([hasher.signatures(texts[i : i + size]) for i in range(0, len(texts), size)])
     rel = f"signatures/{shard}.npy"
     (ctx.out_dir / "signatures").mkdir(parents=True, exist_ok=True)
-    tmp = ctx.out_dir / "signatures" / f".{shard}.tmp.npy"
-    np.save(tmp, signatures)
+    tmp = temp_path(ctx.out_dir / rel)
+    with open(tmp, "wb") as handle:
+        np.save(handle, signatures)
     tmp.replace(ctx.out_dir / rel)
     return [rel], {"docs": len(texts)}
 
@@ -155,8 +156,8 @@ def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, An
                       "b": pa.array(pairs[keep, 1] if keep else [], pa.int64()),
                       "jaccard": pa.array([similarity[i] for i in keep], pa.float32())})
     pq.write_table(edges, ctx.out_dir / "edges.parquet")
-    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": len(keep),
-                       "edges_at_threshold": sum(similarity[i] >= nd.threshold for i in keep)}}
+    bins = {f"edges_jaccard_ge_{round(t * 100)}": sum(similarity[i] >= t for i in keep) for t in (0.5, 0.7, 0.8, 0.9, 1.0)}
+    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": len(keep), **bins}}
 
 
 # -- language ID, heuristics, quality -----------------------------------------------------
@@ -188,7 +189,7 @@ def _heuristics_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str,
 
 
 def _heuristics_identity(config: Any) -> dict[str, Any]:
-    return {"stat_params": _stat_params(config.curate).__dict__}
+    return {"curate": {"heuristic_stat_params": _stat_params(config.curate).__dict__}}
 
 
 def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +202,9 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
         cols = read_columns(shard_path(_ingest_dir(ctx), shard), ["text", "domain"])
         pool += [t for t, d in zip(cols["text"], cols["domain"]) if not qc.negative_domains or d in qc.negative_domains]
     negatives = rng.sample(pool, min(len(pool), qc.max_train_docs))
+    if not positives or not negatives:
+        raise ConfigError(f"curate.quality_classifier: no {'reference' if not positives else 'pool'} documents to train on"
+                          + ("" if positives else f" (negative_domains {qc.negative_domains} match no ingested domain)"))
     metrics = train_classifier(positives[: qc.max_train_docs], negatives, qc, ctx.out_dir / "model.bin")
     return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
 
@@ -209,7 +213,12 @@ def _quality_model_identity(config: Any) -> dict[str, Any]:
     qc = config.curate.quality_classifier
     ident = pick(config, *[f"curate.quality_classifier.{f}" for f in
                            ("negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed")])
-    ident["reference_files"] = {p: file_sha256(p) for p in qc.reference} if qc.reference else "builtin:pydoc_data.topics"
+    if qc.reference:
+        cache = FingerprintCache(Path(config.workspace) / ".cache" / "fingerprints.json")
+        ident["reference_files"] = {p: cache.path_fingerprint(p) for p in qc.reference}
+        cache.save()
+    else:
+        ident["reference_files"] = "builtin:pydoc_data.topics"
     return ident
 
 

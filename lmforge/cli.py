@@ -91,6 +91,9 @@ def _use_server_if_running() -> str | None:
 
 
 def _print_summary(steps: dict[str, dict[str, Any]], workspace: str, seconds: float, api_url: str | None) -> None:
+    if not steps:
+        print("nothing to run: every requested stage is disabled (see `stages` and `<stage>.enabled`)")
+        return
     width = max(len(n) for n in steps)
     print(f"\n{'step'.ljust(width)}  {'status':9}  {'key':16}  output")
     for name, info in steps.items():
@@ -122,9 +125,23 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
     api_url = _use_server_if_running()
     from flows.pipeline import pipeline
 
+    _stop_training_on_interrupt()
     result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
     _print_summary(result["steps"], result["workspace"], time.time() - started, api_url)
     return 0
+
+
+def _stop_training_on_interrupt() -> None:
+    """Ctrl-C reaches only this thread; training runs in its own process group from a task thread."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        from training.launcher import stop_all
+
+        stop_all()
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -206,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; completed work is kept and the next run resumes from it", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
+        if os.environ.get("LMFORGE_DEBUG"):
+            raise
+        print(f"error: {type(exc).__name__}: {exc} (the run log above has details; LMFORGE_DEBUG=1 shows "
+              "the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

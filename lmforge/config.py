@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from configs import PRESETS_DIR, preset_names
 from data_prep.config import CurateConfig
@@ -32,7 +32,7 @@ class RuntimeConfig(StrictModel):
     verify: Literal["checksum", "size"] = runtime_field(
         "checksum", description="How stage outputs are verified before reuse: full SHA-256, or sizes only (huge corpora)."
     )
-    log_level: str = runtime_field("INFO", description="Log level of lmforge's loggers.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field("INFO", description="Log level of lmforge's loggers.")
 
 
 class PipelineConfig(StrictModel):
@@ -46,7 +46,6 @@ class PipelineConfig(StrictModel):
     runtime: RuntimeConfig = RuntimeConfig()
     curate: CurateConfig = CurateConfig()
     pretrain: PretrainConfig = PretrainConfig()
-    extends: str | None = Field(None, exclude=True, description="Preset this file builds on.")
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -173,8 +172,8 @@ def check_files(config: PipelineConfig, source: str) -> None:
         if not expand_inputs([pattern]) and not pattern.startswith("hf:"):
             raise ConfigError(f"{source}: curate.inputs[{index}]: no file matches {pattern!r}")
     for index, ref in enumerate(config.curate.quality_classifier.reference):
-        if not Path(ref).exists():
-            raise ConfigError(f"{source}: curate.quality_classifier.reference[{index}]: file not found: {ref}")
+        if not Path(ref).is_file():
+            raise ConfigError(f"{source}: curate.quality_classifier.reference[{index}]: not a file: {ref}")
     hostfile = config.pretrain.distributed.hostfile
     if hostfile and not Path(hostfile).exists():
         raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")

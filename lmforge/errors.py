@@ -33,6 +33,10 @@ class ParityError(DeterministicError):
     """The exported model does not reproduce the training engine's logits."""
 
 
+class RunStopped(LmforgeError):
+    """The user stopped the run (Ctrl-C); retrying would undo their decision."""
+
+
 class RetryableError(LmforgeError):
     """A transient failure; retrying resumes from the last verified state."""
 

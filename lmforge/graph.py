@@ -12,11 +12,12 @@ digest of four things, and nothing else:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lmforge.hashing import digest
+from lmforge.hashing import canonical_json, digest
 
 UnitResult = tuple[list[str], dict[str, Any]]
 
@@ -70,7 +71,8 @@ def key_components(step: Step, config: Any, upstream: dict[str, dict[str, Any]])
     return {
         "step": step.name,
         "version": step.version,
-        "config": step.identity(config),
+        # as JSON sees it, so the record in a manifest compares equal to a fresh one (tuples vs lists)
+        "config": json.loads(canonical_json(step.identity(config))),
         "upstream": {name: upstream[name]["digest"] for name in step.upstream(config)},
     }
 

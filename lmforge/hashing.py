@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temp file in the same directory, fsync, then rename over the target."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()

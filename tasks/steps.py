@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import concurrent.futures.process
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
 
 from lmforge.executor import close_step, graph, make_pool, open_step, plan_step, run_unit, split_units
 from lmforge.graph import StepContext
@@ -26,23 +28,34 @@ from tasks.cache import StageKeyPolicy, results_dir
 from tasks.retry import should_retry
 
 log = logging.getLogger("lmforge.tasks")
-_pool: cf.Executor | None = None
+_pools: dict[int, cf.Executor] = {}
 _pool_lock = threading.Lock()
 
 
 def shared_pool(workers: int) -> cf.Executor:
-    global _pool
+    """One pool of worker processes per size, shared by every unit task of this process."""
     with _pool_lock:
-        if _pool is None:
-            _pool = make_pool(workers)
-            atexit.register(_pool.shutdown, cancel_futures=True)
-        return _pool
+        if workers not in _pools:
+            _pools[workers] = make_pool(workers)
+            atexit.register(_pools[workers].shutdown, cancel_futures=True)
+        return _pools[workers]
+
+
+def _discard_pool(workers: int) -> None:
+    with _pool_lock:
+        pool = _pools.pop(workers, None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @task(name="unit", task_run_name="{step_name}[{unit}]", cache_policy=NO_CACHE,
       retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
 def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
-    return shared_pool(workers).submit(run_unit, ctx, unit, verify).result()
+    try:
+        return shared_pool(workers).submit(run_unit, ctx, unit, verify).result()
+    except cf.process.BrokenProcessPool:
+        _discard_pool(workers)  # a worker died (e.g. out of memory): the retry gets a fresh pool
+        raise
 
 
 @task(name="step", task_run_name="{step_name}", cache_policy=StageKeyPolicy(), result_serializer="json",
@@ -64,6 +77,9 @@ def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -
         if done:
             log.info("%s: resuming; %d of %d units already complete", step_name, len(done), len(done) + len(todo))
         futures = {u: run_unit_task.submit(step_name, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
+        # every unit must have finished before the lock is released: a retry of this step
+        # must never compute a shard that a still-running sibling is writing
+        wait(list(futures.values()))
         results = {**done, **{u: f.result() for u, f in futures.items()}}
         manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
     log.info("%s: computed in %.1fs -> %s", step_name, manifest["timings"]["seconds"], manifest["dir"])

@@ -203,3 +203,15 @@ def test_resume_refuses_a_different_zero_layout(trained: dict, tmp_path: Path) -
     copy, _ = _reopen(trained, tmp_path, ())
     with pytest.raises(ConfigError, match="written with ZeRO-0 on 2 rank\\(s\\); this run uses ZeRO-2"):
         run_pipeline_locally(small_config(copy, "pretrain.distributed.zero_stage=2"), ["pretrain"])
+
+
+def test_damaged_progress_is_never_silently_restarted(trained: dict, tmp_path: Path) -> None:
+    from lmforge.errors import DeterministicError, is_retryable
+
+    copy, out = _reopen(trained, tmp_path, ())
+    for engine_file in (out / "checkpoints").rglob("*.pt"):
+        engine_file.write_bytes(b"damaged")
+    with pytest.raises(DeterministicError, match="checkpoints exist but none verifies") as info:
+        run_pipeline_locally(small_config(copy), ["pretrain"])
+    assert not is_retryable(info.value)
+    assert len(list((out / "checkpoints").glob(".corrupt-step-*"))) == 3

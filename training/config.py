@@ -8,7 +8,7 @@ the same model up to floating-point reduction order, so those are runtime fields
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -61,6 +61,12 @@ class GuardrailConfig(StrictModel):
     lr_scale_on_spike: float = Field(1.0, gt=0, le=1, description="Multiply the learning rate by this after each rollback.")
     max_consecutive_spikes: int = Field(3, ge=1, description="Stop (non-retryable) after this many rollbacks without progress.")
 
+    @model_validator(mode="after")
+    def _history_fits_window(self) -> "GuardrailConfig":
+        if self.min_history > self.window:
+            raise ValueError(f"min_history {self.min_history} exceeds window {self.window}: spikes would never be judged")
+        return self
+
 
 class CheckpointConfig(StrictModel):
     every_steps: int = Field(50, ge=1, description="Checkpoint interval; also where spike rollbacks return to.")
@@ -71,7 +77,8 @@ class DistributedConfig(StrictModel):
     """How training is spread over processes; none of this changes the cache key."""
 
     launcher: Literal["deepspeed", "torchrun"] = runtime_field("deepspeed", description="Process launcher.")
-    num_ranks: int | Literal["auto"] = runtime_field("auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
+    num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
+        "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
     hostfile: str | None = runtime_field(None, description="DeepSpeed hostfile for multi-node runs.")
     num_nodes: int = runtime_field(1, description="Nodes to use from the hostfile.", ge=1)
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")

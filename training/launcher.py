@@ -14,6 +14,7 @@ After exit, the per-rank exit records decide what happened: a deterministic fail
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,13 +25,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import ConfigError, ParityError, TrainingDiverged, TrainingInterrupted
+from lmforge.errors import ConfigError, DeterministicError, ParityError, RunStopped, TrainingDiverged, TrainingInterrupted
 
 log = logging.getLogger(__name__)
 QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
              "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 NOISE = ("Setting accelerator to CPU", "get learning rate from scheduler before it has started")
-NON_RETRYABLE = {"config_error": ConfigError, "diverged": TrainingDiverged, "parity_failed": ParityError}
+NON_RETRYABLE = {"config_error": ConfigError, "diverged": TrainingDiverged, "parity_failed": ParityError,
+                 "deterministic": DeterministicError}
 
 
 def free_port() -> int:
@@ -76,6 +78,19 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int) ->
     )
 
 
+_live: set[int] = set()  # process groups of running launches, for `stop_all`
+_stopped = False
+
+
+def stop_all() -> None:
+    """Stop every training launched from this process (Ctrl-C, cancellation); they will not be retried."""
+    global _stopped
+    _stopped = True
+    for group in list(_live):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+
+
 def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None) -> int:
     """Run the launcher in its own process group, streaming its output into our log."""
     log.info("launching: %s", " ".join(command))
@@ -84,13 +99,14 @@ def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, full_env.get("PYTHONPATH", "")) if p)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                env=full_env, cwd=out_dir, start_new_session=True)
+    _live.add(process.pid)
     try:
         assert process.stdout is not None
         for line in process.stdout:
             line = line.rstrip()
             if line and not any(noise in line for noise in NOISE):
                 log.info("%s", line)
-        return process.wait()
+        returncode = process.wait()
     except BaseException:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -98,3 +114,8 @@ def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         raise
+    finally:
+        _live.discard(process.pid)
+    if _stopped:
+        raise RunStopped("training was stopped by the user; the next run resumes from the latest checkpoint")
+    return returncode

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.reader import BatchSchedule, TokenWindows
-from lmforge.errors import TrainingDiverged
+from lmforge.errors import DeterministicError, TrainingDiverged
 from training import checkpoint
 from training.config import PretrainConfig
 from training.ds_config import build_ds_config
@@ -58,6 +58,8 @@ class Trainer:
         self.detector = SpikeDetector(cfg.guardrails)
         self.ckpt_root = out_dir / "checkpoints"
         self.step, self.tokens, self.lr_scale, self.grad_norm = 0, 0, 1.0, float("nan")
+        # survives checkpoints, so a run resumed at its last step still reports its figures
+        self.progress: dict[str, Any] = {"last_val": None, "tps_sum": 0.0, "tps_count": 0, "wall_s": 0.0}
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
         self.engine = self._build_engine()
@@ -85,9 +87,13 @@ class Trainer:
         return engine
 
     def _apply_lr_scale(self, engine: Any) -> None:
+        """Scale the schedule's peak LR, and the LR of the very next step (loaded from the checkpoint)."""
         scheduler = engine.lr_scheduler
         if scheduler is not None and hasattr(scheduler, "org_lrs"):
             scheduler.org_lrs = [self.cfg.optim.lr * self.lr_scale for _ in scheduler.org_lrs]
+            if scheduler.last_batch_iteration >= 0:
+                for group, lr in zip(engine.optimizer.param_groups, scheduler.get_lr()):
+                    group["lr"] = lr
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -107,7 +113,8 @@ class Trainer:
     def trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens, "lr_scale": self.lr_scale,
                 "detector": self.detector.state_dict(), "anomalies": self.anomalies,
-                "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage}}
+                "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage},
+                "progress": self.progress}
 
     def save_checkpoint(self) -> Path:
         rank_state = {"rng": checkpoint.rng_state(), "schedule": self.schedule.state_dict()}
@@ -129,6 +136,7 @@ class Trainer:
         else:
             self.lr_scale = trainer["lr_scale"]
             self.anomalies = trainer["anomalies"]
+            self.progress = trainer.get("progress", self.progress)
         self._apply_lr_scale(self.engine)
 
     def _check_layout(self, directory: Path) -> None:
@@ -252,18 +260,30 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------
 
+    def _find_resume_point(self) -> Path | None:
+        """Rank 0 verifies the checkpoints once; every rank gets its verdict (or the same error)."""
+        verdict: Path | str | None = None
+        if self.rank == 0:
+            verdict = checkpoint.latest_verified(self.ckpt_root)
+            existing = self.ckpt_root.exists() and any(
+                p.name.startswith(("step-", ".corrupt-")) for p in self.ckpt_root.iterdir())
+            if verdict is None and existing:
+                verdict = (f"{self.ckpt_root}: checkpoints exist but none verifies; refusing to restart from "
+                           "step 0 over earlier progress (set pretrain.resume=never to start over)")
+        verdict = self._broadcast(verdict)
+        if isinstance(verdict, str):
+            raise DeterministicError(verdict)
+        return verdict
+
     def run(self) -> dict[str, Any]:
-        resume = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
-        resume = self._broadcast(resume)
+        resume = self._find_resume_point()
         if resume is not None:
             self.restore(resume)
             log.info("resumed from %s (step %d)", resume.name, self.step)
         else:
             self.save_checkpoint()
         metrics = MetricsWriter(self.out_dir, self.step, enabled=self.rank == 0)
-        started_step, started = self.step, time.perf_counter()
-        throughput: list[float] = []
-        last_val = None
+        started_step = self.step
         while self.step < self.cfg.max_steps:
             t0 = time.perf_counter()
             outcome = self.train_step()
@@ -272,31 +292,37 @@ class Trainer:
                 metrics.rewind(self.step)
                 continue
             seconds = time.perf_counter() - t0
+            self.progress["wall_s"] += seconds
             tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_len / seconds
-            if self.step > started_step + 2:
-                throughput.append(tokens_per_s)
-            values = {"loss": outcome, "lr": _float(self.engine.get_lr()[0]), "tokens_per_s": tokens_per_s,
-                      "grad_norm": self.grad_norm, "mem_mb": memory_mb(),
-                      "tokens": self.tokens}
-            if self.peak_flops:
-                values["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
-            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
-                last_val = self.evaluate()
-                if last_val is not None:
-                    values.update({"val_loss": last_val, "val_ppl": math.exp(min(last_val, 50))})
-            metrics.log(self.step, values)
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
-                log.info("step %d/%d loss %.4f%s lr %.2e %.0f tok/s%s", self.step, self.cfg.max_steps, outcome,
-                         f" val {last_val:.4f}" if "val_loss" in values else "", values["lr"], tokens_per_s,
-                         f" mfu {values['mfu']:.2%}" if "mfu" in values else "")
+            if self.step > started_step + 2:  # the first steps of a process include warm-up
+                self.progress["tps_sum"] += tokens_per_s
+                self.progress["tps_count"] += 1
+            self._log_step(metrics, outcome, tokens_per_s)
             if self.step % self.cfg.checkpoint.every_steps == 0 or self.step == self.cfg.max_steps:
                 self.save_checkpoint()
         metrics.close()
-        mean_tps = sum(throughput) / len(throughput) if throughput else None
-        return {"final_step": self.step, "tokens": self.tokens, "final_val_loss": last_val,
-                "tokens_per_s": mean_tps, "wall_s": time.perf_counter() - started,
+        count = self.progress["tps_count"]
+        mean_tps = self.progress["tps_sum"] / count if count else None
+        return {"final_step": self.step, "tokens": self.tokens, "final_val_loss": self.progress["last_val"],
+                "tokens_per_s": mean_tps, "train_seconds": round(self.progress["wall_s"], 2),
                 "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
                 "params": self.params, "anomalies": len(self.anomalies)}
+
+    def _log_step(self, metrics: MetricsWriter, loss: float, tokens_per_s: float) -> None:
+        values = {"loss": loss, "lr": _float(self.engine.get_lr()[0]), "tokens_per_s": tokens_per_s,
+                  "grad_norm": self.grad_norm, "mem_mb": memory_mb(), "tokens": self.tokens}
+        if self.peak_flops:
+            values["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
+        if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
+            val = self.evaluate()
+            if val is not None:
+                self.progress["last_val"] = val
+                values.update({"val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        metrics.log(self.step, values)
+        if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+            log.info("step %d/%d loss %.4f%s lr %.2e %.0f tok/s%s", self.step, self.cfg.max_steps, loss,
+                     f" val {values['val_loss']:.4f}" if "val_loss" in values else "", values["lr"], tokens_per_s,
+                     f" mfu {values['mfu']:.2%}" if "mfu" in values else "")
 
 
 def _float(value: Any) -> float:

@@ -50,7 +50,7 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         self.close()
-        self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=step + 1 if step else None)
+        self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=step + 1)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -47,10 +47,15 @@ class Plan:
     budget: dict[str, Any] = field(default_factory=dict)
 
 
-def _precision(cfg: PretrainConfig, device: DeviceInfo) -> str:
-    if cfg.precision != "auto":
-        return cfg.precision
+def resolve_precision(precision: str, device: DeviceInfo) -> str:
+    if precision != "auto":
+        return precision
     return "bf16" if device.bf16 else "fp32"  # CUDA bf16, or CPU AVX512-BF16/AMX
+
+
+def devices_used(plan_world: int, device: DeviceInfo) -> int:
+    """Accelerators the run occupies: its GPU ranks, or the one CPU host."""
+    return plan_world if device.kind == "cuda" else 1
 
 
 def memory_per_rank(params: int, cfg: PretrainConfig, precision: str, world: int, stage: int,
@@ -114,7 +119,7 @@ def plan_parallelism(cfg: PretrainConfig, vocab_size: int = 8192, device: Device
     if cfg.global_batch_size % per_step:
         raise ConfigError(f"pretrain.global_batch_size {cfg.global_batch_size} is not a multiple of "
                           f"micro_batch_size x world size = {cfg.distributed.micro_batch_size} x {world}")
-    precision = _precision(cfg, device)
+    precision = resolve_precision(cfg.precision, device)
     params = count_parameters(cfg.model, vocab_size)
     ranks_sharing = ranks if device.kind == "cpu" else 1  # CPU ranks share the host's memory
     capacity = device.memory_bytes / GIB / ranks_sharing * (1 - cfg.distributed.memory_headroom)
@@ -142,7 +147,7 @@ def plan_parallelism(cfg: PretrainConfig, vocab_size: int = 8192, device: Device
     reasons.append(f"chosen: ZeRO-{stage}, offload {offload} (least sharding that fits)")
     plan = Plan(stage, offload, ranks, cfg.distributed.num_nodes, world, cfg.global_batch_size // per_step,
                 precision, params, parts, host, capacity, reasons)
-    plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, device.count * cfg.distributed.num_nodes)
+    plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, devices_used(world, device))
     return plan
 
 

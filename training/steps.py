@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.configbase import pick
-from lmforge.errors import DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
 
@@ -34,20 +33,21 @@ def _special_tokens(pack_dir: Path) -> tuple[int, dict[str, int]]:
     return index["vocab_size"], {"bos_id": index["eos_id"], "eos_id": index["eos_id"], "pad_id": index["pad_id"]}
 
 
-def _check_resumable(out_dir: Path, resume: str) -> None:
-    """Refuse to silently restart from step 0 where earlier progress exists but cannot be verified."""
-    from training import checkpoint
+_STARTED_OVER: set[Path] = set()
 
-    root = out_dir / "checkpoints"
-    if resume == "never":
+
+def _check_resumable(out_dir: Path, resume: str) -> None:
+    """Refuse to silently restart from step 0 where earlier progress exists but cannot be verified.
+
+    `resume: never` wipes earlier progress once per process: a Prefect retry of the same
+    run (after a killed rank) still resumes from what this run itself has written. The
+    checksums themselves are verified once, by rank 0, before it loads anything.
+    """
+    if resume == "never" and out_dir not in _STARTED_OVER:
+        _STARTED_OVER.add(out_dir)
         for name in ("checkpoints", "tensorboard", "metrics.jsonl", "hf"):
             target = out_dir / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-        return
-    had_any = root.exists() and any(p.name.startswith(("step-", ".corrupt-")) for p in root.iterdir())
-    if had_any and checkpoint.latest_verified(root) is None:
-        raise DeterministicError(f"{root}: checkpoints exist but none verifies; refusing to restart from step 0 "
-                                 "(set pretrain.resume=never to start over)")
 
 
 def _next_attempt(out_dir: Path) -> int:
@@ -57,7 +57,7 @@ def _next_attempt(out_dir: Path) -> int:
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from training.device import detect_device, peak_tflops
     from training.launcher import build_command, classify, exit_records, free_port, launch
-    from training.planner import format_plan, plan_parallelism
+    from training.planner import devices_used, format_plan, plan_parallelism
 
     cfg, out_dir = ctx.config.pretrain, ctx.out_dir
     pack_dir, tokenizer_dir = ctx.upstream_dir(PACK), ctx.upstream_dir(TOKENIZER)
@@ -71,7 +71,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     attempt = _next_attempt(out_dir)
     spec = {"config": cfg.model_dump(mode="json"), "plan": dataclasses.asdict(plan), "out_dir": str(out_dir),
             "pack_dir": str(pack_dir), "tokenizer_dir": str(tokenizer_dir), "special": special, "attempt": attempt,
-            "peak_tflops": per_device * device.count * cfg.distributed.num_nodes}
+            "peak_tflops": per_device * devices_used(plan.world_size, device)}
     atomic_write_json(out_dir / "run_spec.json", spec)
     from training.ds_config import build_ds_config
 
@@ -93,8 +93,23 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                       "budget": plan.budget, "hf_dir": str(out_dir / "hf")}}
 
 
+def _identity(config: Any) -> dict[str, Any]:
+    """The pretrain config's identity, with `precision: auto` resolved on this machine.
+
+    auto gives bf16 on hardware that has it and fp32 elsewhere: different models, so
+    different keys.
+    """
+    ident = pick(config, "pretrain")
+    if config.pretrain.precision == "auto":
+        from training.device import detect_device
+        from training.planner import resolve_precision
+
+        ident["pretrain"]["precision"] = f"auto:{resolve_precision('auto', detect_device())}"
+    return ident
+
+
 PRETRAIN_STEPS = [
     Step(TRAIN, 1, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
-         identity=lambda c: pick(c, "pretrain"), upstream=lambda c: (PACK, TOKENIZER), finalize=_train_finalize,
+         identity=_identity, upstream=lambda c: (PACK, TOKENIZER), finalize=_train_finalize,
          enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",)),
 ]

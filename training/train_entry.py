@@ -5,7 +5,8 @@
 It reads the run spec written by `training.launcher`, trains with `training.loop.Trainer`,
 exports the Hugging Face model with a parity check, and records its outcome in
 `logs/exit-rank<R>.json` so the launcher can tell retryable from deterministic failures.
-Exit codes: 0 ok, 2 configuration error, 3 divergence, 4 parity failure, 1 other crash.
+Exit codes: 0 ok, 2 configuration error, 3 divergence, 4 parity failure, 5 another failure that
+would repeat (e.g. only damaged checkpoints), 1 other crash.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4}
+EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4, "deterministic": 5}
 
 
 def setup_logging(out_dir: Path, rank: int) -> None:
@@ -97,7 +98,7 @@ def main() -> int:
     out_dir = Path(spec["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(out_dir, rank)
-    from lmforge.errors import ConfigError, ParityError, TrainingDiverged
+    from lmforge.errors import ConfigError, DeterministicError, ParityError, TrainingDiverged
 
     status, message = "ok", ""
     try:
@@ -107,6 +108,8 @@ def main() -> int:
         status, message = "diverged", str(exc)
     except ParityError as exc:
         status, message = "parity_failed", str(exc)
+    except DeterministicError as exc:
+        status, message = "deterministic", str(exc)
     except (ConfigError, ValueError) as exc:
         status, message = "config_error", f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - classified for the launcher, traceback logged
