@@ -4,7 +4,8 @@ Per kept shard: documents are encoded, an EOS token ends each one, and the token
 goes to `tokens/<shard>.train.bin` or `.val.bin` (raw little-endian uint16 when the
 vocabulary fits, else uint32). The split is by a hash of the document id, so it is stable
 when other documents come or go. Upsampled documents appear `repeat` times in train (the
-extra copies in a seeded order after the first pass, never back to back). A sidecar
+extra copies shuffled with a seed after the first pass, so they rarely sit next to the original;
+the reader shuffles windows again). A sidecar
 `<shard>.<split>.docs.parquet` maps token offsets back to document ids, so a bad batch
 can be traced to the documents in it.
 """

@@ -22,6 +22,7 @@ from flows.pretrain import pretrain_flow
 from lmforge.config import load_config
 from lmforge.executor import graph
 from tasks.artifacts import publish_lineage
+from tasks.logs import set_library_log_level
 
 STAGE_FLOWS = {"curate": curate_flow, "pretrain": pretrain_flow}
 
@@ -31,6 +32,7 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, works
              stages: list[str] | None = None) -> dict[str, Any]:
     """Run `stages` (default: the config's `stages`) and whatever they need upstream."""
     config = load_config(preset, overrides or [], workspace)
+    set_library_log_level(config.runtime.log_level)
     if stages:
         config.stages = stages  # type: ignore[assignment]
     needed = {step.stage for step in graph().active(config, config.stages)}

@@ -116,6 +116,7 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
         from lmforge.executor import run_pipeline_locally
 
         logging.basicConfig(level=config.runtime.log_level, format="%(asctime)s %(name)s %(message)s")
+        os.environ["LMFORGE_LOG_LEVEL"] = config.runtime.log_level  # for the training ranks
         manifests = run_pipeline_locally(config, stages or config.stages)
         steps = {n: {"key": m["key"], "dir": m["dir"],
                      "status": "reused" if m["timings"]["finished_at"] < started else "computed"}

@@ -32,11 +32,31 @@ def _state() -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    try:  # reap it first if we started it in this process, or a zombie would look alive
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
     try:
         os.kill(pid, 0)
         return True
     except OSError:
         return False
+
+
+def _is_our_server(pid: int) -> bool:
+    """The pid file can outlive the server and the pid be reused: only ever signal a Prefect server."""
+    if not _alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # no /proc (macOS): fall back to trusting the pid file
+        return True
+    return b"prefect" in cmdline and b"server" in cmdline
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def healthy(api_url: str, timeout: float = 2.0) -> bool:
@@ -50,7 +70,7 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
 def running_api_url() -> str | None:
     """The API URL of the lmforge-managed server, if it is up."""
     state = _state()
-    if state and _alive(state["pid"]) and healthy(state["api_url"]):
+    if state and _is_our_server(state["pid"]) and healthy(state["api_url"]):
         return state["api_url"]
     return None
 
@@ -64,14 +84,14 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
     directory = home()
     directory.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    log = open(directory / "server.log", "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    api_url = f"http://{host}:{port}/api"
-    (directory / "server.json").write_text(json.dumps({"pid": process.pid, "api_url": api_url,
-                                                       "ui_url": f"http://{host}:{port}"}))
+    with open(directory / "server.log", "ab") as log:  # the child keeps its own copy of the handle
+        process = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    base = f"http://{_url_host(host)}:{port}"
+    api_url = f"{base}/api"
+    (directory / "server.json").write_text(json.dumps({"pid": process.pid, "api_url": api_url, "ui_url": base}))
     deadline = time.time() + wait_s
     while time.time() < deadline:
         if healthy(api_url):
@@ -82,22 +102,26 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
     raise RuntimeError(f"prefect server did not answer within {wait_s:.0f}s; see {directory / 'server.log'}")
 
 
-def stop() -> bool:
+def stop(wait_s: float = 15.0) -> bool:
+    """Stop the managed server (SIGTERM to its process group, SIGKILL if it lingers)."""
     state = _state()
-    if not state or not _alive(state["pid"]):
+    if not state or not _is_our_server(state["pid"]):
+        (home() / "server.json").unlink(missing_ok=True)  # stale: the server is already gone
         return False
-    os.killpg(os.getpgid(state["pid"]), signal.SIGTERM)
-    for _ in range(50):
-        if not _alive(state["pid"]):
-            break
+    group = os.getpgid(state["pid"])
+    os.killpg(group, signal.SIGTERM)
+    deadline = time.time() + wait_s
+    while _alive(state["pid"]) and time.time() < deadline:
         time.sleep(0.2)
+    if _alive(state["pid"]):
+        os.killpg(group, signal.SIGKILL)
     (home() / "server.json").unlink(missing_ok=True)
     return True
 
 
 def status() -> str:
     state = _state()
-    if state and _alive(state["pid"]):
+    if state and _is_our_server(state["pid"]):
         health = "healthy" if healthy(state["api_url"]) else "starting or unhealthy"
         return f"running (pid {state['pid']}, {health}): UI {state['ui_url']}  API {state['api_url']}"
     return "not running (start it with: lmforge server start)"

@@ -16,7 +16,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -171,5 +170,3 @@ class StageStore:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
-    def clear(self, directory: Path) -> None:
-        shutil.rmtree(directory, ignore_errors=True)

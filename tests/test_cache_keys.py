@@ -23,7 +23,7 @@ def identities(overrides: list[str]) -> dict[str, str]:
     return {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
 
 
-@pytest.mark.parametrize("override, changed", [
+ROWS = [
     ("curate.demo.seed=8", {"curate/demo"}),
     ("curate.docs_per_shard=500", {"curate/ingest"}),
     ("curate.normalize.unicode_form=NFKC", {"curate/ingest"}),
@@ -61,10 +61,34 @@ def identities(overrides: list[str]) -> dict[str, str]:
     ("pretrain.log_every=1", set()),
     ("pretrain.eval_every=5", set()),
     ("pretrain.resume=never", set()),
-])
+    ("runtime.log_level=DEBUG", set()),
+    ("pretrain.distributed.launcher=torchrun", set()),
+    ("pretrain.distributed.hostfile=pyproject.toml", set()),
+    ("pretrain.distributed.num_nodes=2", set()),
+    ("pretrain.distributed.master_port=29999", set()),
+    ("pretrain.distributed.offload=optimizer", set()),
+    ("pretrain.distributed.memory_headroom=0.5", set()),
+    ("pretrain.eval_batches=2", set()),
+    ("pretrain.peak_tflops=1.0", set()),
+    ("pretrain.parity_tolerance=0.01", set()),
+    ("pretrain.assumed_mfu=0.3", set()),
+]
+
+
+@pytest.mark.parametrize("override, changed", ROWS)
 def test_field_changes_exactly_these_steps(override: str, changed: set[str]) -> None:
     before, after = identities([]), identities([override])
     assert {name for name in ALL_STEPS if before[name] != after[name]} == changed
+
+
+def test_every_runtime_field_is_pinned_above() -> None:
+    """A new field marked runtime (kept out of every key) must get a row proving it changes nothing."""
+    from lmforge.config import PipelineConfig
+    from lmforge.configbase import runtime_paths
+
+    pinned = {override.split("=")[0] for override, changed in ROWS if not changed}
+    structural = {"name", "workspace", "stages"} | {p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")}
+    assert set(runtime_paths(PipelineConfig)) - structural - pinned == set()
 
 
 def test_select_reads_only_enabled_attribute_steps() -> None:

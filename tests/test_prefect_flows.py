@@ -48,6 +48,18 @@ def test_config_change_recomputes_that_step_and_downstream_only(curated_copy: Pa
     assert all(s != "computed" for n, s in status.items() if n not in ("curate/tokenizer", "curate/pack"))
 
 
+def test_a_prefect_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefect_server) -> None:
+    """Switching back to an earlier config is answered from Prefect's cache; `explain` must see it."""
+    from lmforge.store import StageStore
+
+    original = _run(curated_copy)
+    _run(curated_copy, "curate.tokenizer.vocab_size=1100")
+    back = _run(curated_copy)
+    assert back["steps"]["curate/tokenizer"]["status"] == "cached"
+    latest = StageStore(curated_copy).latest("curate/tokenizer")
+    assert latest is not None and latest["key"] == original["steps"]["curate/tokenizer"]["key"]
+
+
 def test_artifacts_are_published_under_stable_keys(curated_copy: Path, prefect_server) -> None:
     from prefect.client.orchestration import get_client
 

@@ -86,3 +86,24 @@ def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "lmforge.cli", "server", "start", "--host", "0.0.0.0"],
                             capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in result.stderr
+
+
+def test_a_stale_pid_file_never_signals_an_unrelated_process(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from lmforge import server
+
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path))
+    bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        server.home().mkdir(parents=True)
+        (server.home() / "server.json").write_text(json.dumps(
+            {"pid": bystander.pid, "api_url": "http://[::1]:1/api", "ui_url": "http://[::1]:1"}))
+        assert server.status().startswith("not running")
+        assert server.running_api_url() is None
+        assert server.stop() is False
+        assert bystander.poll() is None, "stop() signalled a process that is not a Prefect server"
+        assert not (server.home() / "server.json").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()

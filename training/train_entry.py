@@ -30,8 +30,9 @@ def setup_logging(out_dir: Path, rank: int) -> None:
         handlers.append(logging.StreamHandler(sys.stdout))
     logging.basicConfig(level=logging.WARNING, handlers=handlers, force=True,
                         format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s")
+    level = os.environ.get("LMFORGE_LOG_LEVEL", "INFO")  # runtime.log_level, passed by the launcher
     for ours in ("training", "data_prep", "lmforge"):
-        logging.getLogger(ours).setLevel(logging.INFO)
+        logging.getLogger(ours).setLevel(level)
 
 
 def init_distributed() -> tuple[int, int]:
