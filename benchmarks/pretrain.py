@@ -43,39 +43,44 @@ def synthetic_pack(directory: Path, vocab_size: int, tokens: int, seed: int = 0)
     return directory
 
 
-def plain_loop(cfg, plan, trainer, steps: int) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+class PlainLoop:
     """The same training, written as the textbook PyTorch loop."""
-    import torch
-    import torch.nn.functional as F
 
-    from data_prep.reader import BatchSchedule
-    from training.model import build_model
+    def __init__(self, cfg, plan, trainer) -> None:  # type: ignore[no-untyped-def]
+        import torch
 
-    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-    model = build_model(cfg.model, trainer.vocab_size, cfg.seq_len, trainer.special, cfg.seed).to(dtype)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr,
-                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
-    schedule = BatchSchedule(len(trainer.train_data), cfg.distributed.micro_batch_size, 1, 0, cfg.seed)
-    losses, timings = [], []
-    for step in range(steps):
-        start = time.perf_counter()
+        from data_prep.reader import BatchSchedule
+        from training.model import build_model
+
+        self.cfg, self.plan, self.trainer = cfg, plan, trainer
+        dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+        self.model = build_model(cfg.model, trainer.vocab_size, cfg.seq_len, trainer.special, cfg.seed).to(dtype)
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr,
+                                     betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+        self.schedule = BatchSchedule(len(trainer.train_data), cfg.distributed.micro_batch_size, 1, 0, cfg.seed)
+        self.step_index = 0
+
+    def train_step(self) -> float:
+        import torch
+        import torch.nn.functional as F
+
+        cfg, plan = self.cfg, self.plan
         for _ in range(plan.grad_accum):
-            _, windows = schedule.next()
-            batch = torch.from_numpy(trainer.train_data.batch(windows))
-            logits = model(input_ids=batch[:, :-1]).logits
+            _, windows = self.schedule.next()
+            batch = torch.from_numpy(self.trainer.train_data.batch(windows))
+            logits = self.model(input_ids=batch[:, :-1]).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             (loss / plan.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        for group in opt.param_groups:
-            group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / max(cfg.optim.warmup_steps, 1))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        timings.append(time.perf_counter() - start)
-    return _steady(timings), losses
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        self.step_index += 1
+        for group in self.opt.param_groups:
+            group["lr"] = cfg.optim.lr * min(1.0, self.step_index / max(cfg.optim.warmup_steps, 1))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
 
 
 def _steady(timings: list[float]) -> float:
@@ -112,18 +117,23 @@ def main() -> None:
         pack = synthetic_pack(Path(tmp) / "pack", vocab, 4_000_000)
         special = {"bos_id": 0, "eos_id": 0, "pad_id": 1}
         trainer = Trainer(cfg, plan, pack, Path(tmp) / "out", special, rank, world, peak)
-        timings, ds_losses = [], []
+        plain = PlainLoop(cfg, plan, trainer)
+        # interleaved step by step, so both paths see the same machine conditions (other load,
+        # thermal state); each path's figure is the median of its own step times
+        timings: dict[str, list[float]] = {"ds": [], "plain": []}
+        losses: dict[str, list[float]] = {"ds": [], "plain": []}
         for _ in range(args.steps):
-            start = time.perf_counter()
-            ds_losses.append(trainer.train_step())
-            timings.append(time.perf_counter() - start)
-        ds_step = _steady(timings)
-        plain_step, plain_losses = plain_loop(cfg, plan, trainer, args.steps)
+            for name, path in (("ds", trainer), ("plain", plain)):
+                start = time.perf_counter()
+                losses[name].append(path.train_step())
+                timings[name].append(time.perf_counter() - start)
+        ds_step, plain_step = _steady(timings["ds"]), _steady(timings["plain"])
+        ds_losses, plain_losses = losses["ds"], losses["plain"]
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len)
     ds_tps, plain_tps = tokens_per_step / ds_step, tokens_per_step / plain_step
     print(f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
-          f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps (median after warm-up)")
+          f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps each, interleaved (median after warm-up)")
     print(f"device peak {peak:.3f} TFLOP/s ({device.name}, {plan.precision} matmul, measured)")
     print(f"{'path':28} {'tokens/s':>10} {'MFU':>7} {'first loss':>11} {'last loss':>10}")
     print(f"{'plain PyTorch loop':28} {plain_tps:10.0f} {fpt * plain_tps / (peak * 1e12):7.1%} "
