@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmforge.executor import graph, plan_step
+from lmforge.graph import config_identity
 from lmforge.hashing import flatten
 from lmforge.store import StageStore
 
@@ -62,7 +63,7 @@ def explain(config: Any, stages: list[str]) -> list[Explanation]:
             reasons = [f"upstream {u} will be recomputed (reused after all if it reproduces the same bytes)" for u in stale]
             latest = store.latest(step.name)
             if latest is not None:
-                own = {"step": step.name, "version": step.version, "config": step.identity(config), "upstream": {}}
+                own = {"step": step.name, "version": step.version, "config": config_identity(step, config), "upstream": {}}
                 reasons += diff_components({**latest["key_components"], "upstream": {}}, own)
             out.append(Explanation(step.name, None, False, reasons))
             continue

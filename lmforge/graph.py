@@ -66,13 +66,18 @@ class Step:
         return self.name.split("/", 1)[0]
 
 
+def config_identity(step: Step, config: Any) -> dict[str, Any]:
+    """The step's identity fields as JSON sees them, so a record read back from a manifest
+    compares equal to a fresh one (tuples become lists)."""
+    return json.loads(canonical_json(step.identity(config)))
+
+
 def key_components(step: Step, config: Any, upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Everything the key is made of, kept in the manifest so `explain` can diff it later."""
     return {
         "step": step.name,
         "version": step.version,
-        # as JSON sees it, so the record in a manifest compares equal to a fresh one (tuples vs lists)
-        "config": json.loads(canonical_json(step.identity(config))),
+        "config": config_identity(step, config),
         "upstream": {name: upstream[name]["digest"] for name in step.upstream(config)},
     }
 

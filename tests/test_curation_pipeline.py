@@ -35,9 +35,11 @@ def test_counts_add_up_and_every_removed_document_is_kept_with_its_reason(curate
 
 def test_every_filter_has_something_real_to_catch(curated) -> None:
     _, manifests = curated
-    families = {reason.split(":")[0] for reason in manifests["curate/select"]["counts"]["removed"]}
-    assert {"exact_dedup", "near_dedup", "length", "langid", "encoding", "quality_classifier", "mix"} <= families
-    assert families & {"gopher_quality", "gopher_repetition", "c4", "fineweb"}
+    removed = manifests["curate/select"]["counts"]["removed"]
+    families = {reason.split(":")[0] for reason in removed}
+    assert {"exact_dedup", "near_dedup", "length", "langid", "encoding", "quality_classifier", "mix",
+            "gopher_quality", "gopher_repetition", "c4", "fineweb"} <= families
+    assert {"exact_dedup:url", "langid:low_confidence", "length:too_short", "length:too_long"} <= set(removed)
     quarantine = manifests["curate/ingest"]["counts"]["quarantined_by_reason"]
     assert {"invalid_json", "invalid_utf8", "missing_text", "text_not_string", "empty_text"} <= set(quarantine)
 
@@ -99,3 +101,13 @@ def test_deleted_file_makes_only_that_step_recompute(curated_copy: Path) -> None
     # the rebuilt attributes are byte-identical, so selection and everything after is reused
     assert recomputed == {"curate/langid"}
     assert manifests["curate/langid"]["timings"]["units_reused"] >= 1
+
+
+def test_explain_downstream_of_a_rerun_lists_only_fields_that_changed(curated_copy: Path) -> None:
+    # docs_per_shard reshards ingest; the heuristics step's identity holds tuples (n-gram sizes)
+    # that its manifest stores as lists: they must not be reported as changed
+    config = small_config(curated_copy, "curate.docs_per_shard=7")
+    explained = {e.step: e for e in explain(config, ["curate"])}
+    assert not explained["curate/heuristics"].reuse
+    assert explained["curate/heuristics"].reasons == [
+        "upstream curate/ingest will be recomputed (reused after all if it reproduces the same bytes)"]
