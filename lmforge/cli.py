@@ -156,14 +156,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo
-    from training.planner import format_plan, plan_parallelism
+    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, peak_tflops
+    from training.planner import format_plan, plan_parallelism, resolve_precision
 
     config = _load(args, check_paths=False)
-    device, peak = None, None
     if args.gpus:
         device = DeviceInfo("cuda", args.gpu_name, args.gpus, int(args.gpu_memory_gib * 1024**3), True, 64)
         peak = KNOWN_GPU_PEAK_TFLOPS.get(args.gpu_name)
+    else:  # this machine: the measured (cached) peak, so the budget includes a time estimate
+        device = detect_device()
+        peak = peak_tflops(device, resolve_precision(config.pretrain.precision, device))
     plan = plan_parallelism(config.pretrain, config.curate.tokenizer.vocab_size, device=device, peak_tflops=peak)
     print(format_plan(plan))
     return 0

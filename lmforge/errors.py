@@ -28,6 +28,8 @@ class DeterministicError(LmforgeError):
 class TrainingDiverged(DeterministicError):
     """Too many consecutive loss spikes or non-finite losses."""
 
+    anomalies: list = []  # the anomaly report's rows, when the stage could read it
+
 
 class ParityError(DeterministicError):
     """The exported model does not reproduce the training engine's logits."""

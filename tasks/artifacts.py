@@ -53,10 +53,14 @@ def publish_pretrain(manifest: dict[str, Any]) -> None:
     metrics = manifest["metrics"]
     rows = [{"metric": k, "value": v} for k, v in metrics.items() if isinstance(v, (int, float, str))]
     create_table_artifact(key="pretrain-summary", table=rows, description="final training metrics")
-    anomalies = manifest["extra"].get("anomalies", [])
-    if anomalies:
-        create_table_artifact(key="pretrain-anomalies", table=anomalies,
-                              description="loss spikes / non-finite losses: rolled back and skipped")
+    publish_anomalies(manifest["extra"].get("anomalies", []))
+
+
+def publish_anomalies(rows: list[dict[str, Any]], diverged: bool = False) -> None:
+    if rows:
+        create_table_artifact(key="pretrain-anomalies", table=rows,
+                              description="training stopped: too many anomalies in a row" if diverged else
+                              "loss spikes / non-finite losses: rolled back and skipped")
 
 
 def publish_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> str:

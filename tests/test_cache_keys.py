@@ -2,7 +2,7 @@
 
 Each row sets one field and lists exactly the steps whose own identity changes. Steps
 downstream of those change too, through their upstream digests, but only if the upstream
-output bytes change: that is content addressing, tested in test_pipeline_local.py.
+output bytes change: that is content addressing, tested in test_curation_pipeline.py.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ ROWS = [
     ("workspace=/elsewhere", set()),
     ("curate.near_dedup.batch_docs=64", set()),
     ("pretrain.distributed.micro_batch_size=4", set()),
-    ("pretrain.distributed.num_ranks=4", set()),
+    ("pretrain.distributed.num_ranks=1", set()),
     ("pretrain.distributed.zero_stage=3", set()),
     ("pretrain.distributed.activation_checkpointing=true", set()),
     ("pretrain.checkpoint.keep_last=5", set()),
@@ -64,7 +64,9 @@ ROWS = [
     ("runtime.log_level=DEBUG", set()),
     ("pretrain.distributed.launcher=torchrun", set()),
     ("pretrain.distributed.hostfile=pyproject.toml", set()),
-    ("pretrain.distributed.num_nodes=2", set()),
+    # a second node needs a hostfile, and the batch must still split: 4 x 2 ranks x 2 nodes = 16
+    ("pretrain.distributed.num_nodes=2;pretrain.distributed.hostfile=pyproject.toml;"
+     "pretrain.distributed.micro_batch_size=4", set()),
     ("pretrain.distributed.master_port=29999", set()),
     ("pretrain.distributed.offload=optimizer", set()),
     ("pretrain.distributed.memory_headroom=0.5", set()),
@@ -77,7 +79,7 @@ ROWS = [
 
 @pytest.mark.parametrize("override, changed", ROWS)
 def test_field_changes_exactly_these_steps(override: str, changed: set[str]) -> None:
-    before, after = identities([]), identities([override])
+    before, after = identities([]), identities(override.split(";"))
     assert {name for name in ALL_STEPS if before[name] != after[name]} == changed
 
 

@@ -122,6 +122,8 @@ def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_pa
     assert anomaly["kind"] == "non_finite" and anomaly["step"] == 53 and anomaly["micro_batches"] == [52]
     assert anomaly["action"].startswith("rolled back to step-00000040")
     assert anomaly["samples"] and all(s["doc_ids"] and s["shard"] for s in anomaly["samples"])
+    # the replayed step 53 (batch 53 instead of 52) has a finite loss, close to the window's
+    assert anomaly["loss_after"] == anomaly["loss_after"] and abs(anomaly["loss_after"] - anomaly["window_mean"]) < 1.0
     rows = _metrics(manifest)
     assert [r["step"] for r in rows] == list(range(1, 61)) and all(r["loss"] == r["loss"] for r in rows)
     assert manifest["counts"]["anomalies"] == 1 and manifest["extra"]["anomalies"][0]["step"] == 53
@@ -148,13 +150,18 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, d
 
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52,53,54,55]", "pretrain.max_steps=60",
+    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52,53,54]", "pretrain.max_steps=60",
                           "pretrain.guardrails.max_consecutive_spikes=3")
-    with pytest.raises(TrainingDiverged, match="4 anomalies in a row") as info:
+    with pytest.raises(TrainingDiverged, match="3 anomalies in a row") as info:
         run_pipeline_locally(config, ["pretrain"])
     assert not is_retryable(info.value)
     out = next(workspace.glob("pretrain/train/*/"))
     assert not (out / "manifest.json").exists()
+    # the report is written before the run stops, and travels with the error for the Prefect artifact
+    report = json.loads((out / "anomalies.json").read_text())
+    assert [a["micro_batches"] for a in report] == [[52], [53], [54]]
+    assert [r["step"] for r in info.value.anomalies] == [53, 53, 53]  # each replay of step 53 met the next bad batch
+    assert all(r["shards"] and r["doc_ids"] for r in info.value.anomalies)
     records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
     assert {r["status"] for r in records} == {"diverged"}
 
@@ -215,3 +222,20 @@ def test_damaged_progress_is_never_silently_restarted(trained: dict, tmp_path: P
         run_pipeline_locally(small_config(copy), ["pretrain"])
     assert not is_retryable(info.value)
     assert len(list((out / "checkpoints").glob(".corrupt-step-*"))) == 3
+
+
+def test_deleted_metrics_are_rebuilt_from_the_checkpoint_history(trained: dict, tmp_path: Path) -> None:
+    """A completed output missing its metrics is recomputed: resumed at the final checkpoint, history restored."""
+    copy = tmp_path / "ws"
+    shutil.copytree(Path(trained["dir"]).parents[2], copy)
+    out = copy / "pretrain" / "train" / trained["key"]
+    (out / "metrics.jsonl").unlink()
+    shutil.rmtree(out / "tensorboard")
+    manifest = run_pipeline_locally(small_config(copy), ["pretrain"])["pretrain/train"]
+    assert manifest["timings"]["finished_at"] > trained["timings"]["finished_at"]  # recomputed, not reused
+    assert "resumed from step-00000160 (step 160)" in (out / "logs" / "rank-0.log").read_text()
+    rebuilt, reference = _metrics(manifest), _metrics(trained)
+    assert [r["step"] for r in rebuilt] == list(range(1, 161))
+    assert [r["loss"] for r in rebuilt] == [r["loss"] for r in reference]
+    events = [rel for rel in manifest["outputs"] if rel.startswith("tensorboard/")]
+    assert events and all((out / rel).exists() for rel in events)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import load_config
-from lmforge.errors import ConfigError, ParityError, TrainingDiverged, TrainingInterrupted, is_retryable
+from lmforge.errors import ConfigError, DeterministicError, ParityError, TrainingDiverged, TrainingInterrupted, is_retryable
 from training import checkpoint
 from training.config import GuardrailConfig, PretrainConfig
 from training.device import DeviceInfo
@@ -51,6 +51,28 @@ def test_planner_picks_the_least_sharded_strategy_that_fits() -> None:
         assert sum(plan.per_rank_gib.values()) <= plan.capacity_gib
 
 
+def test_planner_memory_follows_the_zero_paper() -> None:
+    """bf16 mixed precision: 2 B weights + 2 B gradients + 12 B Adam (fp32 master, m, v) per parameter;
+    ZeRO-1 shards the 12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights (Rajbhandari et al.)."""
+    from training.planner import memory_per_rank
+
+    cfg = load_config("gpu-1node", ["pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    n, world = count_parameters(cfg.model, 50304), 8
+    expected = {0: (2, 2, 12), 1: (2, 2, 12 / world), 2: (2, 2 / world, 12 / world), 3: (2 / world, 2 / world, 12 / world)}
+    for stage, (w, g, o) in expected.items():
+        parts, host = memory_per_rank(n, cfg, "bf16", world, stage, "none", 50304)
+        assert parts["weights"] * GIB == pytest.approx(w * n)
+        assert parts["gradients"] * GIB == pytest.approx(g * n)
+        assert parts["optimizer"] * GIB == pytest.approx(o * n) and host == 0
+    parts, host = memory_per_rank(n, cfg, "bf16", world, 2, "optimizer", 50304)
+    assert parts["optimizer"] == 0 and host * GIB == pytest.approx(12 * n / world)
+    # activations: 34*s*b*h bytes per layer (16-bit, no stored attention scores) plus fp32 logits and their grads
+    m, s = cfg.model, cfg.seq_len
+    assert parts["activations"] * GIB == pytest.approx(34 * s * m.hidden_size * m.num_layers + 8 * s * 50304)
+    fp32, _ = memory_per_rank(n, cfg, "fp32", world, 0, "none", 50304)
+    assert (fp32["weights"] + fp32["gradients"] + fp32["optimizer"]) * GIB == pytest.approx(16 * n)
+
+
 def test_planner_reports_the_compute_budget() -> None:
     cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     plan = plan_parallelism(cfg, 50304, gpu(80), peak_tflops=989)
@@ -68,9 +90,11 @@ def test_planner_override_and_errors() -> None:
     tight = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     with pytest.raises(ConfigError, match="no strategy fits"):
         plan_parallelism(tight, 50304, gpu(4))
-    odd = load_config("tiny-cpu", ["pretrain.global_batch_size=10"]).pretrain
-    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x world size"):
-        plan_parallelism(odd, 4096, DeviceInfo("cpu", "cpu", 1, 16 * GIB, False, 2))
+    with pytest.raises(ConfigError, match="pretrain: global_batch_size 10 is not a multiple of micro_batch_size x ranks"):
+        load_config("tiny-cpu", ["pretrain.global_batch_size=10"])  # fixed rank count: caught when the config loads
+    odd = load_config("tiny-cpu", ["pretrain.global_batch_size=24", "pretrain.distributed.num_ranks=auto"]).pretrain
+    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x world size"):  # auto: once devices are known
+        plan_parallelism(odd, 4096, DeviceInfo("cuda", "H100", 4, 80 * GIB, True, 64))
 
 
 def test_deepspeed_config_follows_the_plan() -> None:
@@ -160,6 +184,19 @@ def test_exit_classification_separates_retryable_from_deterministic() -> None:
         classify(4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
     with pytest.raises(ConfigError):
         classify(2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
+    # the launcher itself failed (bad hostfile, no such module): a retry would fail the same way
+    with pytest.raises(DeterministicError, match="before any rank started; its last output: ssh: no route") as info:
+        classify(1, [], 2, started=0, output_tail="ssh: no route")
+    assert not is_retryable(info.value)
+    with pytest.raises(TrainingInterrupted):  # but a launcher killed by a signal (preemption) is retried
+        classify(-9, [], 2, started=0)
+
+
+def test_multinode_settings_are_checked_when_the_config_loads() -> None:
+    with pytest.raises(ConfigError, match="need launcher: deepspeed"):
+        load_config("tiny-cpu", ["pretrain.distributed.launcher=torchrun", "pretrain.distributed.num_nodes=2"])
+    with pytest.raises(ConfigError, match="num_nodes > 1 needs a hostfile"):
+        load_config("tiny-cpu", ["pretrain.distributed.num_nodes=2"])
 
 
 def test_retry_policy() -> None:

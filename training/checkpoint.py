@@ -96,8 +96,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(engine: Any, root: Path, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
-         rank: int, keep_last: int, barrier: Any) -> Path:
-    """Collective: every rank calls this. Returns the final checkpoint directory."""
+         rank: int, keep_last: int, barrier: Any, extra_files: dict[str, Path] | None = None) -> Path:
+    """Collective: every rank calls this. Returns the final checkpoint directory.
+
+    `extra_files` (rank 0): {name: path} copied in when they exist, e.g. the metrics history,
+    so a resume can rebuild outputs that were lost since."""
     tmp = root / f".tmp-step-{step:08d}"
     final = step_dir(root, step)
     if rank == 0:
@@ -109,6 +112,9 @@ def save(engine: Any, root: Path, step: int, trainer_state: dict[str, Any], rank
     barrier()
     if rank == 0:
         atomic_write_json(tmp / "trainer.json", trainer_state)
+        for name, source in (extra_files or {}).items():
+            if source.exists():
+                shutil.copy2(source, tmp / name)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         atomic_write_json(tmp / CHECKSUMS, {rel: file_sha256(tmp / rel) for rel in files})
         if final.exists():  # a replay after rollback reaches the same step again

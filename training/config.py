@@ -59,7 +59,7 @@ class GuardrailConfig(StrictModel):
     window: int = Field(20, ge=2, description="Recent steps the spike statistics are taken over.")
     min_history: int = Field(10, ge=2, description="Steps of history needed before spikes are judged.")
     lr_scale_on_spike: float = Field(1.0, gt=0, le=1, description="Multiply the learning rate by this after each rollback.")
-    max_consecutive_spikes: int = Field(3, ge=1, description="Stop (non-retryable) after this many rollbacks without progress.")
+    max_consecutive_spikes: int = Field(3, ge=1, description="Stop (non-retryable) at this many anomalies in a row (each within `window` steps of the previous one).")
 
     @model_validator(mode="after")
     def _history_fits_window(self) -> "GuardrailConfig":
@@ -90,6 +90,15 @@ class DistributedConfig(StrictModel):
     activation_checkpointing: bool = runtime_field(False, description="Recompute activations in backward to save memory.")
     memory_headroom: float = runtime_field(0.2, description="Fraction of device memory the planner leaves free.", ge=0, lt=1)
 
+    @model_validator(mode="after")
+    def _multinode_needs_deepspeed(self) -> "DistributedConfig":
+        if self.launcher == "torchrun" and (self.hostfile or self.num_nodes > 1):
+            raise ValueError("multi-node runs (hostfile, num_nodes) need launcher: deepspeed; "
+                             "torchrun here starts the ranks of one node")
+        if self.num_nodes > 1 and not self.hostfile:
+            raise ValueError("num_nodes > 1 needs a hostfile naming the nodes")
+        return self
+
 
 class FaultInjectionConfig(StrictModel):
     """Test hooks that make failures reproducible."""
@@ -119,3 +128,14 @@ class PretrainConfig(StrictModel):
     peak_tflops: float | None = runtime_field(None, description="Device peak for MFU; measured with a matmul when unset.")
     parity_tolerance: float = runtime_field(1e-3, description="Max |logit difference| allowed between engine and export.", gt=0)
     assumed_mfu: float = runtime_field(0.4, description="MFU the planner assumes for its time estimate.", gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _batch_splits_evenly(self) -> "PretrainConfig":
+        """Checked here when the rank count is fixed (the planner checks `auto` once it knows the devices)."""
+        d = self.distributed
+        if d.num_ranks != "auto":
+            per_step = d.micro_batch_size * int(d.num_ranks) * d.num_nodes
+            if self.global_batch_size % per_step:
+                raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
+                                 f"ranks x nodes = {d.micro_batch_size} x {d.num_ranks} x {d.num_nodes}")
+        return self

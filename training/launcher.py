@@ -14,6 +14,7 @@ After exit, the per-rank exit records decide what happened: a deterministic fail
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -60,8 +61,18 @@ def exit_records(out_dir: Path, attempt: int) -> list[dict[str, Any]]:
     return records
 
 
-def classify(returncode: int, records: list[dict[str, Any]], world_size: int) -> None:
-    """Raise the error that matches how the run ended (nothing on success)."""
+def ranks_started(out_dir: Path, attempt: int) -> int:
+    return len(list((out_dir / "logs" / f"attempt-{attempt}").glob("started-rank*")))
+
+
+def classify(returncode: int, records: list[dict[str, Any]], world_size: int,
+             started: int | None = None, output_tail: str = "") -> None:
+    """Raise the error that matches how the run ended (nothing on success).
+
+    `started` counts ranks that got as far as running lmforge code; a launcher that exits
+    on its own before any did (bad hostfile, missing module, unreachable node) fails the
+    same way on every retry, unless a signal killed it (preemption).
+    """
     statuses = {r["status"] for r in records}
     if statuses == {"ok"} and len(records) == world_size:
         if returncode != 0:  # every rank finished and recorded it; only the teardown failed
@@ -70,6 +81,9 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int) ->
     for record in records:
         if record["status"] in NON_RETRYABLE:
             raise NON_RETRYABLE[record["status"]](f"rank {record['rank']}: {record['message']}")
+    if started == 0 and returncode > 0:
+        raise DeterministicError(f"the launcher exited with code {returncode} before any rank started"
+                                 + (f"; its last output: {output_tail}" if output_tail else ""))
     missing = world_size - len(records)
     raise TrainingInterrupted(
         f"training exited with code {returncode}; {missing} rank(s) died without a record"
@@ -91,12 +105,15 @@ def stop_all() -> None:
             os.killpg(group, signal.SIGTERM)
 
 
-def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None) -> int:
-    """Run the launcher in its own process group, streaming its output into our log."""
+def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run the launcher in its own process group, streaming its output into our log.
+
+    Returns the exit code and the last lines of output (for a one-line failure message)."""
     log.info("launching: %s", " ".join(command))
     repo_root = str(Path(__file__).resolve().parent.parent)
     full_env = {**os.environ, **QUIET_ENV, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, full_env.get("PYTHONPATH", "")) if p)
+    tail: collections.deque[str] = collections.deque(maxlen=3)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                env=full_env, cwd=out_dir, start_new_session=True)
     _live.add(process.pid)
@@ -106,6 +123,7 @@ def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None)
             line = line.rstrip()
             if line and not any(noise in line for noise in NOISE):
                 log.info("%s", line)
+                tail.append(line)
         returncode = process.wait()
     except BaseException:
         os.killpg(process.pid, signal.SIGTERM)
@@ -118,4 +136,4 @@ def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None)
         _live.discard(process.pid)
     if _stopped:
         raise RunStopped("training was stopped by the user; the next run resumes from the latest checkpoint")
-    return returncode
+    return returncode, " | ".join(tail)

@@ -21,9 +21,10 @@ from data_prep.reader import BatchSchedule, TokenWindows
 from lmforge.errors import DeterministicError, TrainingDiverged
 from training import checkpoint
 from training.config import PretrainConfig
+from lmforge.hashing import atomic_write_json
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
-from training.metrics import MetricsWriter, flops_per_token, memory_mb
+from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb
 from training.model import build_model
 from training.planner import Plan
 
@@ -119,7 +120,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         rank_state = {"rng": checkpoint.rng_state(), "schedule": self.schedule.state_dict()}
         path = checkpoint.save(self.engine, self.ckpt_root, self.step, self.trainer_state(), rank_state,
-                               self.rank, self.cfg.checkpoint.keep_last, self._barrier)
+                               self.rank, self.cfg.checkpoint.keep_last, self._barrier,
+                               extra_files={METRICS_FILE: self.out_dir / METRICS_FILE})
         log.info("checkpoint step %d saved and verified: %s", self.step, path)
         return path
 
@@ -210,17 +212,19 @@ class Trainer:
         latest = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
         latest = self._broadcast(latest)
         record = {"step": anomaly.step, "kind": anomaly.kind, "loss": anomaly.loss, "window_mean": anomaly.window_mean,
-                  "grad_norm_before": self.grad_norm,
+                  "loss_after": None, "grad_norm_before": self.grad_norm,
                   "micro_batches": [self.schedule.index_of(b) for b in anomaly.batches],
                   "window_positions": anomaly.batches, "samples": self._describe(anomaly.batches),
                   "action": f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
                             f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}",
                   "consecutive": count}
         self.anomalies.append(record)
+        self.write_anomalies()  # before a possible stop: the report matters most when the run diverges
         log.warning("step %d: %s loss %.4g (recent mean %s); %s", anomaly.step, anomaly.kind, anomaly.loss,
                     f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a", record["action"])
-        if count > self.cfg.guardrails.max_consecutive_spikes:
-            raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); stopping")
+        if count >= self.cfg.guardrails.max_consecutive_spikes:
+            raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); "
+                                   f"stopping; report: {self.anomalies_path}")
         for start in anomaly.batches:
             self.schedule.skip(start)
         self.lr_scale *= self.cfg.guardrails.lr_scale_on_spike
@@ -229,6 +233,24 @@ class Trainer:
         if latest is None:
             raise TrainingDiverged("anomaly before the first checkpoint was written")
         self.restore(latest, after_anomaly=True)
+
+    @property
+    def anomalies_path(self) -> Path:
+        return self.out_dir / "anomalies.json"
+
+    def write_anomalies(self) -> None:
+        if self.rank == 0:
+            atomic_write_json(self.anomalies_path, self.anomalies)
+
+    def note_loss_after(self, loss: float) -> None:
+        """The loss of a step that was rolled back, once it has been replayed without the skipped batches."""
+        changed = False
+        for record in self.anomalies:
+            if record["step"] == self.step and record.get("loss_after") is None:
+                record["loss_after"] = loss
+                changed = True
+        if changed:
+            self.write_anomalies()
 
     def _broadcast(self, value: Any) -> Any:
         import torch.distributed as dist
@@ -282,7 +304,8 @@ class Trainer:
             log.info("resumed from %s (step %d)", resume.name, self.step)
         else:
             self.save_checkpoint()
-        metrics = MetricsWriter(self.out_dir, self.step, enabled=self.rank == 0)
+        metrics = MetricsWriter(self.out_dir, self.step, enabled=self.rank == 0,
+                                history=resume / METRICS_FILE if resume is not None else None)
         started_step = self.step
         while self.step < self.cfg.max_steps:
             t0 = time.perf_counter()
@@ -298,6 +321,7 @@ class Trainer:
                 self.progress["tps_sum"] += tokens_per_s
                 self.progress["tps_count"] += 1
             self._log_step(metrics, outcome, tokens_per_s)
+            self.note_loss_after(outcome)
             if self.step % self.cfg.checkpoint.every_steps == 0 or self.step == self.cfg.max_steps:
                 self.save_checkpoint()
         metrics.close()

@@ -1,18 +1,23 @@
 """Training metrics: FLOPs per token, MFU, memory, and where they are written.
 
 Rank 0 writes one JSON line per logged step to `metrics.jsonl` and the same scalars to
-TensorBoard event files under `tensorboard/`. On resume both are cut back to the resumed
-step, so a retried run's curves have no duplicate or orphaned points.
+TensorBoard event files under `tensorboard/`. Every checkpoint holds a copy of
+`metrics.jsonl`; a resume restores the history from it and rebuilds the TensorBoard files
+from that history, so a retried run's curves have no duplicate, orphaned or lost points,
+even when files of the output were deleted since. A rollback cuts both back in place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from training.config import ModelConfig
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def flops_per_token(params: int, model: ModelConfig, seq_len: int) -> float:
@@ -33,12 +38,20 @@ def memory_mb() -> float:
 class MetricsWriter:
     """metrics.jsonl + TensorBoard, rank 0 only."""
 
-    def __init__(self, out_dir: Path, resume_step: int, enabled: bool):
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, history: Path | None = None):
         self.enabled = enabled
         self.out_dir = out_dir
-        self.path = out_dir / "metrics.jsonl"
+        self.path = out_dir / METRICS_FILE
         self._tb = None
+        resuming = enabled and history is not None and history.exists()
+        if resuming:  # the checkpoint's copy is complete up to resume_step, whatever happened since
+            shutil.copyfile(history, self.path)  # type: ignore[arg-type]
+            shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
         self.rewind(resume_step)
+        if resuming:  # event files are rebuilt from the history, so none can be missing or stale
+            for line in self.path.read_text().splitlines():
+                row = json.loads(line)
+                self._scalars(row.pop("step"), row)
 
     def rewind(self, step: int) -> None:
         """Forget everything logged after `step` (a resume or a rollback goes back there)."""
@@ -57,6 +70,9 @@ class MetricsWriter:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
+        self._scalars(step, values)
+
+    def _scalars(self, step: int, values: dict[str, Any]) -> None:
         for key, value in values.items():
             if isinstance(value, (int, float)):
                 self._tb.add_scalar(key.replace(".", "/"), value, step)  # type: ignore[union-attr]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.configbase import pick
+from lmforge.errors import TrainingDiverged
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
 
@@ -56,16 +57,15 @@ def _next_attempt(out_dir: Path) -> int:
 
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from training.device import detect_device, peak_tflops
-    from training.launcher import build_command, classify, exit_records, free_port, launch
-    from training.planner import devices_used, format_plan, plan_parallelism
+    from training.launcher import build_command, classify, exit_records, free_port, launch, ranks_started
+    from training.planner import devices_used, format_plan, plan_parallelism, resolve_precision
 
     cfg, out_dir = ctx.config.pretrain, ctx.out_dir
     pack_dir, tokenizer_dir = ctx.upstream_dir(PACK), ctx.upstream_dir(TOKENIZER)
     vocab_size, special = _special_tokens(pack_dir)
     device = detect_device()
-    plan = plan_parallelism(cfg, vocab_size, device)
-    per_device = cfg.peak_tflops or peak_tflops(device, plan.precision)
-    plan.budget["peak_tflops_per_device"] = round(per_device, 3)
+    per_device = cfg.peak_tflops or peak_tflops(device, resolve_precision(cfg.precision, device))
+    plan = plan_parallelism(cfg, vocab_size, device, peak_tflops=per_device)  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
     attempt = _next_attempt(out_dir)
@@ -78,19 +78,43 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     command = build_command(cfg.distributed.launcher, plan.num_ranks, out_dir / "run_spec.json",
                             cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes)
-    returncode = launch(command, out_dir)
-    classify(returncode, exit_records(out_dir, attempt), plan.world_size)
+    returncode, output_tail = launch(command, out_dir)
+    try:
+        classify(returncode, exit_records(out_dir, attempt), plan.world_size,
+                 ranks_started(out_dir, attempt), output_tail)
+    except TrainingDiverged as exc:
+        exc.anomalies = anomaly_rows(_read_anomalies(out_dir))  # published by the flow even though the step failed
+        raise
     summary = json.loads((out_dir / "summary.json").read_text())
-    anomalies = json.loads((out_dir / "anomalies.json").read_text())
+    anomalies = _read_anomalies(out_dir)
     unigram = ctx.upstream[PACK]["metrics"].get("unigram_entropy_nats")
     return {"counts": {"steps": summary["final_step"], "tokens": summary["tokens"], "anomalies": len(anomalies),
                        "attempts": attempt, "params": summary["params"]},
             "metrics": {**{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
                         "unigram_entropy_nats": unigram},
-            "extra": {"anomalies": [{k: a[k] for k in ("step", "kind", "loss", "micro_batches", "action")} for a in anomalies],
+            "extra": {"anomalies": anomaly_rows(anomalies),
                       "plan": {"zero_stage": plan.zero_stage, "offload": plan.offload, "world_size": plan.world_size,
                                "grad_accum": plan.grad_accum, "precision": plan.precision, "reasoning": plan.reasoning},
                       "budget": plan.budget, "hf_dir": str(out_dir / "hf")}}
+
+
+def _read_anomalies(out_dir: Path) -> list[dict[str, Any]]:
+    path = out_dir / "anomalies.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def anomaly_rows(anomalies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat row per anomaly for the manifest and the `pretrain-anomalies` artifact."""
+    rows = []
+    for a in anomalies:
+        samples = a.get("samples", [])
+        doc_ids = [d for s in samples for d in s.get("doc_ids", [])]
+        rows.append({"step": a["step"], "kind": a["kind"], "loss": a["loss"], "loss_after": a.get("loss_after"),
+                     "window_mean": a.get("window_mean"), "grad_norm_before": a.get("grad_norm_before"),
+                     "micro_batches": a["micro_batches"], "shards": sorted({s["shard"] for s in samples}),
+                     "doc_ids": doc_ids[:20] + ([f"... {len(doc_ids) - 20} more"] if len(doc_ids) > 20 else []),
+                     "action": a["action"]})
+    return rows
 
 
 def _identity(config: Any) -> dict[str, Any]:

@@ -98,6 +98,9 @@ def main() -> int:
     spec = json.loads(Path(args.spec).read_text())
     out_dir = Path(spec["out_dir"])
     rank = int(os.environ.get("RANK", "0"))
+    attempt_dir = out_dir / "logs" / f"attempt-{spec.get('attempt', 0)}"
+    attempt_dir.mkdir(parents=True, exist_ok=True)
+    (attempt_dir / f"started-rank{rank}").touch()  # the launcher did its part; what follows is ours
     setup_logging(out_dir, rank)
     from lmforge.errors import ConfigError, DeterministicError, ParityError, TrainingDiverged
 
@@ -117,9 +120,7 @@ def main() -> int:
         logging.getLogger("training").exception("rank %d crashed", rank)
         status, message = "crash", f"{type(exc).__name__}: {exc}"
     record = {"rank": rank, "status": status, "message": message, "attempt": spec.get("attempt"), "at": time.time()}
-    exit_dir = out_dir / "logs" / f"attempt-{spec.get('attempt', 0)}"
-    exit_dir.mkdir(parents=True, exist_ok=True)
-    (exit_dir / f"exit-rank{rank}.json").write_text(json.dumps(record))
+    (attempt_dir / f"exit-rank{rank}.json").write_text(json.dumps(record))
     if status != "ok":
         logging.getLogger("training").error("rank %d: %s: %s", rank, status, message)
     _shutdown_distributed()
