@@ -169,8 +169,12 @@ class QualityClassifierConfig(FilterBase):
 
     @model_validator(mode="after")
     def _one_rule(self) -> "QualityClassifierConfig":
+        if self.threshold is not None and "keep_fraction" not in self.model_fields_set:
+            self.keep_fraction = None  # a threshold given alone replaces the default keep-fraction
         if self.threshold is not None and self.keep_fraction is not None:
-            raise ValueError("set either threshold or keep_fraction, not both")
+            raise ValueError("set either threshold or keep_fraction, not both (keep_fraction=null to use a threshold)")
+        if self.threshold is None and self.keep_fraction is None:
+            raise ValueError("set threshold or keep_fraction: the classifier needs a rule to select by")
         return self
 
 

@@ -302,7 +302,7 @@ def _exact_duplicates(cfg: DemoCorpusConfig, pool: list[_Doc]) -> list[_Doc]:
 
 
 def _url_duplicates(cfg: DemoCorpusConfig, web: list[_Doc]) -> list[_Doc]:
-    """Same URL as a web page, text slightly edited: only URL dedup sees them as one page."""
+    """Same URL as an earlier page (docs or web), text slightly edited: only URL dedup sees them as one page."""
     rng = _rng(cfg, "url")
     docs = []
     for base in _cycle_sample(rng, web, round(cfg.num_exact_duplicates / 10)):
@@ -617,7 +617,7 @@ def _noise_docs(
     vocab = sorted({w for d in prose for w in re.findall(r"[A-Za-z]{3,}", d.text)})
     return [
         *_exact_duplicates(cfg, prose + web + code),
-        *_url_duplicates(cfg, web),
+        *_url_duplicates(cfg, prose + web),  # pages that pass the filters too, so URL dedup has work
         *_near_duplicates(cfg, prose + web, vocab),
         *_boilerplate_docs(cfg),
         *_spam_docs(cfg),

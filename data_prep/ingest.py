@@ -33,15 +33,39 @@ log = logging.getLogger(__name__)
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
 
 
+DATA_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
+HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def is_hf_dataset(path: str) -> bool:
+    return path.startswith("hf:") or (os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in HF_MARKERS))
+
+
+def _expand_folder(folder: str) -> list[str]:
+    """A plain folder: every JSONL/Parquet file under it, plus the folder itself if it holds .txt files."""
+    root = Path(folder)
+    files = sorted(str(p) for p in root.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
+    has_text = next(root.rglob("*.txt"), None) is not None
+    if not files and not has_text:
+        raise ConfigError(f"folder {folder} holds no .jsonl(.gz/.zst), .parquet or .txt files "
+                          "and is not a saved Hugging Face dataset")
+    return files + ([folder] if has_text else [])
+
+
 def expand_inputs(patterns: list[str]) -> list[str]:
-    """Paths matching the patterns, sorted within each pattern, duplicates dropped."""
+    """Input files matching the patterns, sorted within each pattern, duplicates dropped.
+
+    A folder that is not a saved Hugging Face dataset stands for the data files under it
+    (and, if it has .txt files, for those as one text-folder input).
+    """
     found: list[str] = []
     for pattern in patterns:
         if pattern.startswith("hf:"):
             found.append(pattern)
             continue
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        found.extend(m for m in matches if m not in found)
+        for match in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
+            paths = _expand_folder(match) if os.path.isdir(match) and not is_hf_dataset(match) else [match]
+            found.extend(p for p in paths if p not in found)
     return found
 
 
@@ -118,15 +142,15 @@ def _read_parquet(path: str) -> Iterator[Raw]:
 
     import pyarrow as pa
 
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
     number = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            number += 1
-            yield Raw(path, number, data=row)
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield Raw(path, number, data=row)
+    except (pa.ArrowException, OSError) as exc:  # not Parquet, truncated, corrupt row group
+        yield Raw(path, -1, problem=f"unreadable_file ({type(exc).__name__}: {exc}); "
+                                    f"records after row {number} are lost")
 
 
 def _read_text_folder(path: str) -> Iterator[Raw]:
@@ -160,9 +184,7 @@ def _read_hf_dataset(path: str) -> Iterator[Raw]:
 
 def read_input(path: str) -> Iterator[Raw]:
     """Dispatch on the input's form."""
-    if path.startswith("hf:") or (os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json"))):
-        return _read_hf_dataset(path)
-    if os.path.isdir(path) and (Path(path) / "state.json").exists():
+    if is_hf_dataset(path):
         return _read_hf_dataset(path)
     if os.path.isdir(path):
         return _read_text_folder(path)

@@ -18,6 +18,7 @@ similarity is stored as an edge (selection later clusters edges at its threshold
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,14 +105,19 @@ def band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
 
 
 def candidate_pairs(keys: np.ndarray) -> np.ndarray:
-    """Unique (i, j), i < j, of documents sharing a bucket in any band.
+    """Unique (i, j), i < j, of documents sharing a bucket in any band of a (docs, bands) key array."""
+    return candidate_pairs_by_band(keys[:, band] for band in range(keys.shape[1]))
 
-    Small buckets give all their pairs; big ones (boilerplate copied thousands of times)
-    give a star around their first member, so work stays linear.
+
+def candidate_pairs_by_band(columns: Iterable[np.ndarray]) -> np.ndarray:
+    """Unique (i, j), i < j, of documents sharing a bucket in any band, one band's keys at a time.
+
+    Only one band (8 bytes per document) is in memory at once, so the whole corpus's
+    signatures never have to be. Small buckets give all their pairs; big ones (boilerplate
+    copied thousands of times) give a star around their first member, so work stays linear.
     """
     found: list[np.ndarray] = []
-    for band in range(keys.shape[1]):
-        column = keys[:, band]
+    for column in columns:
         order = np.argsort(column, kind="stable")
         sorted_keys = column[order]
         bounds = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1], True])

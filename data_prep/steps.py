@@ -28,7 +28,7 @@ from data_prep.config import CurateConfig
 from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
 from data_prep.ingest import expand_inputs, ingest_file
 from data_prep.langid import LanguageIdentifier, default_model_path
-from data_prep.minhash import MinHasher, band_keys, candidate_pairs, exact_jaccard
+from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
 from data_prep.quality import QualityScorer, builtin_reference, read_reference, train_classifier
 from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_rows
@@ -122,13 +122,18 @@ def _minhash_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
     texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
     hasher, size = _hasher(cfg), cfg.near_dedup.batch_docs
     signatures = np.concatenate([hasher.signatures(texts[i : i + size]) for i in range(0, len(texts), size)])
-    rel = f"signatures/{shard}.npy"
-    (ctx.out_dir / "signatures").mkdir(parents=True, exist_ok=True)
+    keys = band_keys(signatures, cfg.near_dedup.bands, cfg.near_dedup.rows)
+    files = [_save_array(ctx, f"signatures/{shard}.npy", signatures), _save_array(ctx, f"bands/{shard}.npy", keys)]
+    return files, {"docs": len(texts)}
+
+
+def _save_array(ctx: StepContext, rel: str, array: np.ndarray) -> str:
+    (ctx.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(ctx.out_dir / rel)
     with open(tmp, "wb") as handle:
-        np.save(handle, signatures)
+        np.save(handle, array)
     tmp.replace(ctx.out_dir / rel)
-    return [rel], {"docs": len(texts)}
+    return rel
 
 
 def _verify_candidates(ctx: StepContext, pairs: np.ndarray, offsets: np.ndarray) -> list[float]:
@@ -148,8 +153,9 @@ def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, An
     nd = _cur(ctx).near_dedup
     shards = _shards(ctx)
     offsets = np.cumsum([0] + [results[s]["docs"] for s in shards])
-    signatures = np.concatenate([np.load(ctx.out_dir / f"signatures/{s}.npy", mmap_mode="r") for s in shards])
-    pairs = candidate_pairs(band_keys(signatures, nd.bands, nd.rows))
+    # band keys were computed per shard by the units; here one band of the whole corpus at a time
+    keys = [np.load(ctx.out_dir / f"bands/{s}.npy", mmap_mode="r") for s in shards]
+    pairs = candidate_pairs_by_band(np.concatenate([k[:, band] for k in keys]) for band in range(nd.bands))
     similarity = _verify_candidates(ctx, pairs, offsets)
     keep = [i for i, s in enumerate(similarity) if s >= nd.store_min_jaccard]
     edges = pa.table({"a": pa.array(pairs[keep, 0] if keep else [], pa.int64()),
@@ -337,7 +343,7 @@ CURATE_STEPS = [
          identity=_ingest_identity, upstream=lambda c: () if c.curate.inputs else (DEMO,),
          units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))], run_unit=_ingest_unit,
          finalize=_ingest_finalize),
-    Step(MINHASH, 1, "MinHash signatures, LSH candidates, exact-Jaccard edges",
+    Step(MINHASH, 2, "MinHash signatures and band keys, LSH candidates, exact-Jaccard edges",
          identity=lambda c: pick(c, *[f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")]),
          upstream=lambda c: (INGEST,), units=_shards, run_unit=_minhash_unit, finalize=_minhash_finalize,
          enabled=lambda c: c.curate.near_dedup.enabled),

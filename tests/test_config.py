@@ -38,7 +38,7 @@ def test_set_overrides_parse_yaml_values() -> None:
 @pytest.mark.parametrize("override, expected", [
     ("curate.near_dedup.treshold=0.7", "--set curate.near_dedup.treshold=0.7: curate.near_dedup.treshold: unknown field (did you mean 'threshold'?)"),
     ("pretrain.optim.lr=fast", "pretrain.optim.lr: Input should be a valid number"),
-    ("pretrain.model.num_heads=3", "pretrain.model: Value error, hidden_size 256 is not divisible by num_heads 3"),
+    ("pretrain.model.num_heads=3", "pretrain.model: hidden_size 256 is not divisible by num_heads 3"),
     ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
     ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
 ])
@@ -88,3 +88,15 @@ def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
     config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
     active = {s.name for s in graph().active(config, ["curate"])}
     assert active == {"curate/demo", "curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}
+
+
+def test_quality_classifier_needs_exactly_one_selection_rule() -> None:
+    from data_prep.config import QualityClassifierConfig
+
+    assert QualityClassifierConfig(threshold=0.4).keep_fraction is None  # a threshold alone replaces the default
+    with pytest.raises(ConfigError, match="keep_fraction=null to use a threshold"):
+        load_config("tiny-cpu", ["curate.quality_classifier.threshold=0.4"])  # the preset sets keep_fraction
+    assert load_config("tiny-cpu", ["curate.quality_classifier.threshold=0.4",
+                                    "curate.quality_classifier.keep_fraction=null"]).curate.quality_classifier.threshold == 0.4
+    with pytest.raises(ConfigError, match="needs a rule to select by"):
+        load_config("tiny-cpu", ["curate.quality_classifier.keep_fraction=null"])

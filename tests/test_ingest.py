@@ -124,13 +124,40 @@ def test_truncated_compressed_file_keeps_what_was_read_and_says_so(tmp_path: Pat
     assert result["input"] == len(docs) + len(quarantined)
 
 
-def test_corrupt_parquet_is_one_clear_error(tmp_path: Path) -> None:
-    from lmforge.errors import DataError
-
+def test_corrupt_parquet_is_quarantined_not_a_crash(tmp_path: Path) -> None:
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"PAR1 not really")
-    with pytest.raises(DataError, match="broken.parquet: not a readable Parquet file"):
-        ingest_file(str(path), 0, CurateConfig(), tmp_path / "o")
+    docs, quarantined, result = _ingest(path, tmp_path)
+    assert docs == [] and result["input"] == 1
+    assert quarantined[0]["file"] == str(path) and quarantined[0]["reason"].startswith("unreadable_file")
+
+
+def test_folders_stand_for_the_data_files_inside_and_datasetdicts_are_read(tmp_path: Path) -> None:
+    import datasets
+
+    from data_prep.ingest import expand_inputs, read_input
+    from lmforge.errors import ConfigError
+
+    corpus = tmp_path / "corpus"
+    (corpus / "part2").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    pq.write_table(pa.Table.from_pylist(GOOD[1:3]), corpus / "part2" / "b.parquet")
+    (corpus / "notes.txt").write_text("A plain text note.")
+    (corpus / "README.md").write_text("not data")
+    assert expand_inputs([str(corpus)]) == [str(corpus / "a.jsonl"), str(corpus / "part2" / "b.parquet"), str(corpus)]
+    texts = [r.data["text"] for p in expand_inputs([str(corpus)]) for r in read_input(p)]
+    assert texts == [GOOD[0]["text"], GOOD[1]["text"], GOOD[2]["text"], "A plain text note."]
+
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["split train"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["split test"]})}).save_to_disk(str(saved))
+    assert expand_inputs([str(saved)]) == [str(saved)]
+    assert [r.data["text"] for r in read_input(str(saved))] == ["split train"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no .jsonl"):
+        expand_inputs([str(empty)])
 
 
 def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
