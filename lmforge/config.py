@@ -129,7 +129,7 @@ def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
         key = assignment.split("=", 1)[0].strip()
         if dotted.startswith(key) or key.startswith(dotted + "."):
             source = f"--set {assignment}"
-    message = error["msg"]
+    message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown field"
         close = difflib.get_close_matches(str(loc[-1]), _field_names(PipelineConfig, loc), n=1)
@@ -169,7 +169,11 @@ def check_files(config: PipelineConfig, source: str) -> None:
     from data_prep.ingest import expand_inputs  # local: keeps config import light
 
     for index, pattern in enumerate(config.curate.inputs):
-        if not expand_inputs([pattern]) and not pattern.startswith("hf:"):
+        try:
+            matched = expand_inputs([pattern])
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: curate.inputs[{index}]: {exc}") from None
+        if not matched and not pattern.startswith("hf:"):
             raise ConfigError(f"{source}: curate.inputs[{index}]: no file matches {pattern!r}")
     for index, ref in enumerate(config.curate.quality_classifier.reference):
         if not Path(ref).is_file():

@@ -98,6 +98,49 @@ def run_unit(ctx: StepContext, unit: str, verify_mode: str = "checksum") -> dict
     return result
 
 
+DOMAIN_LOGGERS = ("lmforge", "data_prep", "training", "evaluation", "serving")
+LogRecordTuple = tuple[str, int, str]
+
+
+class _Collect(logging.Handler):
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[LogRecordTuple] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+
+def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum",
+                       level: int = logging.INFO) -> tuple[dict[str, Any], list[LogRecordTuple]]:
+    """`run_unit` in a worker process, returning what the domain loggers said there.
+
+    Worker processes have none of the parent's log handlers (Prefect's API handler least of
+    all); the parent re-emits these records inside the unit's task run, so they reach the UI.
+    """
+    if multiprocessing.parent_process() is None:  # a thread of this process: its handlers are here already
+        return run_unit(ctx, unit, verify_mode), []
+    collector = _Collect(level)
+    loggers = [logging.getLogger(name) for name in DOMAIN_LOGGERS]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(collector)
+        lg.setLevel(level)
+        lg.propagate = False
+    try:
+        return run_unit(ctx, unit, verify_mode), collector.records
+    finally:
+        for lg, (lvl, propagate) in zip(loggers, saved):
+            lg.removeHandler(collector)
+            lg.setLevel(lvl)
+            lg.propagate = propagate
+
+
+def replay_logs(records: list[LogRecordTuple]) -> None:
+    for name, levelno, message in records:
+        logging.getLogger(name).log(levelno, "%s", message)
+
+
 def close_step(
     plan: StepPlan, ctx: StepContext, results: dict[str, dict[str, Any]], store: StageStore,
     started: float, units_reused: int = 0,
@@ -154,10 +197,12 @@ def execute_step(
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
         done, todo = split_units(ctx, store)
-        futures = {pool.submit(run_unit, ctx, unit, store.verify_mode): unit for unit in todo}
+        level = logging.getLogger("lmforge").getEffectiveLevel()
+        futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, level): unit for unit in todo}
         results = dict(done)
         for finished, future in enumerate(cf.as_completed(futures), start=1):
-            results[futures[future]] = future.result()
+            results[futures[future]], records = future.result()
+            replay_logs(records)
             log.info("%s: %d/%d units done", step.name, finished + len(done), len(done) + len(todo))
         return close_step(plan, ctx, results, store, started, units_reused=len(done)), False
 

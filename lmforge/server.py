@@ -83,7 +83,9 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
                           "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set")
     directory = home()
     directory.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # SQLite in lmforge's home, whatever database an inherited Prefect profile names
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"}
     with open(directory / "server.log", "ab") as log:  # the child keeps its own copy of the handle
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
-LIBRARY_LOGGERS = ("lmforge", "data_prep", "training", "evaluation", "serving")
+from lmforge.executor import DOMAIN_LOGGERS as LIBRARY_LOGGERS
+
 CONSOLE_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import wait
+from prefect.futures import as_completed
 
-from lmforge.executor import close_step, graph, make_pool, open_step, plan_step, run_unit, split_units
+from lmforge.executor import close_step, graph, make_pool, open_step, plan_step, replay_logs, run_unit_with_logs, split_units
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
 from tasks.cache import StageKeyPolicy, results_dir
@@ -52,10 +52,13 @@ def _discard_pool(workers: int) -> None:
       retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
 def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
     try:
-        return shared_pool(workers).submit(run_unit, ctx, unit, verify).result()
+        result, records = shared_pool(workers).submit(run_unit_with_logs, ctx, unit, verify,
+                                                      logging.getLogger("lmforge").getEffectiveLevel()).result()
     except cf.process.BrokenProcessPool:
         _discard_pool(workers)  # a worker died (e.g. out of memory): the retry gets a fresh pool
         raise
+    replay_logs(records)  # inside this task run, so the worker's log lines reach the Prefect UI
+    return result
 
 
 @task(name="step", task_run_name="{step_name}", cache_policy=StageKeyPolicy(), result_serializer="json",
@@ -79,7 +82,9 @@ def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -
         futures = {u: run_unit_task.submit(step_name, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
         # every unit must have finished before the lock is released: a retry of this step
         # must never compute a shard that a still-running sibling is writing
-        wait(list(futures.values()))
+        total = len(done) + len(todo)
+        for finished, _ in enumerate(as_completed(list(futures.values())), start=len(done) + 1):
+            log.info("%s: %d/%d units done", step_name, finished, total)
         results = {**done, **{u: f.result() for u, f in futures.items()}}
         manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
     log.info("%s: computed in %.1fs -> %s", step_name, manifest["timings"]["seconds"], manifest["dir"])

@@ -117,3 +117,40 @@ def test_retry_condition_retries_only_retryable_failures(error: Exception, attem
     with pytest.raises(type(error)):
         run()
     assert len(calls) == attempts
+
+
+def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_server) -> None:
+    """Shard units run in spawned worker processes; what they log must still reach the run's log."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from lmforge.config import load_config
+    from lmforge.graph import StepContext
+    from tasks.steps import run_unit_task
+
+    bad = tmp_path / "mixed.jsonl"
+    bad.write_text('{"id": "a", "text": "good text here"}\n{"id": "b", "text": broken\n')
+    config = load_config("tiny-cpu", [f"curate.inputs=[{bad}]"], str(tmp_path / "ws"))
+    ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws")
+
+    @flow
+    def one_unit() -> str:
+        import tasks  # noqa: F401  (connects the domain loggers)
+        from prefect.runtime import flow_run
+
+        assert run_unit_task("curate/ingest", "f0000", ctx, 2, "checksum")["quarantined"] == {"invalid_json": 1}
+        return flow_run.id
+
+    run_id = one_unit()
+
+    async def messages() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            return [l.message for l in logs]
+
+    wanted = "quarantined 1 of 2 records"
+    for _ in range(20):  # logs are shipped in the background
+        if any(wanted in m for m in asyncio.run(messages())):
+            break
+        asyncio.run(asyncio.sleep(0.5))
+    assert any(wanted in m for m in asyncio.run(messages()))

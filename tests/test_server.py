@@ -36,6 +36,7 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         assert started.returncode == 0, started.stderr
         assert f"http://127.0.0.1:{port}/api" in started.stdout
         assert lmforge("server", "status").stdout.startswith("running")
+        assert (tmp_path / "home" / "server" / "prefect" / "prefect.db").is_file()  # SQLite, in lmforge's home
         with socket.create_connection(("127.0.0.1", int(port)), timeout=2):
             pass
         from tests.conftest import SMALL_CURATE
