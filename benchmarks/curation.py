@@ -62,7 +62,7 @@ def naive_minhash_lsh(texts: list[str], bands: int = 14, rows: int = 8) -> int:
     candidates = 0
     for i, text in enumerate(texts):
         words = dedup_words(text)
-        signature = MinHash(num_perm=bands * rows)
+        signature = MinHash(num_perm=bands * rows, scheme="affine64")  # 64-bit, as lmforge (sha1_hash64 per shingle)
         for j in range(max(len(words) - 4, 1)):
             signature.update(" ".join(words[j : j + 5]).encode())
         candidates += len(lsh.query(signature))

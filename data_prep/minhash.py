@@ -1,14 +1,18 @@
 """Vectorized MinHash signatures, LSH candidate search and exact verification.
 
 Defaults follow FineWeb/datatrove: word 5-gram shingles of the normalized text,
-112 permutations as 14 bands x 8 rows, 64-bit hashing. Two things make it fast and
-bounded in memory:
+112 permutations as 14 bands x 8 rows, 64-bit hashing. The signatures are datasketch's
+MinHash with its 64-bit scheme (`MinHash(num_perm, seed, scheme="affine64")`): the same
+permutations, taken from datasketch, and the same construction (MurmurHash3 fmix64 pre-mix,
+then h_i(x) = a_i * x + b_i mod 2^64 with a_i odd), so a signature here is bit-identical to
+`datasketch.MinHash.update_batch` over the document's shingle keys and can be handed to
+datasketch (`LeanMinHash`, `MinHashLSH`) as is. What differs is only how it is computed:
 
-- words are hashed once (xxh64, memoized per batch) and n-gram shingle hashes are formed
+- words are hashed once (xxh64, memoized per batch) and n-gram shingle keys are formed
   with numpy arithmetic, so no Python object is made per shingle;
-- the permutations h_i(x) = a_i * x + b_i (mod 2^64, a_i odd) are applied to a whole
-  batch of documents at once and reduced per document with `np.minimum.reduceat`,
-  in column chunks so one huge document cannot blow memory up.
+- the permutations are applied to a whole batch of documents at once and reduced per
+  document with `np.minimum.reduceat`, in column chunks so one huge document cannot blow
+  memory up.
 
 LSH only proposes candidates; each candidate pair is then verified with the exact
 Jaccard of the two shingle sets, so precision does not depend on band luck, and the
@@ -32,7 +36,7 @@ _SMALL_BUCKET = 32
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
-    """murmur3's 64-bit finalizer: spreads every input bit over every output bit."""
+    """murmur3's 64-bit finalizer (datasketch's affine64 pre-mix): every input bit reaches every output bit."""
     x = x ^ (x >> np.uint64(33))
     x = x * np.uint64(0xFF51AFD7ED558CCD)
     x = x ^ (x >> np.uint64(33))
@@ -47,14 +51,17 @@ class MinHasher:
     seed: int = 1
 
     def __post_init__(self) -> None:
-        rng = np.random.default_rng(self.seed)
-        object.__setattr__(self, "_a", rng.integers(1, 2**63, size=(self.num_perm, 1), dtype=np.uint64) | np.uint64(1))
-        object.__setattr__(self, "_b", rng.integers(0, 2**63, size=(self.num_perm, 1), dtype=np.uint64))
+        from datasketch import MinHash
+
+        a, b = MinHash(num_perm=self.num_perm, seed=self.seed, scheme="affine64").permutations
+        object.__setattr__(self, "_a", np.asarray(a, dtype=np.uint64).reshape(-1, 1))
+        object.__setattr__(self, "_b", np.asarray(b, dtype=np.uint64).reshape(-1, 1))
         # distinct odd multipliers combine the n word hashes of a shingle position-sensitively
+        rng = np.random.default_rng(self.seed)
         object.__setattr__(self, "_pos", rng.integers(1, 2**63, size=self.ngram, dtype=np.uint64) | np.uint64(1))
 
-    def shingles(self, text: str, cache: dict[str, int] | None = None) -> np.ndarray:
-        """Unique 64-bit hashes of the document's word n-grams."""
+    def shingle_keys(self, text: str, cache: dict[str, int] | None = None) -> np.ndarray:
+        """One 64-bit key per word n-gram (with repeats): what datasketch's `hashfunc` would return."""
         words = dedup_words(text)
         if not words:
             return np.zeros(0, dtype=np.uint64)
@@ -69,7 +76,11 @@ class MinHasher:
             combined = hashes[:width] * self._pos[0]
             for k in range(1, n):
                 combined = combined + hashes[k : k + width] * self._pos[k]
-            return np.unique(_mix64(combined + np.uint64(n)))
+            return combined + np.uint64(n)
+
+    def shingles(self, text: str, cache: dict[str, int] | None = None) -> np.ndarray:
+        """Unique pre-mixed 64-bit shingle hashes of the document (datasketch's fmix64 of each key)."""
+        return np.unique(_mix64(self.shingle_keys(text, cache)))
 
     def signatures(self, texts: list[str]) -> np.ndarray:
         """(len(texts), num_perm) uint64 signatures; empty documents get all-max rows."""

@@ -46,6 +46,28 @@ def test_signatures_do_not_depend_on_batching() -> None:
     assert (together[6] == np.iinfo(np.uint64).max).all()  # empty document
 
 
+def test_signatures_are_datasketch_minhash_bit_for_bit() -> None:
+    """The vectorized path computes exactly datasketch's affine64 MinHash of the shingle keys,
+    and its band buckets propose exactly the pairs datasketch's MinHashLSH proposes."""
+    from datasketch import LeanMinHash, MinHash, MinHashLSH
+
+    rng = random.Random(3)
+    hasher = MinHasher()
+    texts = [t for base in PROSE[:12] for t in (base, _edit(base, rng.choice([0.01, 0.05, 0.2]), rng))]
+    signatures = hasher.signatures(texts)
+    lsh = MinHashLSH(num_perm=112, params=(14, 8))
+    expected = set()
+    for index, (text, signature) in enumerate(zip(texts, signatures)):
+        reference = MinHash(num_perm=112, seed=1, scheme="affine64", hashfunc=int)
+        reference.update_batch(hasher.shingle_keys(text).tolist())
+        assert np.array_equal(reference.hashvalues, signature)
+        lean = LeanMinHash(seed=1, hashvalues=signature, scheme="affine64")
+        expected |= {(int(other), index) for other in lsh.query(lean)}
+        lsh.insert(str(index), lean)
+    found = {(int(a), int(b)) for a, b in candidate_pairs(band_keys(signatures, 14, 8))}
+    assert found == expected and expected
+
+
 def test_lsh_finds_near_duplicates_with_high_precision_and_recall() -> None:
     """Pairs at known edit rates: candidates + exact verification recover those with J >= 0.8."""
     rng = random.Random(2)
