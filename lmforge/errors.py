@@ -49,8 +49,15 @@ class TrainingInterrupted(RetryableError):
     """A rank was killed or preempted; the next attempt resumes from a checkpoint."""
 
 
+# Python's own errors of code or data: the same inputs raise them again on every attempt
+PROGRAMMING_ERRORS = (TypeError, ValueError, LookupError, AttributeError, NotImplementedError, AssertionError,
+                      NameError, ArithmeticError, ImportError)
+
+
 def is_retryable(exc: BaseException) -> bool:
-    """Retry lmforge errors only when they say so; other exceptions (OSError, crashes) are retried."""
+    """Retry lmforge errors only when they say so; of other exceptions, retry those from the
+    outside world (OSError, network and API errors, a worker process that died) and not
+    programming errors."""
     if isinstance(exc, LmforgeError):
         return exc.retryable
-    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NotImplementedError))
+    return not isinstance(exc, PROGRAMMING_ERRORS)

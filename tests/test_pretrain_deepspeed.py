@@ -222,6 +222,9 @@ def test_damaged_progress_is_never_silently_restarted(trained: dict, tmp_path: P
         run_pipeline_locally(small_config(copy), ["pretrain"])
     assert not is_retryable(info.value)
     assert len(list((out / "checkpoints").glob(".corrupt-step-*"))) == 3
+    shutil.rmtree(out / "checkpoints")  # progress without any checkpoint: still refused
+    with pytest.raises(DeterministicError, match="records training progress but no checkpoint is left"):
+        run_pipeline_locally(small_config(copy), ["pretrain"])
 
 
 def test_deleted_metrics_are_rebuilt_from_the_checkpoint_history(trained: dict, tmp_path: Path) -> None:

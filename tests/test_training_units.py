@@ -184,6 +184,13 @@ def test_exit_classification_separates_retryable_from_deterministic() -> None:
         classify(4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
     with pytest.raises(ConfigError):
         classify(2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
+    # every rank alive and recorded, one crashed with a code error (not a dead peer): not retried
+    with pytest.raises(DeterministicError, match="rank 1 crashed with IndexError: index 9"):
+        classify(1, [{"rank": 0, "status": "crash", "message": "gloo: Connection closed by peer"},
+                     {"rank": 1, "status": "crash", "message": "IndexError: index 9 is out of bounds"}], 2)
+    with pytest.raises(TrainingInterrupted):  # communication or I/O failures on every rank: worth a retry
+        classify(1, [{"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
+                     {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"}], 2)
     # the launcher itself failed (bad hostfile, no such module): a retry would fail the same way
     with pytest.raises(DeterministicError, match="before any rank started; its last output: ssh: no route") as info:
         classify(1, [], 2, started=0, output_tail="ssh: no route")
@@ -203,4 +210,8 @@ def test_retry_policy() -> None:
     assert is_retryable(TrainingInterrupted("killed")) and is_retryable(OSError("disk"))
     assert not is_retryable(ConfigError("x")) and not is_retryable(TrainingDiverged("x"))
     assert not is_retryable(ParityError("x")) and not is_retryable(ValueError("x"))
+    assert not is_retryable(AssertionError("x")) and not is_retryable(IndexError("x"))  # bugs repeat
+    from concurrent.futures.process import BrokenProcessPool
+
+    assert is_retryable(BrokenProcessPool("a worker died")) and is_retryable(TimeoutError("slow disk"))
     assert math.isclose(1.0, 1.0)

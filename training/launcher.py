@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import ConfigError, DeterministicError, ParityError, RunStopped, TrainingDiverged, TrainingInterrupted
+from lmforge.errors import PROGRAMMING_ERRORS, ConfigError, DeterministicError, ParityError, RunStopped, TrainingDiverged, TrainingInterrupted
 
 log = logging.getLogger(__name__)
 QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -61,6 +61,15 @@ def exit_records(out_dir: Path, attempt: int) -> list[dict[str, Any]]:
     return records
 
 
+def _would_repeat(message: str) -> bool:
+    """A rank's crash record ("IndexError: ...") names a programming error, or running out of device memory."""
+    import builtins
+
+    name = message.split(":", 1)[0].strip()
+    cls = getattr(builtins, name, None)
+    return name == "OutOfMemoryError" or (isinstance(cls, type) and issubclass(cls, PROGRAMMING_ERRORS))
+
+
 def ranks_started(out_dir: Path, attempt: int) -> int:
     return len(list((out_dir / "logs" / f"attempt-{attempt}").glob("started-rank*")))
 
@@ -81,6 +90,11 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int,
     for record in records:
         if record["status"] in NON_RETRYABLE:
             raise NON_RETRYABLE[record["status"]](f"rank {record['rank']}: {record['message']}")
+    repeating = [r for r in records if r["status"] == "crash" and _would_repeat(r["message"])]
+    if len(records) == world_size and repeating:  # no rank was lost: the crash is not a dead peer's fault
+        first = repeating[0]
+        raise DeterministicError(f"rank {first['rank']} crashed with {first['message']} "
+                                 "(a retry would repeat it; see logs/rank-*.log)")
     if started == 0 and returncode > 0:
         raise DeterministicError(f"the launcher exited with code {returncode} before any rank started"
                                  + (f"; its last output: {output_tail}" if output_tail else ""))

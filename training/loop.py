@@ -289,9 +289,13 @@ class Trainer:
             verdict = checkpoint.latest_verified(self.ckpt_root)
             existing = self.ckpt_root.exists() and any(
                 p.name.startswith(("step-", ".corrupt-")) for p in self.ckpt_root.iterdir())
+            metrics = self.out_dir / METRICS_FILE
             if verdict is None and existing:
                 verdict = (f"{self.ckpt_root}: checkpoints exist but none verifies; refusing to restart from "
                            "step 0 over earlier progress (set pretrain.resume=never to start over)")
+            elif verdict is None and metrics.exists() and metrics.stat().st_size:
+                verdict = (f"{self.out_dir}: {METRICS_FILE} records training progress but no checkpoint is left; "
+                           "refusing to restart from step 0 over it (set pretrain.resume=never to start over)")
         verdict = self._broadcast(verdict)
         if isinstance(verdict, str):
             raise DeterministicError(verdict)
