@@ -232,6 +232,7 @@ def _validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[st
     text = data[cfg.text_field]
     if not isinstance(text, str):
         return None, f"text_not_string (got {type(text).__name__})"
+    original = text
     if cfg.normalize.enabled:
         text = normalize_document(text, cfg.normalize.unicode_form)
     if not text.strip():
@@ -251,6 +252,7 @@ def _validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[st
         "url_norm": normalize_url(url) if url else None,
         "n_chars": len(text),
         "origin": f"{raw.origin}:{raw.line}",
+        "normalized": text != original,  # counted by ingest, not stored
     }, None
 
 
@@ -278,7 +280,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
     reasons: Counter[str] = Counter()
     domains: Counter[str] = Counter()
     default_source = Path(path.rstrip("/")).name.split(".")[0] or "input"
-    total = 0
+    total = normalized = 0
     for raw in read_input(path):
         total += 1
         if label and raw.origin.startswith(path):
@@ -289,6 +291,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
             quarantined.append(quarantine_record(raw, problem))  # type: ignore[arg-type]
             continue
         domains[doc["domain"]] += 1
+        normalized += doc.pop("normalized")
         writer.add(doc)
     writer.flush()
     files = [str(shard_path(out_dir, s["name"]).relative_to(out_dir)) for s in writer.shards]
@@ -302,6 +305,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
     return files, {
         "input": total,
         "docs": total - len(quarantined),
+        "normalized": normalized,
         "quarantined": dict(reasons),
         "domains": dict(domains),
         "shards": writer.shards,

@@ -2,8 +2,9 @@
 
 Matches are replaced with placeholders (<EMAIL>, <PHONE>, <IP_ADDRESS>) and counted per
 kind. Private, loopback and documentation-free addresses (10.x, 192.168.x, 127.x, ...)
-are left alone: in code and docs they are configuration, not personal data, and version
-strings that merely look like IPs are rejected by `ipaddress`.
+are left alone: in code and docs they are configuration, not personal data; strings that
+merely look like IPs are rejected by `ipaddress`, and dotted versions named as such
+("v1.2.3.4", "version 2.0.1.5") are not addresses.
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b")
 PHONE = re.compile(
     r"(?<![\w.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w-])"
 )
-IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
+# not part of a longer dotted number; a sentence's full stop after the address is fine
+IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?!\d|\.\d)")
 IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}(?![\w:])")
 
 
+_VERSION_CONTEXT = re.compile(r"(?:\bv|version\s*|release\s*|\bver\.?\s*)$", re.IGNORECASE)
+
+
 def _public_ip(match: re.Match[str]) -> bool:
+    """A globally routable address, unless the text calls it a version ("v1.2.3.4", "version 2.0.1.5")."""
+    if _VERSION_CONTEXT.search(match.string, max(0, match.start() - 12), match.start()):
+        return False
     try:
         return ipaddress.ip_address(match.group(0)).is_global
     except ValueError:

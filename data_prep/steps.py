@@ -104,6 +104,7 @@ def _ingest_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any
         quarantined.update(r["quarantined"])
         domains.update(r["domains"])
     counts = {"input": sum(r["input"] for r in ordered), "docs": sum(r["docs"] for r in ordered),
+              "normalized": sum(r.get("normalized", 0) for r in ordered),  # text changed by normalization
               "quarantined": sum(quarantined.values()), "quarantined_by_reason": dict(quarantined),
               "docs_by_domain": dict(domains)}
     return {"counts": counts, "extra": {"shards": [s for r in ordered for s in r["shards"]],

@@ -32,6 +32,8 @@ def curation_rows(manifests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     select = manifests["curate/select"]["counts"]
     rows = [{"metric": "input records", "value": select["input"]},
             {"metric": "quarantined (malformed)", "value": select["quarantined"]}]
+    if "curate/ingest" in manifests:
+        rows.append({"metric": "normalized (text changed)", "value": manifests["curate/ingest"]["counts"].get("normalized", 0)})
     rows += [{"metric": f"removed: {reason}", "value": n} for reason, n in select["removed"].items()]
     rows.append({"metric": "kept", "value": select["kept"]})
     rows += [{"metric": f"PII redacted: {kind}", "value": n} for kind, n in select["pii"].items()]

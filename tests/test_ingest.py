@@ -93,9 +93,10 @@ def test_normalization_and_metadata(tmp_path: Path) -> None:
     path = tmp_path / "n.jsonl"
     record = {"id": "n1", "text": "Cafe\u0301\u00a0au lait\x07  \r\n\r\n\r\n\r\n    indented code  ",
               "url": "HTTPS://Example.COM:443/Page/#frag", "meta": {"domain": "web", "lang": "fr"}}
-    path.write_text(json.dumps(record) + "\n")
-    docs, _, _ = _ingest(path, tmp_path)
-    assert docs[0]["text"] == "Caf\u00e9 au lait\n\n    indented code"
+    path.write_text(json.dumps(record) + "\n" + json.dumps({"id": "n2", "text": "Already clean."}) + "\n")
+    docs, _, result = _ingest(path, tmp_path)
+    assert docs[0]["text"] == "Caf\u00e9 au lait\n\n    indented code" and docs[1]["text"] == "Already clean."
+    assert result["normalized"] == 1  # the step's own statistic: documents whose text it changed
     assert docs[0]["domain"] == "web" and json.loads(docs[0]["meta"])["lang"] == "fr"
     assert docs[0]["url_norm"] == "https://example.com/Page"
 

@@ -107,7 +107,8 @@ def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
     assert "resumed from step-000000" in log and "resumed from step-00000000 " not in log
     resumed, reference = _metrics(manifest), _metrics(trained)
     assert [r["step"] for r in resumed] == list(range(1, 161))
-    assert abs(resumed[-1]["loss"] - reference[-1]["loss"]) < 1e-4
+    # not just the end point: every step's loss, before and after the kill, is the uninterrupted run's
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, reference)) < 1e-4
     assert abs(manifest["metrics"]["final_val_loss"] - trained["metrics"]["final_val_loss"]) < 1e-4
 
 
