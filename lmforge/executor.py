@@ -129,6 +129,9 @@ def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum
         lg.propagate = False
     try:
         return run_unit(ctx, unit, verify_mode), collector.records
+    except Exception as exc:  # what was logged before the failure travels with it (pickled with the exception)
+        exc.lmforge_logs = collector.records  # type: ignore[attr-defined]
+        raise
     finally:
         for lg, (lvl, propagate) in zip(loggers, saved):
             lg.removeHandler(collector)
@@ -136,7 +139,17 @@ def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum
             lg.propagate = propagate
 
 
+def unit_outcome(future: cf.Future) -> tuple[dict[str, Any], list[LogRecordTuple]]:
+    """The unit's (result, log records); on failure, replay what it logged, then raise."""
+    try:
+        return future.result()
+    except Exception as exc:
+        replay_logs(getattr(exc, "lmforge_logs", []))
+        raise
+
+
 def replay_logs(records: list[LogRecordTuple]) -> None:
+    """Emit a worker's log records here (in the caller's run context)."""
     for name, levelno, message in records:
         logging.getLogger(name).log(levelno, "%s", message)
 
@@ -201,7 +214,7 @@ def execute_step(
         futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, level): unit for unit in todo}
         results = dict(done)
         for finished, future in enumerate(cf.as_completed(futures), start=1):
-            results[futures[future]], records = future.result()
+            results[futures[future]], records = unit_outcome(future)
             replay_logs(records)
             log.info("%s: %d/%d units done", step.name, finished + len(done), len(done) + len(todo))
         return close_step(plan, ctx, results, store, started, units_reused=len(done)), False

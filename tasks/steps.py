@@ -21,7 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
-from lmforge.executor import close_step, graph, make_pool, open_step, plan_step, replay_logs, run_unit_with_logs, split_units
+from lmforge.executor import (close_step, graph, make_pool, open_step, plan_step, replay_logs, run_unit_with_logs,
+                              split_units, unit_outcome)
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
 from tasks.cache import StageKeyPolicy, results_dir
@@ -52,8 +53,8 @@ def _discard_pool(workers: int) -> None:
       retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
 def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
     try:
-        result, records = shared_pool(workers).submit(run_unit_with_logs, ctx, unit, verify,
-                                                      logging.getLogger("lmforge").getEffectiveLevel()).result()
+        result, records = unit_outcome(shared_pool(workers).submit(
+            run_unit_with_logs, ctx, unit, verify, logging.getLogger("lmforge").getEffectiveLevel()))
     except cf.process.BrokenProcessPool:
         _discard_pool(workers)  # a worker died (e.g. out of memory): the retry gets a fresh pool
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,25 @@ def test_artifacts_are_published_under_stable_keys(curated_copy: Path, prefect_s
     assert {"curation-stats", "curate-steps", "curate-card", "pipeline-lineage"} <= keys
 
 
-def test_library_logs_reach_the_prefect_run_log(curated_copy: Path, prefect_server) -> None:
-    import logging
-
+def _logged(run_id: str, wanted: str) -> bool:
+    """Whether the flow run's log has a message containing `wanted` (logs are shipped in the background)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def messages() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            return [l.message for l in logs]
+
+    for _ in range(20):
+        if any(wanted in m for m in asyncio.run(messages())):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_library_logs_reach_the_prefect_run_log(curated_copy: Path, prefect_server) -> None:
+    import logging
 
     @flow
     def emit() -> str:
@@ -88,17 +103,7 @@ def test_library_logs_reach_the_prefect_run_log(curated_copy: Path, prefect_serv
         return flow_run.id
 
     run_id = emit()
-
-    async def messages() -> list[str]:
-        async with get_client() as client:
-            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-            return [l.message for l in logs]
-
-    for _ in range(20):  # logs are shipped in the background
-        if "hello from the domain" in asyncio.run(messages()):
-            break
-        asyncio.run(asyncio.sleep(0.5))
-    assert "hello from the domain" in asyncio.run(messages())
+    assert _logged(run_id, "hello from the domain")
 
 
 @pytest.mark.parametrize("error, attempts", [(TrainingInterrupted("rank killed"), 3), (ConfigError("bad field"), 1)])
@@ -121,9 +126,6 @@ def test_retry_condition_retries_only_retryable_failures(error: Exception, attem
 
 def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_server) -> None:
     """Shard units run in spawned worker processes; what they log must still reach the run's log."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
     from lmforge.config import load_config
     from lmforge.graph import StepContext
     from tasks.steps import run_unit_task
@@ -142,15 +144,4 @@ def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_s
         return flow_run.id
 
     run_id = one_unit()
-
-    async def messages() -> list[str]:
-        async with get_client() as client:
-            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-            return [l.message for l in logs]
-
-    wanted = "quarantined 1 of 2 records"
-    for _ in range(20):  # logs are shipped in the background
-        if any(wanted in m for m in asyncio.run(messages())):
-            break
-        asyncio.run(asyncio.sleep(0.5))
-    assert any(wanted in m for m in asyncio.run(messages()))
+    assert _logged(run_id, "quarantined 1 of 2 records")

@@ -161,6 +161,7 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, d
     # the report is written before the run stops, and travels with the error for the Prefect artifact
     report = json.loads((out / "anomalies.json").read_text())
     assert [a["micro_batches"] for a in report] == [[52], [53], [54]]
+    assert report[-1]["action"] == "stopped: 3 anomalies in a row" and report[0]["action"].startswith("rolled back")
     assert [r["step"] for r in info.value.anomalies] == [53, 53, 53]  # each replay of step 53 met the next bad batch
     assert all(r["shards"] and r["doc_ids"] for r in info.value.anomalies)
     records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
@@ -243,3 +244,30 @@ def test_deleted_metrics_are_rebuilt_from_the_checkpoint_history(trained: dict, 
     assert [r["loss"] for r in rebuilt] == [r["loss"] for r in reference]
     events = [rel for rel in manifest["outputs"] if rel.startswith("tensorboard/")]
     assert events and all((out / rel).exists() for rel in events)
+
+
+def test_divergence_under_prefect_still_publishes_the_anomaly_report(
+        curated: tuple[Path, dict], tmp_path: Path, prefect_server) -> None:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import pipeline
+    from lmforge.errors import TrainingDiverged
+    from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "pretrain.fault.nan_at_batches=[52,53]", "pretrain.max_steps=60",
+                 "pretrain.guardrails.max_consecutive_spikes=2"]
+    with pytest.raises(TrainingDiverged, match="2 anomalies in a row"):
+        pipeline(preset="tiny-cpu", overrides=overrides, workspace=str(workspace), stages=["pretrain"])
+
+    async def report():
+        async with get_client() as client:
+            return next(a for a in await client.read_latest_artifacts() if a.key == "pretrain-anomalies")
+
+    artifact = asyncio.run(report())
+    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    assert artifact.description.startswith("training stopped")
+    assert [r["micro_batches"] for r in rows] == [[52], [53]] and rows[-1]["action"] == "stopped: 2 anomalies in a row"

@@ -19,9 +19,9 @@ from typing import Any
 
 from data_prep.reader import BatchSchedule, TokenWindows
 from lmforge.errors import DeterministicError, TrainingDiverged
+from lmforge.hashing import atomic_write_json
 from training import checkpoint
 from training.config import PretrainConfig
-from lmforge.hashing import atomic_write_json
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
 from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb
@@ -211,18 +211,20 @@ class Trainer:
         count = self.detector.record_anomaly(anomaly.step)
         latest = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
         latest = self._broadcast(latest)
+        stopping = count >= self.cfg.guardrails.max_consecutive_spikes
+        action = (f"stopped: {count} anomalies in a row" if stopping else
+                  f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
+                  f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}")
         record = {"step": anomaly.step, "kind": anomaly.kind, "loss": anomaly.loss, "window_mean": anomaly.window_mean,
                   "loss_after": None, "grad_norm_before": self.grad_norm,
                   "micro_batches": [self.schedule.index_of(b) for b in anomaly.batches],
                   "window_positions": anomaly.batches, "samples": self._describe(anomaly.batches),
-                  "action": f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
-                            f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}",
-                  "consecutive": count}
+                  "action": action, "consecutive": count}
         self.anomalies.append(record)
         self.write_anomalies()  # before a possible stop: the report matters most when the run diverges
         log.warning("step %d: %s loss %.4g (recent mean %s); %s", anomaly.step, anomaly.kind, anomaly.loss,
                     f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a", record["action"])
-        if count >= self.cfg.guardrails.max_consecutive_spikes:
+        if stopping:
             raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); "
                                    f"stopping; report: {self.anomalies_path}")
         for start in anomaly.batches:
