@@ -205,13 +205,17 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     positives = list(read_reference(qc.reference)) if qc.reference else builtin_reference()
     rng.shuffle(positives)
     pool: list[str] = []
+    present: set[str] = set()
     for shard in _shards(ctx):
         cols = read_columns(shard_path(_ingest_dir(ctx), shard), ["text", "domain"])
+        present.update(cols["domain"])
         pool += [t for t, d in zip(cols["text"], cols["domain"]) if not qc.negative_domains or d in qc.negative_domains]
     negatives = rng.sample(pool, min(len(pool), qc.max_train_docs))
-    if not positives or not negatives:
-        raise ConfigError(f"curate.quality_classifier: no {'reference' if not positives else 'pool'} documents to train on"
-                          + ("" if positives else f" (negative_domains {qc.negative_domains} match no ingested domain)"))
+    if not positives:
+        raise ConfigError("curate.quality_classifier.reference: no reference documents to train on")
+    if not negatives:
+        raise ConfigError(f"curate.quality_classifier.negative_domains: {qc.negative_domains} match no ingested "
+                          f"document (domains present: {sorted(present)})")
     metrics = train_classifier(positives[: qc.max_train_docs], negatives, qc, ctx.out_dir / "model.bin")
     return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
 

@@ -23,6 +23,10 @@ from typing import Any, Sequence
 
 from lmforge.errors import ConfigError, LmforgeError
 
+# Prefect's temporary server would try to send telemetry, and fail loudly on machines without
+# internet access; set before prefect is imported so its settings see it
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 EPILOG = """examples:
   lmforge run                                     # demo corpus -> tiny model, on CPU
   lmforge run --set pretrain.max_steps=100        # change one field; only what depends on it reruns

@@ -26,6 +26,29 @@ class _InRunOnly(logging.Filter):
         return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+class _NoTracebackForExpectedFailures(logging.Filter):
+    """Prefect logs a failed run with its traceback. For lmforge's non-retryable errors
+    (configuration, divergence, parity, a rank's own crash) the one-line message is the whole
+    story and the traceback only buries it; LMFORGE_DEBUG=1 keeps it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import os
+
+        from lmforge.errors import LmforgeError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, LmforgeError) and not error.retryable and not os.environ.get("LMFORGE_DEBUG"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_expected_failures() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForExpectedFailures) for f in logger.filters):
+            logger.addFilter(_NoTracebackForExpectedFailures())
+
+
 def connect_library_loggers(level: str = "INFO") -> None:
     from prefect.logging.handlers import APILogHandler
 
