@@ -271,3 +271,19 @@ def test_divergence_under_prefect_still_publishes_the_anomaly_report(
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
     assert artifact.description.startswith("training stopped")
     assert [r["micro_batches"] for r in rows] == [[52], [53]] and rows[-1]["action"] == "stopped: 2 anomalies in a row"
+
+
+def test_torchrun_launches_the_same_training(curated: tuple[Path, dict], trained: dict, tmp_path: Path) -> None:
+    """launcher: torchrun starts the same entry point; with the same config it is the same run."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    manifest = run_pipeline_locally(small_config(workspace, "pretrain.distributed.launcher=torchrun"),
+                                    ["pretrain"])["pretrain/train"]
+    assert manifest["key"] == trained["key"]  # the launcher is how, not what: same cache identity
+    attempt = Path(manifest["dir"]) / "logs" / "attempt-1"
+    assert json.loads((attempt / "launch.json").read_text())["command"][1:3] == ["-m", "torch.distributed.run"]
+    records = [json.loads(p.read_text()) for p in attempt.glob("exit-rank*.json")]
+    assert sorted(r["rank"] for r in records) == [0, 1] and {r["status"] for r in records} == {"ok"}
+    torchrun, deepspeed = _metrics(manifest), _metrics(trained)
+    assert [r["step"] for r in torchrun] == list(range(1, 161))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(torchrun, deepspeed)) < 1e-4

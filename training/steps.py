@@ -78,6 +78,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     command = build_command(cfg.distributed.launcher, plan.num_ranks, out_dir / "run_spec.json",
                             cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes)
+    atomic_write_json(out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
     returncode, output_tail = launch(command, out_dir)
     try:
         classify(returncode, exit_records(out_dir, attempt), plan.world_size,
