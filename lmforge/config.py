@@ -111,15 +111,35 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[keys[-1]] = value
 
 
-def _field_names(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]:
-    """Valid field names at the parent of `loc`, for 'did you mean' hints."""
+def _section(model: type[StrictModel], loc: tuple[Any, ...]) -> Any:
+    """The model class at `loc` (None when the path leaves the typed sections)."""
     current: Any = model
-    for part in loc[:-1]:
+    for part in loc:
         fields = getattr(current, "model_fields", None)
         if not fields or part not in fields:
-            return []
+            return None
         current = fields[part].annotation
-    return list(getattr(current, "model_fields", {}))
+    return current
+
+
+def _field_names(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]:
+    """Valid field names at the parent of `loc`, for 'did you mean' hints."""
+    return list(getattr(_section(model, loc[:-1]), "model_fields", {}))
+
+
+def _nested_matches(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]:
+    """Dotted paths below the parent of `loc` that end in the unknown name: pretrain.lr -> pretrain.optim.lr."""
+    found: list[str] = []
+
+    def walk(section: Any, path: tuple[Any, ...]) -> None:
+        for name, field in getattr(section, "model_fields", {}).items():
+            if name == loc[-1] and path != loc[:-1]:
+                found.append(".".join(map(str, (*path, name))))
+            if hasattr(field.annotation, "model_fields"):
+                walk(field.annotation, (*path, name))
+
+    walk(_section(model, loc[:-1]), loc[:-1])
+    return found
 
 
 def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
@@ -133,8 +153,11 @@ def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
     if error["type"] == "extra_forbidden":
         message = "unknown field"
         close = difflib.get_close_matches(str(loc[-1]), _field_names(PipelineConfig, loc), n=1)
+        deeper = _nested_matches(PipelineConfig, loc)
         if close:
             message += f" (did you mean '{close[0]}'?)"
+        elif deeper:
+            message += f" (did you mean {' or '.join(repr(d) for d in deeper)}?)"
     elif isinstance(error.get("input"), (str, int, float, bool)) or error.get("input") is None and "input" in error:
         message += f" (got {error['input']!r})"
     return f"{source}: {dotted}: {message}"

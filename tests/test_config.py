@@ -38,6 +38,7 @@ def test_set_overrides_parse_yaml_values() -> None:
 @pytest.mark.parametrize("override, expected", [
     ("curate.near_dedup.treshold=0.7", "--set curate.near_dedup.treshold=0.7: curate.near_dedup.treshold: unknown field (did you mean 'threshold'?)"),
     ("pretrain.optim.lr=fast", "pretrain.optim.lr: Input should be a valid number"),
+    ("pretrain.lr=1e-3", "--set pretrain.lr=1e-3: pretrain.lr: unknown field (did you mean 'pretrain.optim.lr'?)"),
     ("pretrain.model.num_heads=3", "pretrain.model: hidden_size 256 is not divisible by num_heads 3"),
     ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
     ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
