@@ -64,14 +64,30 @@ def test_a_prefect_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefec
 def test_artifacts_are_published_under_stable_keys(curated_copy: Path, prefect_server) -> None:
     from prefect.client.orchestration import get_client
 
-    _run(curated_copy)
+    import json
 
-    async def latest(key: str):
+    result = _run(curated_copy)
+
+    async def latest():
         async with get_client() as client:
-            return await client.read_latest_artifacts()
+            return {a.key: a for a in await client.read_latest_artifacts()}
 
-    keys = {a.key for a in asyncio.run(latest("x"))}
-    assert {"curation-stats", "curate-steps", "curate-card", "pipeline-lineage"} <= keys
+    artifacts = asyncio.run(latest())
+    assert {"curation-stats", "curate-steps", "curate-card", "pipeline-lineage"} <= set(artifacts)
+
+    def table(key: str) -> list[dict]:
+        data = artifacts[key].data
+        return json.loads(data) if isinstance(data, str) else data
+
+    stats = {row["metric"]: row["value"] for row in table("curation-stats")}
+    removed = sum(v for k, v in stats.items() if k.startswith("removed: "))
+    assert stats["input records"] == stats["kept"] + removed + stats["quarantined (malformed)"]
+    steps = {row["step"]: row for row in table("curate-steps")}
+    assert set(steps) == set(result["steps"]) and all(row["output"] == result["steps"][name]["dir"]
+                                                      for name, row in steps.items())
+    card, lineage = artifacts["curate-card"].data, artifacts["pipeline-lineage"].data
+    assert all(f"`{row['output']}`" in card for row in steps.values())
+    assert all(f"`{name}`" in lineage and result["steps"][name]["key"] in lineage for name in result["steps"])
 
 
 def _logged(run_id: str, wanted: str) -> bool:
