@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import sys
@@ -147,13 +148,25 @@ def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
     lid = LanguageIdentifier()
     train_classifier(builtin_reference()[:500], texts[:500], QualityClassifierConfig(epochs=3), workdir / "q.bin")
     scorer = QualityScorer(workdir / "q.bin")
+    from data_prep.ingest import ingest_file
+    from data_prep.tokenizer import load_tokenizer, train_bpe
+
+    jsonl = workdir / "bench.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
+    runs = iter(range(REPEATS))
+    train_bpe(texts[:500], 4096, 2, workdir / "tokenizer")
+    tokenizer = load_tokenizer(workdir / "tokenizer")
     rows = [
+        ("ingest (parse, validate, normalize, hash, Parquet)",
+         rate(lambda: ingest_file(str(jsonl), 0, CurateConfig(docs_per_shard=10**6), workdir / f"ingest-{next(runs)}"),
+              n, REPEATS)[0]),
         ("normalize (NFC, controls, whitespace)", rate(lambda: [normalize_document(t) for t in texts], n, REPEATS)[0]),
         ("minhash signatures (vectorized)", rate(lambda: [hasher.signatures(texts[i:i + 512]) for i in range(0, n, 512)], n, REPEATS)[0]),
         ("language ID (fastText lid.176)", rate(lambda: lid.predict(texts), n, REPEATS)[0]),
         ("heuristic stats (Gopher/C4/FineWeb)", rate(lambda: [heuristics.compute_stats(t, params) for t in texts], n, REPEATS)[0]),
         ("quality classifier (fastText)", rate(lambda: scorer.score(texts), n, REPEATS)[0]),
         ("PII redaction", rate(lambda: [redact(t, PIIConfig()) for t in texts], n, REPEATS)[0]),
+        ("tokenize (byte-level BPE, 4096 vocab; Rust threads)", rate(lambda: tokenizer.encode_batch(texts), n, REPEATS)[0]),
     ]
     return rows
 
@@ -191,7 +204,7 @@ def main() -> None:
         chars = sum(map(len, texts)) / len(texts)
         print(f"== per-step throughput, 1 process, best of {REPEATS}, {len(texts)} demo documents (mean {chars:.0f} chars)")
         for name, docs_per_s in per_step_rates(texts, workdir):
-            print(f"  {name:40} {docs_per_s:10.0f} docs/s")
+            print(f"  {name:48} {docs_per_s:10.0f} docs/s")
 
         sample = texts[: args.naive_docs]
         # best of 3 for both, as for the per-step figures: the first call of either pays one-off warm-up
