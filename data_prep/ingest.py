@@ -25,7 +25,7 @@ import xxhash
 
 from data_prep.config import CurateConfig
 from data_prep.records import DOC_SCHEMA, dumps_meta, shard_path, write_rows
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import ConfigError, DataError, SourceUnavailable
 from data_prep.textnorm import normalize_document
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,13 @@ def expand_inputs(patterns: list[str]) -> list[str]:
         if pattern.startswith("hf:"):
             found.append(pattern)
             continue
-        for match in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
+        for match in sorted(os.path.normpath(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True)):
             paths = _expand_folder(match) if os.path.isdir(match) and not is_hf_dataset(match) else [match]
             found.extend(p for p in paths if p not in found)
-    return found
+    # a text folder is read recursively: a folder inside another one (from "data/**", or listed
+    # beside its parent) would read the same .txt files twice
+    folders = [p for p in found if os.path.isdir(p) and not is_hf_dataset(p)]
+    return [p for p in found if not any(p != f and Path(p).is_relative_to(f) and os.path.isdir(p) for f in folders)]
 
 
 @dataclass
@@ -175,7 +178,9 @@ def _read_hf_dataset(path: str) -> Iterator[Raw]:
         else:
             dataset = datasets.load_from_disk(path)
     except Exception as exc:  # hub unreachable, bad folder: one clear line, no traceback
-        raise DataError(f"{path}: cannot load Hugging Face dataset ({type(exc).__name__}: {exc})") from None
+        message = f"{path}: cannot load Hugging Face dataset ({type(exc).__name__}: {exc})"
+        # a hub that does not answer may answer on the next attempt; a damaged local folder will not
+        raise (SourceUnavailable if path.startswith("hf:") else DataError)(message) from None
     if isinstance(dataset, datasets.DatasetDict):
         dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
     for number, row in enumerate(dataset, start=1):

@@ -26,11 +26,11 @@ IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?!\d|\.\d)")
 IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}(?![\w:])")
 
 
-_VERSION_CONTEXT = re.compile(r"(?:\bv|version\s*|release\s*|\bver\.?\s*)$", re.IGNORECASE)
+_VERSION_CONTEXT = re.compile(r"(?:\bv|\bversion\s*|\bver\.?\s*)$", re.IGNORECASE)
 
 
 def _public_ip(match: re.Match[str]) -> bool:
-    """A globally routable address, unless the text calls it a version ("v1.2.3.4", "version 2.0.1.5")."""
+    """A globally routable address, unless the text calls it a version ("v1.2.3.4", "version 2.0.1.5", "ver. 3.1.4.1")."""
     if _VERSION_CONTEXT.search(match.string, max(0, match.start() - 12), match.start()):
         return False
     try:

@@ -45,6 +45,10 @@ class RetryableError(LmforgeError):
     retryable = True
 
 
+class SourceUnavailable(RetryableError):
+    """A remote source (a dataset hub) could not be reached; it may answer on the next attempt."""
+
+
 class TrainingInterrupted(RetryableError):
     """A rank was killed or preempted; the next attempt resumes from a checkpoint."""
 

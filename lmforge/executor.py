@@ -112,13 +112,15 @@ class _Collect(logging.Handler):
 
 
 def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum",
-                       level: int = logging.INFO) -> tuple[dict[str, Any], list[LogRecordTuple]]:
+                       level: int | None = None) -> tuple[dict[str, Any], list[LogRecordTuple]]:
     """`run_unit` in a worker process, returning what the domain loggers said there.
 
     Worker processes have none of the parent's log handlers (Prefect's API handler least of
     all); the parent re-emits these records inside the unit's task run, so they reach the UI.
+    `level` None means the unit runs in a thread of the parent, whose handlers are here
+    already: nothing is collected.
     """
-    if multiprocessing.parent_process() is None:  # a thread of this process: its handlers are here already
+    if level is None:
         return run_unit(ctx, unit, verify_mode), []
     collector = _Collect(level)
     loggers = [logging.getLogger(name) for name in DOMAIN_LOGGERS]
@@ -188,6 +190,11 @@ def close_step(
     return manifest
 
 
+def capture_level(pool: cf.Executor) -> int | None:
+    """The log level units should collect at: worker processes only (see `run_unit_with_logs`)."""
+    return logging.getLogger("lmforge").getEffectiveLevel() if isinstance(pool, cf.ProcessPoolExecutor) else None
+
+
 def make_pool(workers: int) -> cf.Executor:
     """Worker processes for shard units (spawned: safe next to Prefect's threads)."""
     if workers <= 1:
@@ -210,8 +217,8 @@ def execute_step(
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
         done, todo = split_units(ctx, store)
-        level = logging.getLogger("lmforge").getEffectiveLevel()
-        futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, level): unit for unit in todo}
+        futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, capture_level(pool)): unit
+                   for unit in todo}
         results = dict(done)
         for finished, future in enumerate(cf.as_completed(futures), start=1):
             results[futures[future]], records = unit_outcome(future)

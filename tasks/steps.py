@@ -21,8 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
-from lmforge.executor import (close_step, graph, make_pool, open_step, plan_step, replay_logs, run_unit_with_logs,
-                              split_units, unit_outcome)
+from lmforge.executor import (capture_level, close_step, graph, make_pool, open_step, plan_step, replay_logs,
+                              run_unit_with_logs, split_units, unit_outcome)
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
 from tasks.cache import StageKeyPolicy, results_dir
@@ -52,9 +52,9 @@ def _discard_pool(workers: int) -> None:
 @task(name="unit", task_run_name="{step_name}[{unit}]", cache_policy=NO_CACHE,
       retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
 def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
+    pool = shared_pool(workers)
     try:
-        result, records = unit_outcome(shared_pool(workers).submit(
-            run_unit_with_logs, ctx, unit, verify, logging.getLogger("lmforge").getEffectiveLevel()))
+        result, records = unit_outcome(pool.submit(run_unit_with_logs, ctx, unit, verify, capture_level(pool)))
     except cf.process.BrokenProcessPool:
         _discard_pool(workers)  # a worker died (e.g. out of memory): the retry gets a fresh pool
         raise

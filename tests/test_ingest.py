@@ -149,6 +149,10 @@ def test_folders_stand_for_the_data_files_inside_and_datasetdicts_are_read(tmp_p
     texts = [r.data["text"] for p in expand_inputs([str(corpus)]) for r in read_input(p)]
     assert texts == [GOOD[0]["text"], GOOD[1]["text"], GOOD[2]["text"], "A plain text note."]
 
+    # a text folder is read recursively, so globbing into it adds no second reading of its files
+    (corpus / "part2" / "more.txt").write_text("Nested note.")
+    assert [p for p in expand_inputs([str(corpus / "**")]) if Path(p).is_dir()] == [str(corpus)]
+
     saved = tmp_path / "dd"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["split train"]}),
                           "test": datasets.Dataset.from_dict({"text": ["split test"]})}).save_to_disk(str(saved))
@@ -168,3 +172,18 @@ def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text("x")
     with pytest.raises(ConfigError, match="data.xlsx: unsupported input format"):
         ingest_file(str(path), 0, CurateConfig(), tmp_path / "o")
+
+
+def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_path: Path) -> None:
+    from data_prep.ingest import read_input
+    from lmforge.errors import DataError, SourceUnavailable, is_retryable
+
+    with pytest.raises(SourceUnavailable, match="hf:nosuch/dataset: cannot load") as hub:
+        list(read_input("hf:nosuch/dataset"))  # the tests run with HF_HUB_OFFLINE=1
+    assert is_retryable(hub.value)
+    broken = tmp_path / "saved"
+    broken.mkdir()
+    (broken / "dataset_info.json").write_text("{not json")
+    with pytest.raises(DataError, match="cannot load Hugging Face dataset") as local:
+        list(read_input(str(broken)))
+    assert not is_retryable(local.value)

@@ -59,9 +59,11 @@ def test_pii_redaction_counts_each_kind_and_keeps_private_addresses() -> None:
     assert "<EMAIL>" in redacted and "127.0.0.1" in redacted and "192.168.1.10" in redacted and "3.11.7" in redacted
     _, only_email = redact(text, PIIConfig(phone=False, ip=False))
     assert only_email == {"email": 1}
-    versions = "Upgrade from v1.2.3.4 to version 2.0.1.5 (release 4.3.2.1); the mirror is 8.8.4.4."
+    versions = "Upgrade from v1.2.3.4 to version 2.0.1.5 (ver. 4.3.2.1); the mirror is 8.8.4.4."
     redacted, counts = redact(versions, PIIConfig())
     assert counts == {"ip": 1} and redacted.endswith("mirror is <IP_ADDRESS>.") and "v1.2.3.4" in redacted
+    # "version" only as a word: these are addresses
+    assert redact("our subversion host 8.8.8.8; please release 1.1.1.1 now", PIIConfig())[1] == {"ip": 2}
 
 
 def test_mixing_reaches_target_shares_and_respects_the_repeat_cap() -> None:

@@ -73,6 +73,26 @@ def test_planner_memory_follows_the_zero_paper() -> None:
     assert (fp32["weights"] + fp32["gradients"] + fp32["optimizer"]) * GIB == pytest.approx(16 * n)
 
 
+def test_planner_checks_offloaded_states_against_host_ram() -> None:
+    from dataclasses import replace
+
+    from training.planner import STRATEGIES, memory_per_rank
+
+    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.memory_headroom=0",
+                                    "pretrain.distributed.activation_checkpointing=true",
+                                    "pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    params = count_parameters(cfg.model, 50304)
+    stage, offload = STRATEGIES[-2]  # optimizer offload: the device fits it, the host must hold the Adam states
+    parts, host = memory_per_rank(params, cfg, "bf16", 8, stage, offload, 50304)
+    device = gpu(sum(parts.values()) * 1.001)
+    assert plan_parallelism(cfg, 50304, device).offload == offload  # host RAM unknown: not judged
+    roomy = replace(device, host_memory_bytes=int(host * 8 * 1.01 * GIB))
+    assert plan_parallelism(cfg, 50304, roomy).offload == offload
+    cramped = replace(device, host_memory_bytes=int(host * 8 * 0.5 * GIB))
+    with pytest.raises(ConfigError, match="host RAM too small"):
+        plan_parallelism(cfg, 50304, cramped)
+
+
 def test_planner_reports_the_compute_budget() -> None:
     cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     plan = plan_parallelism(cfg, 50304, gpu(80), peak_tflops=989)
@@ -191,12 +211,10 @@ def test_exit_classification_separates_retryable_from_deterministic() -> None:
     with pytest.raises(TrainingInterrupted):  # communication or I/O failures on every rank: worth a retry
         classify(1, [{"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
                      {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"}], 2)
-    # the launcher itself failed (bad hostfile, no such module): a retry would fail the same way
-    with pytest.raises(DeterministicError, match="before any rank started; its last output: ssh: no route") as info:
+    # the launcher failed before any rank started (busy port, unreachable node, bad hostfile): a retry
+    # costs seconds, and the message quotes the launcher's own last words
+    with pytest.raises(TrainingInterrupted, match="before any rank started; its last output: ssh: no route"):
         classify(1, [], 2, started=0, output_tail="ssh: no route")
-    assert not is_retryable(info.value)
-    with pytest.raises(TrainingInterrupted):  # but a launcher killed by a signal (preemption) is retried
-        classify(-9, [], 2, started=0)
 
 
 def test_multinode_settings_are_checked_when_the_config_loads() -> None:

@@ -20,6 +20,7 @@ class DeviceInfo:
     memory_bytes: int     # per GPU, or the host's RAM for CPU
     bf16: bool
     cores: int
+    host_memory_bytes: int | None = None  # the node's RAM; None when planning for a machine described by hand
 
 
 def detect_device() -> DeviceInfo:
@@ -30,8 +31,9 @@ def detect_device() -> DeviceInfo:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return DeviceInfo("cuda", props.name, torch.cuda.device_count(), props.total_memory,
-                          torch.cuda.is_bf16_supported(), cores)
-    return DeviceInfo("cpu", _cpu_name(), 1, psutil.virtual_memory().total, _cpu_bf16(), cores)
+                          torch.cuda.is_bf16_supported(), cores, psutil.virtual_memory().total)
+    ram = psutil.virtual_memory().total
+    return DeviceInfo("cpu", _cpu_name(), 1, ram, _cpu_bf16(), cores, ram)
 
 
 def _cpu_name() -> str:

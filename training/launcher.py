@@ -78,9 +78,9 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int,
              started: int | None = None, output_tail: str = "") -> None:
     """Raise the error that matches how the run ended (nothing on success).
 
-    `started` counts ranks that got as far as running lmforge code; a launcher that exits
-    on its own before any did (bad hostfile, missing module, unreachable node) fails the
-    same way on every retry, unless a signal killed it (preemption).
+    `started` counts ranks that got as far as running lmforge code. A launcher that exits
+    before any did may have met a busy port or an unreachable node (worth a retry: it costs
+    seconds, no training) or a bad hostfile; either way the message carries its last output.
     """
     statuses = {r["status"] for r in records}
     if statuses == {"ok"} and len(records) == world_size:
@@ -95,9 +95,9 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int,
         first = repeating[0]
         raise DeterministicError(f"rank {first['rank']} crashed with {first['message']} "
                                  "(a retry would repeat it; see logs/rank-*.log)")
-    if started == 0 and returncode > 0:
-        raise DeterministicError(f"the launcher exited with code {returncode} before any rank started"
-                                 + (f"; its last output: {output_tail}" if output_tail else ""))
+    if started == 0:
+        raise TrainingInterrupted(f"the launcher exited with code {returncode} before any rank started"
+                                  + (f"; its last output: {output_tail}" if output_tail else ""))
     missing = world_size - len(records)
     raise TrainingInterrupted(
         f"training exited with code {returncode}; {missing} rank(s) died without a record"

@@ -123,7 +123,9 @@ def plan_parallelism(cfg: PretrainConfig, vocab_size: int = 8192, device: Device
     params = count_parameters(cfg.model, vocab_size)
     ranks_sharing = ranks if device.kind == "cpu" else 1  # CPU ranks share the host's memory
     capacity = device.memory_bytes / GIB / ranks_sharing * (1 - cfg.distributed.memory_headroom)
-    host_capacity = _host_memory_gib() * (1 - cfg.distributed.memory_headroom)  # shared by a node's ranks
+    # offloaded states live in the node's RAM, shared by its ranks (unknown for a machine described by hand)
+    host_capacity = (device.host_memory_bytes / GIB * (1 - cfg.distributed.memory_headroom)
+                     if device.host_memory_bytes else float("inf"))
     reasons = [f"{params / 1e6:.2f}M parameters, {precision}, {world} rank(s) ({ranks}/node x {cfg.distributed.num_nodes}), "
                f"{capacity:.1f} GiB usable per rank on {device.kind} ({device.name})"]
     wanted_stage, wanted_offload = cfg.distributed.zero_stage, cfg.distributed.offload
@@ -137,10 +139,12 @@ def plan_parallelism(cfg: PretrainConfig, vocab_size: int = 8192, device: Device
         total = sum(parts.values())
         if device.kind == "cpu":  # "offloaded" states stay in the same memory on a CPU-only machine
             total += host
-        fits = total <= capacity and (device.kind == "cpu" or host * ranks <= host_capacity)
+        host_fits = device.kind == "cpu" or host * ranks <= host_capacity
+        fits = total <= capacity and host_fits
         offloaded = f", {host:.3f} GiB/rank offloaded to host" if host else ""
+        verdict = "fits" if fits else "too big" if total > capacity else f"host RAM too small ({host_capacity:.1f} GiB usable)"
         reasons.append(f"ZeRO-{stage} offload={offload}: {total:.3f} GiB/rank "
-                       f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}) -> {'fits' if fits else 'too big'}")
+                       f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}) -> {verdict}")
         if fits:
             chosen = (stage, offload, parts, host)
             break
@@ -153,12 +157,6 @@ def plan_parallelism(cfg: PretrainConfig, vocab_size: int = 8192, device: Device
                 precision, params, parts, host, capacity, reasons)
     plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, devices_used(world, device))
     return plan
-
-
-def _host_memory_gib() -> float:
-    import psutil
-
-    return psutil.virtual_memory().total / GIB
 
 
 def format_plan(plan: Plan) -> str:
