@@ -69,7 +69,8 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     # a text folder is read recursively: a folder inside another one (from "data/**", or listed
     # beside its parent) would read the same .txt files twice
     folders = [p for p in found if os.path.isdir(p) and not is_hf_dataset(p)]
-    return [p for p in found if not any(p != f and Path(p).is_relative_to(f) and os.path.isdir(p) for f in folders)]
+    nested = {p for p in folders if any(p != f and Path(p).is_relative_to(f) for f in folders)}
+    return [p for p in found if p not in nested]
 
 
 @dataclass

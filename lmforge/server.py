@@ -83,11 +83,11 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
                           "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set")
     directory = home()
     directory.mkdir(parents=True, exist_ok=True)
+    # SQLite in lmforge's home, whatever database an inherited profile names (Prefect 3 reads the
+    # SERVER_ name first and still honours the older API_ one)
+    database = f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"
     env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # SQLite in lmforge's home, whatever database an inherited profile names (Prefect 3 reads
-           # the SERVER_ name first and still honours the older API_ one)
-           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}",
-           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"}
+           "PREFECT_SERVER_DATABASE_CONNECTION_URL": database, "PREFECT_API_DATABASE_CONNECTION_URL": database}
     with open(directory / "server.log", "ab") as log:  # the child keeps its own copy of the handle
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
