@@ -1,14 +1,16 @@
 """The whole lifecycle of a model, top to bottom.
 
-    raw text --curate--> kept documents, tokenizer, packed tokens
-             --pretrain--> checkpoints, Hugging Face model
-    (alignment, evaluation with contamination gates, quantization and vLLM serving are the
-    next stages; each is a flow of the same shape.)
+    raw text --curate-->   kept documents, tokenizer, packed tokens
+             --pretrain--> checkpoints, a Hugging Face model
+             --align-->    SFT and DPO models            (each stage that is registered,
+             --evaluate--> benchmark results, gates        in the order its `after` gives)
+             --quantize--> gated INT8 / 4-bit checkpoints
+             --serve-->    the chosen model on an OpenAI-compatible endpoint
 
-Every stage is a subflow whose steps are cached on content addresses, so rerunning the
-pipeline recomputes only what a change invalidated, and `lmforge explain` says why.
-Parameters are plain values so the flow can be a deployment: `prefect deployment run
-'lmforge-pipeline/tiny-cpu' --param overrides='["pretrain.max_steps=50"]'`.
+Every stage is a subflow (`lmforge-<stage>`) whose steps are cached on content addresses,
+so rerunning the pipeline recomputes only what a change invalidated, and `lmforge explain`
+says why. Parameters are plain values so the flow can be a deployment: `prefect deployment
+run 'lmforge-pipeline/tiny-cpu' --param overrides='["pretrain.max_steps=50"]'`.
 """
 
 from __future__ import annotations
@@ -17,35 +19,47 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.curate import curate_flow
-from flows.pretrain import pretrain_flow
+from flows.cancel import stop_launched, unwatch, watch_cancellation
+from flows.stage import stage_flow, upstream_stages
 from lmforge.config import load_config
-from lmforge.executor import graph
+from lmforge.registry import stages as lifecycle
+from lmforge.store import forget_verified
 from tasks.artifacts import publish_lineage
 from tasks.logs import set_library_log_level
 
-STAGE_FLOWS = {"curate": curate_flow, "pretrain": pretrain_flow}
+
+def wanted_stages(config: Any) -> list[str]:
+    """The configured stages and every stage they read from, in lifecycle order."""
+    wanted = set(config.stages)
+    for name in config.stages:
+        wanted.update(upstream_stages(name, config))
+    return [s.name for s in lifecycle() if s.name in wanted]
 
 
-@flow(name="lmforge-pipeline", flow_run_name="{preset}")
+@flow(name="lmforge-pipeline", flow_run_name="{preset}",
+      on_cancellation=[stop_launched], on_crashed=[stop_launched])
 def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
              stages: list[str] | None = None) -> dict[str, Any]:
     """Run `stages` (default: the config's `stages`) and whatever they need upstream."""
     config = load_config(preset, overrides or [], workspace)
     set_library_log_level(config.runtime.log_level)
+    forget_verified()  # a new run: every output it reuses is verified (once) again
     if stages:
-        config.stages = stages  # type: ignore[assignment]
-    needed = {step.stage for step in graph().active(config, config.stages)}
-    manifests: dict[str, dict[str, Any]] = {}
-    status: dict[str, str] = {}
-    for stage, stage_flow in STAGE_FLOWS.items():
-        if stage in needed:
-            outcome = stage_flow(config, manifests)
+        config.stages = stages
+    watch_cancellation()
+    try:
+        manifests: dict[str, dict[str, Any]] = {}
+        status: dict[str, str] = {}
+        for stage in wanted_stages(config):  # curate -> pretrain -> align -> evaluate -> quantize -> serve
+            outcome = stage_flow(stage)(config=config, manifests=manifests)
             manifests.update(outcome["manifests"])
             status.update(outcome["status"])
+    finally:
+        unwatch()
     publish_lineage(manifests, status)
     computed = sum(s == "computed" for s in status.values())
     get_run_logger().info("%d steps: %d cache hits, %d computed", len(status), len(status) - computed, computed)
     return {"workspace": config.workspace,
             "steps": {name: {"key": m["key"], "dir": m["dir"], "status": status[name], "counts": m["counts"]}
-                      for name, m in manifests.items()}}
+                      for name, m in manifests.items()},
+            "manifests": manifests}

@@ -1,14 +1,14 @@
 """The `lmforge` command line.
 
     lmforge run                      the full pipeline on the tiny-cpu preset
-    lmforge stage curate             one stage (and what it needs upstream, reused when cached)
-    lmforge explain curate           would each step be reused? if not, exactly why
-    lmforge plan                     the pretraining parallelism plan and compute budget
+    lmforge stage STAGE              one stage (and what it needs upstream, reused when cached)
+    lmforge explain STAGE|all        would each step be reused? if not, exactly why
     lmforge server start|stop|status a local Prefect UI/API on 127.0.0.1
     lmforge deploy                   serve the pipeline as a Prefect deployment
     lmforge config show|validate     the resolved configuration
 
-All of them take --config PRESET|FILE, --set KEY=VALUE (repeatable) and --workspace DIR.
+Stages add their own commands (e.g. `lmforge plan` from pretraining). All commands that
+read a config take --config PRESET|FILE, --set KEY=VALUE (repeatable) and --workspace DIR.
 """
 
 from __future__ import annotations
@@ -43,7 +43,21 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workspace", "-w", help="where stage outputs live (default: from the config, ./workspace)")
 
 
+class _StageCommands:
+    """What a stage's `cli` hook sees: `add_parser` that also adds --config/--set/--workspace."""
+
+    def __init__(self, sub: Any) -> None:
+        self.sub = sub
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser = self.sub.add_parser(name, **kwargs)
+        _common(parser)
+        return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from lmforge.registry import stage_names, stages
+
     parser = argparse.ArgumentParser(prog="lmforge", description=__doc__.split("\n\n")[0],
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,17 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
     stage = sub.add_parser("stage", help="run one stage and what it needs upstream")
-    stage.add_argument("name", choices=["curate", "pretrain"])
+    stage.add_argument("name", choices=stage_names())
     _common(stage)
     stage.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
     explain = sub.add_parser("explain", help="say whether each step would be reused, and why not")
-    explain.add_argument("stage", choices=["curate", "pretrain", "all"])
+    explain.add_argument("stage", choices=[*stage_names(), "all"])
     _common(explain)
-    plan = sub.add_parser("plan", help="print the pretraining parallelism plan and compute budget")
-    _common(plan)
-    plan.add_argument("--gpus", type=int, help="plan for a node with this many GPUs instead of this machine")
-    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU for --gpus (default 80)")
-    plan.add_argument("--gpu-name", default="H100", help="GPU model for --gpus, for its peak FLOP/s (default H100)")
+    for registered in stages():
+        if registered.cli is not None:
+            registered.cli(_StageCommands(sub))
     server = sub.add_parser("server", help="manage a local Prefect server (UI on http://127.0.0.1:4200)")
     server.add_argument("action", choices=["start", "stop", "status"])
     server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -94,7 +106,10 @@ def _use_server_if_running() -> str | None:
     return url
 
 
-def _print_summary(steps: dict[str, dict[str, Any]], workspace: str, seconds: float, api_url: str | None) -> None:
+def _print_summary(steps: dict[str, dict[str, Any]], manifests: dict[str, dict[str, Any]], workspace: str,
+                   seconds: float, api_url: str | None) -> None:
+    from lmforge.registry import stages
+
     if not steps:
         print("nothing to run: every requested stage is disabled (see `stages` and `<stage>.enabled`)")
         return
@@ -105,8 +120,10 @@ def _print_summary(steps: dict[str, dict[str, Any]], workspace: str, seconds: fl
     hits = sum(i["status"] != "computed" for i in steps.values())
     print(f"\n{len(steps)} steps, {hits} cache hits, {len(steps) - hits} computed, {seconds:.1f}s")
     print(f"results: {os.path.abspath(workspace)}")
-    if "pretrain/train" in steps:
-        print(f"model:   {steps['pretrain/train']['dir']}/hf  (transformers.AutoModelForCausalLM.from_pretrained)")
+    for stage in stages():
+        if stage.summary is not None:
+            for line in stage.summary(manifests):
+                print(line)
     if api_url:
         print(f"Prefect UI: {api_url.removesuffix('/api')}  (flow runs, artifacts: curation-stats, pretrain-summary, pipeline-lineage)")
     else:
@@ -123,55 +140,62 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
         os.environ["LMFORGE_LOG_LEVEL"] = config.runtime.log_level  # for the training ranks
         manifests = run_pipeline_locally(config, stages or config.stages)
         steps = {n: {"key": m["key"], "dir": m["dir"],
-                     "status": "reused" if m["timings"]["finished_at"] < started else "computed"}
+                     "status": "cached" if m["timings"]["finished_at"] < started else "computed"}
                  for n, m in manifests.items()}
-        _print_summary(steps, config.workspace, time.time() - started, None)
+        _print_summary(steps, manifests, config.workspace, time.time() - started, None)
         return 0
     api_url = _use_server_if_running()
     from flows.pipeline import pipeline
 
-    _stop_training_on_interrupt()
     result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
-    _print_summary(result["steps"], result["workspace"], time.time() - started, api_url)
+    _print_summary(result["steps"], result["manifests"], result["workspace"], time.time() - started, api_url)
     return 0
 
 
-def _stop_training_on_interrupt() -> None:
-    """Ctrl-C reaches only this thread; training runs in its own process group from a task thread."""
+def _stop_launched_on_signals() -> None:
+    """Ctrl-C and SIGTERM stop every launched command (and wait until it is gone) before the run ends.
+
+    Python runs signal handlers in the main thread, and only when it runs Python code: while it
+    waits for a step's future, a SIGTERM (SLURM, systemd, eviction) would sit unhandled until
+    training ended by itself. So SIGTERM is blocked in every thread and taken by a thread of its
+    own, which stops the launched commands first -- that ends the wait -- and then hands the
+    signal to the main thread's handler: Prefect's while a flow runs (the run ends Crashed, its
+    hooks run), else `on_terminate` below.
+    """
+    import _thread
     import signal
+    import threading
 
-    def handler(signum: int, frame: Any) -> None:
-        from training.launcher import stop_all
+    from lmforge import launcher
 
-        stop_all()
+    def on_interrupt(signum: int, frame: Any) -> None:
+        launcher.stop_all()
         signal.default_int_handler(signum, frame)
 
-    signal.signal(signal.SIGINT, handler)
+    def on_terminate(signum: int, frame: Any) -> None:
+        launcher.stop_all()
+        raise SystemExit(128 + signum)
+
+    def take_sigterm() -> None:
+        while True:
+            signal.sigwait({signal.SIGTERM})
+            launcher.stop_all()
+            _thread.interrupt_main(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGTERM, on_terminate)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every thread started later
+    threading.Thread(target=take_sigterm, name="lmforge-sigterm", daemon=True).start()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from lmforge.explain import explain, format_explanations
+    from lmforge.registry import stage_names
 
     config = _load(args)
-    stages = ["curate", "pretrain"] if args.stage == "all" else [args.stage]
+    stages = stage_names() if args.stage == "all" else [args.stage]
     config.stages = stages
     print(format_explanations(explain(config, stages)))
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, peak_tflops
-    from training.planner import format_plan, plan_parallelism, resolve_precision
-
-    config = _load(args, check_paths=False)
-    if args.gpus:
-        device = DeviceInfo("cuda", args.gpu_name, args.gpus, int(args.gpu_memory_gib * 1024**3), True, 64)
-        peak = KNOWN_GPU_PEAK_TFLOPS.get(args.gpu_name)
-    else:  # this machine: the measured (cached) peak, so the budget includes a time estimate
-        device = detect_device()
-        peak = peak_tflops(device, resolve_precision(config.pretrain.precision, device))
-    plan = plan_parallelism(config.pretrain, config.curate.tokenizer.vocab_size, device=device, peak_tflops=peak)
-    print(format_plan(plan))
     return 0
 
 
@@ -215,11 +239,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _stop_launched_on_signals()
     try:
         if args.command in ("run", "stage"):
             return cmd_run(args, [args.name] if args.command == "stage" else None)
-        handler = {"explain": cmd_explain, "plan": cmd_plan, "server": cmd_server,
-                   "deploy": cmd_deploy, "config": cmd_config}[args.command]
+        if hasattr(args, "handler"):  # a stage's own command
+            config = _load(args, check_paths=getattr(args, "check_paths", True)) if getattr(args, "needs_config", False) else None
+            return args.handler(args, config)
+        handler = {"explain": cmd_explain, "server": cmd_server, "deploy": cmd_deploy, "config": cmd_config}[args.command]
         return handler(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -229,6 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted; completed work is kept and the next run resumes from it", file=sys.stderr)
+        return 130
+    except BaseException as exc:
+        if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API
+            raise
+        print("cancelled; launched processes were stopped, completed work and checkpoints are kept "
+              "(the next run resumes from them)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
         if os.environ.get("LMFORGE_DEBUG"):

@@ -5,26 +5,28 @@ preset underneath. `--set a.b.c=VALUE` overrides a field; VALUE is parsed as YAM
 `--set pretrain.optim.lr=1e-3`, `--set curate.langid.keep=[en,fr]` and
 `--set curate.minhash.enabled=false` all do what they say. Any problem becomes a
 `ConfigError` whose message names the file (or the --set) and the field.
+
+The model itself is assembled from the registered stages: the top level (`name`,
+`workspace`, `stages`, `runtime`) is defined here, and each stage adds its own section
+(`curate:`, `pretrain:`, ...) with the config model it registered. `PipelineConfig` is
+built on first use, so importing this module imports no stage.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, create_model, field_validator
 
 from configs import PRESETS_DIR, preset_names
-from data_prep.config import CurateConfig
-from lmforge.configbase import StrictModel, runtime_field
+from lmforge.configbase import RUNTIME_MARK, StrictModel, runtime_field
 from lmforge.errors import ConfigError
-from training.config import PretrainConfig
-
-STAGES = ("curate", "pretrain")
 
 
 class RuntimeConfig(StrictModel):
@@ -33,19 +35,56 @@ class RuntimeConfig(StrictModel):
         "checksum", description="How stage outputs are verified before reuse: full SHA-256, or sizes only (huge corpora)."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field("INFO", description="Log level of lmforge's loggers.")
+    on_code_drift: Literal["warn", "rerun"] = runtime_field(
+        "warn", description="When a step's code or libraries changed since its output was made: warn (one line, "
+                            "reuse the output) or rerun the step.")
+    step_timeout_s: dict[str, float] = runtime_field(
+        default_factory=dict, description="Wall-clock limit in seconds per step or stage name, e.g. "
+                                          "{pretrain/train: 86400, curate: 3600}; a step over its limit is stopped.")
 
 
-class PipelineConfig(StrictModel):
-    """The whole pipeline; each stage section has its own typed model."""
+class PipelineBase(StrictModel):
+    """The top level of the pipeline config; `pipeline_model()` adds one section per stage."""
 
     name: str = runtime_field("custom", description="Preset name, shown in the UI.")
     workspace: str = runtime_field("./workspace", description="Where stage outputs live (content-addressed).")
-    stages: list[Literal["curate", "pretrain"]] = runtime_field(
-        list(STAGES), description="Stages `lmforge run` runs, in pipeline order."
-    )
+    stages: list[str] = Field(default_factory=lambda: _stage_names(), json_schema_extra=RUNTIME_MARK,
+                              description="Stages `lmforge run` runs (the lifecycle order applies).")
     runtime: RuntimeConfig = RuntimeConfig()
-    curate: CurateConfig = CurateConfig()
-    pretrain: PretrainConfig = PretrainConfig()
+
+    @field_validator("stages")
+    @classmethod
+    def _known_stages(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if name not in _stage_names()]
+        if unknown:
+            raise ValueError(f"unknown stage {unknown[0]!r} (stages: {', '.join(_stage_names())})")
+        return value
+
+
+def _stage_names() -> list[str]:
+    from lmforge.registry import stage_names
+
+    return stage_names()
+
+
+@functools.lru_cache(maxsize=1)
+def pipeline_model() -> type[PipelineBase]:
+    """The whole pipeline's config model: the top level plus each registered stage's section."""
+    from lmforge.registry import stages
+
+    sections: dict[str, Any] = {
+        stage.name: (stage.config_model, Field(default_factory=stage.config_model, description=stage.description))
+        for stage in stages()
+    }
+    return create_model("PipelineConfig", __base__=PipelineBase, __module__=__name__,  # type: ignore[call-overload]
+                        __doc__="The whole pipeline; each stage section has its own typed model.", **sections)
+
+
+def __getattr__(name: str) -> Any:
+    # `PipelineConfig` is built from the registry when first asked for (pickle asks for it too)
+    if name == "PipelineConfig":
+        return pipeline_model()
+    raise AttributeError(name)
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -152,8 +191,8 @@ def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown field"
-        close = difflib.get_close_matches(str(loc[-1]), _field_names(PipelineConfig, loc), n=1)
-        deeper = _nested_matches(PipelineConfig, loc)
+        close = difflib.get_close_matches(str(loc[-1]), _field_names(pipeline_model(), loc), n=1)
+        deeper = _nested_matches(pipeline_model(), loc)
         if close:
             message += f" (did you mean '{close[0]}'?)"
         elif deeper:
@@ -166,7 +205,7 @@ def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
 def load_config(
     preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
     check_paths: bool = True,
-) -> PipelineConfig:
+) -> Any:
     """Load a preset or YAML path, apply overrides, validate; raise ConfigError with one line."""
     overrides = list(overrides or [])
     path = resolve_preset(preset)
@@ -176,7 +215,7 @@ def load_config(
     if workspace:
         data["workspace"] = workspace
     try:
-        config = PipelineConfig.model_validate(data)
+        config = pipeline_model().model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         line = _describe(errors[0], str(path), overrides)
@@ -187,20 +226,10 @@ def load_config(
     return config
 
 
-def check_files(config: PipelineConfig, source: str) -> None:
+def check_files(config: Any, source: str) -> None:
     """Paths the config names must exist, so a typo fails now and not an hour into the run."""
-    from data_prep.ingest import expand_inputs  # local: keeps config import light
+    from lmforge.registry import stages
 
-    for index, pattern in enumerate(config.curate.inputs):
-        try:
-            matched = expand_inputs([pattern])
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: curate.inputs[{index}]: {exc}") from None
-        if not matched and not pattern.startswith("hf:"):
-            raise ConfigError(f"{source}: curate.inputs[{index}]: no file matches {pattern!r}")
-    for index, ref in enumerate(config.curate.quality_classifier.reference):
-        if not Path(ref).is_file():
-            raise ConfigError(f"{source}: curate.quality_classifier.reference[{index}]: not a file: {ref}")
-    hostfile = config.pretrain.distributed.hostfile
-    if hostfile and not Path(hostfile).exists():
-        raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")
+    for stage in stages():
+        if stage.check is not None:
+            stage.check(config, source)

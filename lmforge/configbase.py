@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_RUNTIME = {"lmforge_runtime": True}
+RUNTIME_MARK = {"lmforge_runtime": True}
 
 
 class StrictModel(BaseModel):
@@ -22,7 +22,9 @@ class StrictModel(BaseModel):
 
 def runtime_field(default: Any = ..., *, description: str, **kwargs: Any) -> Any:
     """A field that changes how a stage runs but not what it produces (excluded from cache keys)."""
-    return Field(default, description=description, json_schema_extra=_RUNTIME, **kwargs)
+    if "default_factory" in kwargs:
+        return Field(description=description, json_schema_extra=RUNTIME_MARK, **kwargs)
+    return Field(default, description=description, json_schema_extra=RUNTIME_MARK, **kwargs)
 
 
 def is_runtime_field(model: type[BaseModel], name: str) -> bool:

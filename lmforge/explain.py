@@ -4,7 +4,9 @@ For every step of the requested stages (and what they need upstream) this comput
 key the current config gives, checks the store, and when the output cannot be reused
 compares the key's ingredients with those of the step's last completed run: the config
 fields that differ, the upstream outputs that changed, a version bump, or damage to an
-existing output.
+existing output. A reusable output made by other code than what is here now is reported
+as drift ("code of curate/heuristics changed since this output was made"); with
+`runtime.on_code_drift: rerun` it is recomputed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def explain(config: Any, stages: list[str]) -> list[Explanation]:
     rerun: set[str] = set()
     out: list[Explanation] = []
     for step in graph().active(config, stages):
-        stale = [u for u in step.upstream(config) if u in rerun]
+        stale = [u for u in graph().upstream(step, config) if u in rerun]
         if stale:
             rerun.add(step.name)
             reasons = [f"upstream {u} will be recomputed (reused after all if it reproduces the same bytes)" for u in stale]
@@ -70,7 +72,8 @@ def explain(config: Any, stages: list[str]) -> list[Explanation]:
         plan = plan_step(step, config, store, manifests)
         if plan.cached:
             manifests[step.name] = plan.manifest  # type: ignore[assignment]
-            out.append(Explanation(step.name, plan.key, True, ["complete and verified"]))
+            drifted = [f"{line} (runtime.on_code_drift=warn: reused anyway)" for line in plan.drift]
+            out.append(Explanation(step.name, plan.key, True, ["complete and verified", *drifted]))
             continue
         rerun.add(step.name)
         latest = store.latest(step.name)

@@ -8,16 +8,25 @@ digest of four things, and nothing else:
 - `identity(config)`: the config fields that change its results,
 - the output digests of its upstream steps (content, not keys, so an upstream rerun that
   produces identical bytes does not invalidate anything downstream).
+
+A step names what it reads either as a step of its own stage (`"curate/select"`) or as a
+typed `Product` of another stage (`TOKEN_SHARDS`, `hf_model("sft")`); the graph resolves a
+product to the enabled step that `provides` it, so stages never refer to each other's steps.
+Which code a step's output came from (its own modules and the libraries that shape it) is
+recorded beside the key, not in it: editing code is reported as drift (`lmforge explain`)
+and `runtime.on_code_drift` decides whether it reruns.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
+from lmforge.errors import ConfigError
 from lmforge.hashing import canonical_json, digest
+from lmforge.stage import Product
 
 UnitResult = tuple[list[str], dict[str, Any]]
 
@@ -32,9 +41,20 @@ class StepContext:
     config: Any
     upstream: dict[str, dict[str, Any]]
     workspace: Path
+    identity: dict[str, Any] = field(default_factory=dict)  # the config part of the key, as recorded
+    products: dict[str, tuple[str, str]] = field(default_factory=dict)  # str(product) -> (step, sub-path)
 
     def upstream_dir(self, name: str) -> Path:
         return Path(self.upstream[name]["dir"])
+
+    def path(self, product: Product) -> Path:
+        """Where an upstream product lives (a directory or file inside its step's output)."""
+        step, sub = self.products[str(product)]
+        return Path(self.upstream[step]["dir"]) / sub if sub else Path(self.upstream[step]["dir"])
+
+    def manifest(self, product: Product) -> dict[str, Any]:
+        """The manifest of the step that provided `product` (its counts, metrics, extra)."""
+        return self.upstream[self.products[str(product)][0]]
 
 
 @dataclass(frozen=True)
@@ -51,7 +71,9 @@ class Step:
     description: str
     identity: Callable[[Any], dict[str, Any]]
     finalize: Callable[[StepContext, dict[str, dict[str, Any]]], dict[str, Any]]
-    upstream: Callable[[Any], tuple[str, ...]] = lambda config: ()
+    # what it reads: steps of its own stage by name, other stages' results as typed products
+    upstream: Callable[[Any], tuple[Union[str, Product], ...]] = lambda config: ()
+    provides: dict[Product, str] = field(default_factory=dict)  # product -> path inside the output ("" = all)
     units: Callable[[StepContext], list[str]] = lambda ctx: []
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
     enabled: Callable[[Any], bool] = lambda config: True
@@ -60,6 +82,11 @@ class Step:
     bookkeeping: tuple[str, ...] = ()
     # output path prefixes that make up the digest downstream keys see (None: all outputs)
     digest_paths: tuple[str, ...] | None = None
+    # modules whose source shapes the output, besides those defining finalize/run_unit; and the
+    # libraries (distribution names) whose versions do (recorded in the manifest: code drift)
+    code: tuple[str, ...] = ()
+    libraries: tuple[str, ...] = ()
+    timeout_s: float | None = None  # default wall-clock limit (runtime.step_timeout_s overrides)
 
     @property
     def stage(self) -> str:
@@ -72,13 +99,14 @@ def config_identity(step: Step, config: Any) -> dict[str, Any]:
     return json.loads(canonical_json(step.identity(config)))
 
 
-def key_components(step: Step, config: Any, upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def key_components(step: Step, config: Any, upstream_names: tuple[str, ...],
+                   upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Everything the key is made of, kept in the manifest so `explain` can diff it later."""
     return {
         "step": step.name,
         "version": step.version,
         "config": config_identity(step, config),
-        "upstream": {name: upstream[name]["digest"] for name in step.upstream(config)},
+        "upstream": {name: upstream[name]["digest"] for name in upstream_names},
     }
 
 
@@ -87,11 +115,13 @@ def step_key(components: dict[str, Any]) -> str:
 
 
 class Graph:
-    """All steps in pipeline order, with lookups by step and stage name."""
+    """All steps in lifecycle order, with lookups by step, stage and product."""
 
     def __init__(self, steps: list[Step]):
         self.steps = steps
         self._by_name = {s.name: s for s in steps}
+        if len(self._by_name) != len(steps):
+            raise ValueError("two steps share a name")
 
     def get(self, name: str) -> Step:
         return self._by_name[name]
@@ -99,17 +129,49 @@ class Graph:
     def stages(self) -> list[str]:
         return list(dict.fromkeys(s.stage for s in self.steps))
 
+    def providers(self, product: Product, config: Any) -> list[Step]:
+        """Enabled steps providing `product` (any role when `product.role` is empty)."""
+        return [s for s in self.steps if s.enabled(config)
+                and any(p == product or (not product.role and p.kind == product.kind) for p in s.provides)]
+
+    def provider(self, product: Product, config: Any, wanted_by: str = "") -> Step:
+        found = self.providers(product, config)
+        if not found:
+            raise ConfigError(f"{wanted_by or 'a step'} needs {product}, which no enabled step provides "
+                              "(is the stage that makes it switched off?)")
+        return found[0]
+
+    def upstream(self, step: Step, config: Any) -> tuple[str, ...]:
+        """The step names `step` reads, products resolved to their providers."""
+        names: list[str] = []
+        for want in step.upstream(config):
+            name = self.provider(want, config, step.name).name if isinstance(want, Product) else want
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+
+    def products(self, step: Step, config: Any) -> dict[str, tuple[str, str]]:
+        """str(product) -> (providing step, path inside its output), for the products `step` reads."""
+        out: dict[str, tuple[str, str]] = {}
+        for want in step.upstream(config):
+            if isinstance(want, Product):
+                source = self.provider(want, config, step.name)
+                sub = next(path for p, path in source.provides.items()
+                           if p == want or (not want.role and p.kind == want.kind))
+                out[str(want)] = (source.name, sub)
+        return out
+
     def active(self, config: Any, stages: list[str]) -> list[Step]:
         """Enabled steps of `stages` plus every enabled step they need upstream, in order."""
         wanted = {s.name for s in self.steps if s.stage in stages and s.enabled(config)}
         for step in reversed(self.steps):
             if step.name in wanted:
-                wanted.update(step.upstream(config))
+                wanted.update(self.upstream(step, config))
         return [s for s in self.steps if s.name in wanted]
 
 
 def build_graph() -> Graph:
-    from data_prep.steps import CURATE_STEPS
-    from training.steps import PRETRAIN_STEPS
+    """Every registered stage's steps, in lifecycle order."""
+    from lmforge.registry import stages
 
-    return Graph([*CURATE_STEPS, *PRETRAIN_STEPS])
+    return Graph([step for stage in stages() for step in stage.steps()])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from lmforge.executor import DOMAIN_LOGGERS
+from lmforge.executor import domain_loggers
 
 CONSOLE_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
 
@@ -56,7 +56,7 @@ def connect_library_loggers(level: str = "INFO") -> None:
     api.addFilter(_InRunOnly())
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(CONSOLE_FORMAT, "%H:%M:%S"))
-    for name in DOMAIN_LOGGERS:
+    for name in domain_loggers():
         logger = logging.getLogger(name)
         if any(isinstance(h, APILogHandler) for h in logger.handlers):
             continue
@@ -70,6 +70,6 @@ def set_library_log_level(level: str) -> None:
     """Apply `runtime.log_level` to lmforge's loggers here and in the training ranks it launches."""
     import os
 
-    for name in DOMAIN_LOGGERS:
+    for name in domain_loggers():
         logging.getLogger(name).setLevel(level)
     os.environ["LMFORGE_LOG_LEVEL"] = level

@@ -1,0 +1,82 @@
+"""Finding the registered stages and putting them in lifecycle order.
+
+Stages register under the `lmforge.stages` entry-point group (see `lmforge.stage`). They
+are loaded on first use, not when this module is imported, so importing the core never
+imports a domain package. The lifecycle order is a topological order of each stage's
+`after` (ties keep the order of the names), so a stage added later slots in where it
+belongs without any list being edited.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.metadata import entry_points
+
+from lmforge.errors import ConfigError
+from lmforge.stage import Stage
+
+GROUP = "lmforge.stages"
+
+
+@functools.lru_cache(maxsize=1)
+def stages() -> tuple[Stage, ...]:
+    """Every registered stage, in lifecycle order."""
+    found: dict[str, Stage] = {}
+    for point in entry_points(group=GROUP):
+        stage = point.load()
+        if not isinstance(stage, Stage):
+            raise TypeError(f"entry point {point.name} = {point.value} is not an lmforge.stage.Stage")
+        if stage.name != point.name:
+            raise TypeError(f"entry point {point.name} registers a stage named {stage.name!r}")
+        found[stage.name] = stage
+    if not found:
+        raise RuntimeError(f"no stages registered under the {GROUP!r} entry points; "
+                           "is lmforge installed (`pip install -e .`)?")
+    return tuple(lifecycle_order(found))
+
+
+def lifecycle_order(found: dict[str, Stage]) -> list[Stage]:
+    ordered: list[Stage] = []
+    placed: set[str] = set()
+    pending = dict(sorted(found.items()))
+    while pending:
+        ready = [s for s in pending.values() if all(a in placed or a not in found for a in s.after)]
+        if not ready:
+            raise RuntimeError(f"stages {sorted(pending)} wait on each other (check their `after`)")
+        # among the ready ones, those that follow the most stages go last: a stable, readable order
+        ready.sort(key=lambda s: (len(_ancestors(s, found)), s.name))
+        stage = ready[0]
+        ordered.append(stage)
+        placed.add(stage.name)
+        del pending[stage.name]
+    return ordered
+
+
+def _ancestors(stage: Stage, found: dict[str, Stage]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(stage.after)
+    while todo:
+        name = todo.pop()
+        if name in found and name not in seen:
+            seen.add(name)
+            todo.extend(found[name].after)
+    return seen
+
+
+def stage_names() -> list[str]:
+    return [s.name for s in stages()]
+
+
+def get_stage(name: str) -> Stage:
+    for stage in stages():
+        if stage.name == name:
+            return stage
+    raise ConfigError(f"no stage named {name!r} (stages: {', '.join(stage_names())})")
+
+
+def domain_packages() -> tuple[str, ...]:
+    """Logger names of lmforge's core and every registered stage's packages."""
+    names = ["lmforge"]
+    for stage in stages():
+        names += [p for p in stage.packages if p not in names]
+    return tuple(names)

@@ -1,0 +1,116 @@
+"""What a stage is: one folder plus one registration.
+
+A stage (`curate`, `pretrain`, `align`, ...) registers a `Stage` under the `lmforge.stages`
+entry-point group in `pyproject.toml`:
+
+    [project.entry-points."lmforge.stages"]
+    curate = "data_prep.stage:STAGE"
+
+The core finds stages through that group (`lmforge.registry`) and never imports a stage by
+name, so adding `evaluation/` or `serving/` touches no core file. A stage hands its results
+to later stages as typed `Product`s (the tokenizer, the token shards, a Hugging Face model
+directory, an evaluation verdict), which the graph resolves to whichever enabled step
+provides them: no stage looks for another by a step-name string.
+
+Nothing here imports Prefect or any domain package: a `Stage` is plain data whose
+callables load the stage's modules when they are first needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+
+@dataclass(frozen=True)
+class Product:
+    """A typed thing one step hands to another: `kind` says what it is, `role` which one.
+
+    The kinds are a small shared vocabulary (see `KINDS`); the role tells apart several
+    products of one kind, e.g. the `hf-model` of the `pretrained`, `sft` and `dpo` steps.
+    """
+
+    kind: str
+    role: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown product kind {self.kind!r} (known: {', '.join(sorted(KINDS))})")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.role}" if self.role else self.kind
+
+
+KINDS = {
+    "documents": "curated documents: Parquet shards under kept/ (id, text, domain, ...)",
+    "tokenizer": "a Hugging Face tokenizer directory with the ChatML chat template",
+    "token-shards": "packed token shards (tokens/*.bin) with index.json",
+    "hf-model": "a Hugging Face model directory (safetensors, config, tokenizer, generation config)",
+    "chat-data": "chat records (JSONL with messages), train and held-out splits",
+    "preference-data": "preference records (JSONL with prompt, chosen, rejected), train and held-out splits",
+    "ngram-index": "a hashed n-gram index of a training source, for contamination checks",
+    "eval-results": "lm-eval results of one model on a task group, with per-sample logs",
+    "eval-verdict": "the evaluation stage's verdict: metrics, contamination and gates per model",
+    "quantized-model": "a quantized Hugging Face model directory in compressed-tensors format",
+    "quant-verdict": "the quantization gate's verdict: which checkpoint may ship",
+    "endpoint": "a served model: URL, served name and the lineage behind it",
+}
+
+# shorthands for the products every lifecycle has
+DOCUMENTS = Product("documents")
+TOKENIZER = Product("tokenizer")
+TOKEN_SHARDS = Product("token-shards")
+
+
+def hf_model(role: str) -> Product:
+    return Product("hf-model", role)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Where a stage's work belongs: `cpu` work pools, or `gpu` ones when it trains or serves models."""
+
+    pool: Literal["cpu", "gpu"] = "cpu"
+    gpus: int = 0  # GPUs one run of the stage holds (0: none; -1: every GPU of the node)
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """A Prefect artifact described as plain data; `tasks.artifacts` publishes it.
+
+    kind: "table" (data: list of row dicts), "markdown" (data: str), "link" (data: URL),
+    "image" (data: path of a PNG; published as markdown with the image inlined).
+    """
+
+    key: str
+    kind: Literal["table", "markdown", "link", "image"]
+    data: Any
+    description: str = ""
+
+
+# stage artifacts: (manifests of this run's steps, their cache status, the failure if any) -> specs
+ArtifactBuilder = Callable[[dict[str, dict[str, Any]], dict[str, str], BaseException | None], list[ArtifactSpec]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the lifecycle.
+
+    `config_model` is the stage's typed config section (`<name>:` in a preset). `steps()`
+    returns its `Step`s in order; `artifacts` builds the Prefect artifacts of one run of the
+    stage (also when it failed: a divergence report matters most then). `after` names the
+    stages it follows in the lifecycle; `packages` are the domain packages whose loggers
+    should reach the run log.
+    """
+
+    name: str
+    description: str
+    config_model: type
+    steps: Callable[[], list[Any]]
+    after: tuple[str, ...] = ()
+    artifacts: ArtifactBuilder | None = None
+    resources: Resources = field(default_factory=Resources)
+    packages: tuple[str, ...] = ()
+    summary: Callable[[dict[str, dict[str, Any]]], list[str]] | None = None  # lines for the CLI's run summary
+    check: Callable[[Any, str], None] | None = None  # (config, its source) -> raise ConfigError for missing paths
+    cli: Callable[[Any], None] | None = None  # (argparse subparsers) -> add the stage's own commands

@@ -1,0 +1,83 @@
+"""The pretraining stage's registration: token shards in, a Hugging Face model out."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import ConfigError, TrainingDiverged
+from lmforge.stage import ArtifactSpec, Resources, Stage
+from training.config import PretrainConfig
+
+
+def _steps() -> list[Any]:
+    from training.steps import PRETRAIN_STEPS
+
+    return PRETRAIN_STEPS
+
+
+def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
+               error: BaseException | None) -> list[ArtifactSpec]:
+    if isinstance(error, TrainingDiverged):  # the report matters most when the run stopped
+        return [ArtifactSpec("pretrain-anomalies", "table", error.anomalies,
+                             "training stopped: too many anomalies in a row")] if error.anomalies else []
+    manifest = manifests.get("pretrain/train")
+    if manifest is None:
+        return []
+    rows = [{"metric": k, "value": v} for k, v in manifest["metrics"].items() if isinstance(v, (int, float, str))]
+    specs = [ArtifactSpec("pretrain-summary", "table", rows, "final training metrics")]
+    if manifest["extra"].get("anomalies"):
+        specs.append(ArtifactSpec("pretrain-anomalies", "table", manifest["extra"]["anomalies"],
+                                  "loss spikes / non-finite losses: rolled back and skipped"))
+    return specs
+
+
+def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
+    if "pretrain/train" not in manifests:
+        return []
+    return [f"model:   {manifests['pretrain/train']['dir']}/hf  (transformers.AutoModelForCausalLM.from_pretrained)"]
+
+
+def _check(config: Any, source: str) -> None:
+    hostfile = config.pretrain.distributed.hostfile
+    if hostfile and not Path(hostfile).exists():
+        raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")
+
+
+def _cli(commands: Any) -> None:
+    plan = commands.add_parser("plan", help="print the pretraining parallelism plan and compute budget")
+    plan.add_argument("--gpus", type=int, help="plan for a node with this many GPUs instead of this machine")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU for --gpus (default 80)")
+    plan.add_argument("--gpu-name", default="H100", help="GPU model for --gpus, for its peak FLOP/s (default H100)")
+    plan.set_defaults(handler=_cmd_plan, needs_config=True, check_paths=False)
+
+
+def _cmd_plan(args: argparse.Namespace, config: Any) -> int:
+    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, peak_tflops
+    from training.planner import format_plan, plan_parallelism, resolve_precision
+
+    if args.gpus:
+        device = DeviceInfo("cuda", args.gpu_name, args.gpus, int(args.gpu_memory_gib * 1024**3), True, 64)
+        peak = KNOWN_GPU_PEAK_TFLOPS.get(args.gpu_name)
+    else:  # this machine: the measured (cached) peak, so the budget includes a time estimate
+        device = detect_device()
+        peak = peak_tflops(device, resolve_precision(config.pretrain.precision, device))
+    plan = plan_parallelism(config.pretrain, config.curate.tokenizer.vocab_size, device=device, peak_tflops=peak)
+    print(format_plan(plan))
+    return 0
+
+
+STAGE = Stage(
+    name="pretrain",
+    description="Pretraining: a Llama trained from scratch with DeepSpeed, exported to Hugging Face format.",
+    config_model=PretrainConfig,
+    steps=_steps,
+    after=("curate",),
+    artifacts=_artifacts,
+    resources=Resources(pool="gpu", gpus=-1),
+    packages=("training",),
+    summary=_summary,
+    check=_check,
+    cli=_cli,
+)
