@@ -36,7 +36,11 @@ class ParityError(DeterministicError):
 
 
 class RunStopped(LmforgeError):
-    """The user stopped the run (Ctrl-C); retrying would undo their decision."""
+    """The run was stopped (Ctrl-C, cancellation, SIGTERM); retrying would undo that decision."""
+
+
+class StepTimeout(LmforgeError):
+    """A step ran past its configured time limit (`runtime.step_timeout_s`) and was stopped."""
 
 
 class RetryableError(LmforgeError):
@@ -64,4 +68,6 @@ def is_retryable(exc: BaseException) -> bool:
     programming errors."""
     if isinstance(exc, LmforgeError):
         return exc.retryable
+    if type(exc).__name__ == "TaskRunTimeoutError":  # Prefect's step time limit: like StepTimeout
+        return False
     return not isinstance(exc, PROGRAMMING_ERRORS)

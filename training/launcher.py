@@ -1,10 +1,11 @@
 """Start distributed training as a subprocess and turn its ending into the right error.
 
 The command is explicit (`deepspeed --num_gpus N [--hostfile F --num_nodes K] --module
-training.train_entry --spec SPEC`, or torchrun). It runs in its own process group, so
-cancelling the stage stops every rank (the deepspeed launcher alone leaves orphans on
-SIGTERM). Rank-0 output is streamed line by line into the `training.launcher` logger,
-which reaches the Prefect run log.
+training.train_entry --spec SPEC`, or torchrun). It goes through lmforge's one launcher
+(`lmforge.launcher`): own process group under a supervisor, so cancelling the stage, a
+SIGTERM, or the death of the flow process stops every rank (the deepspeed launcher alone
+leaves orphans on SIGTERM). Rank-0 output is streamed line by line into the
+`training.launcher` logger, which reaches the Prefect run log.
 
 After exit, the per-rank exit records decide what happened: a deterministic failure
 (config error, divergence, parity) is non-retryable; a rank that died without a record
@@ -14,23 +15,17 @@ After exit, the per-rank exit records decide what happened: a deterministic fail
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging
-import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import PROGRAMMING_ERRORS, ConfigError, DeterministicError, ParityError, RunStopped, TrainingDiverged, TrainingInterrupted
+from lmforge import launcher
+from lmforge.errors import PROGRAMMING_ERRORS, ConfigError, DeterministicError, ParityError, TrainingDiverged, TrainingInterrupted
 
 log = logging.getLogger(__name__)
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-             "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 NOISE = ("Setting accelerator to CPU", "get learning rate from scheduler before it has started")
 NON_RETRYABLE = {"config_error": ConfigError, "diverged": TrainingDiverged, "parity_failed": ParityError,
                  "deterministic": DeterministicError}
@@ -106,48 +101,8 @@ def classify(returncode: int, records: list[dict[str, Any]], world_size: int,
     )
 
 
-_live: set[int] = set()  # process groups of running launches, for `stop_all`
-_stopped = False
-
-
-def stop_all() -> None:
-    """Stop every training launched from this process (Ctrl-C, cancellation); they will not be retried."""
-    global _stopped
-    _stopped = True
-    for group in list(_live):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGTERM)
-
-
 def launch(command: list[str], out_dir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run the launcher in its own process group, streaming its output into our log.
+    """Run the training launcher supervised, streaming its output into our log.
 
     Returns the exit code and the last lines of output (for a one-line failure message)."""
-    log.info("launching: %s", " ".join(command))
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    full_env = {**os.environ, **QUIET_ENV, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, full_env.get("PYTHONPATH", "")) if p)
-    tail: collections.deque[str] = collections.deque(maxlen=3)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                               env=full_env, cwd=out_dir, start_new_session=True)
-    _live.add(process.pid)
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            line = line.rstrip()
-            if line and not any(noise in line for noise in NOISE):
-                log.info("%s", line)
-                tail.append(line)
-        returncode = process.wait()
-    except BaseException:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        raise
-    finally:
-        _live.discard(process.pid)
-    if _stopped:
-        raise RunStopped("training was stopped by the user; the next run resumes from the latest checkpoint")
-    return returncode, " | ".join(tail)
+    return launcher.run(command, log, cwd=out_dir, env=env, noise=NOISE, what="training")

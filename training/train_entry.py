@@ -2,11 +2,9 @@
 
     deepspeed --num_gpus N training/train_entry.py --spec <out>/run_spec.json
 
-It reads the run spec written by `training.launcher`, trains with `training.loop.Trainer`,
-exports the Hugging Face model with a parity check, and records its outcome in
-`logs/exit-rank<R>.json` so the launcher can tell retryable from deterministic failures.
-Exit codes: 0 ok, 2 configuration error, 3 divergence, 4 parity failure, 5 another failure that
-would repeat (e.g. only damaged checkpoints), 1 other crash.
+It reads the run spec written by `training.steps`, trains with `training.loop.Trainer`,
+exports the Hugging Face model with a parity check, and records its outcome through
+`training.ranks.run_rank` so the launcher can tell retryable from deterministic failures.
 """
 
 from __future__ import annotations
@@ -16,35 +14,16 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
-EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4, "deterministic": 5}
-
-
-def setup_logging(out_dir: Path, rank: int) -> None:
-    logs = out_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"rank-{rank}.log")]
-    if rank == 0:  # only rank 0 talks to the launcher's stdout, which streams into the Prefect log
-        handlers.append(logging.StreamHandler(sys.stdout))
-    logging.basicConfig(level=logging.WARNING, handlers=handlers, force=True,
-                        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s")
-    level = os.environ.get("LMFORGE_LOG_LEVEL", "INFO")  # runtime.log_level, passed by the launcher
-    for ours in ("training", "data_prep", "lmforge"):
-        logging.getLogger(ours).setLevel(level)
-
+from training.ranks import disable_shm_comm_op, run_rank
 
 def init_distributed() -> tuple[int, int]:
     import deepspeed
     import torch
 
+    disable_shm_comm_op()
     if not torch.cuda.is_available():
-        # The shared-memory all-reduce op is only used for inference, and building it costs
-        # ~40 s on a fresh machine; training communicates over gloo without it.
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         per_rank = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         torch.set_num_threads(per_rank)
     else:
@@ -95,47 +74,12 @@ def main() -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    out_dir = Path(spec["out_dir"])
-    rank = int(os.environ.get("RANK", "0"))
-    attempt_dir = out_dir / "logs" / f"attempt-{spec.get('attempt', 0)}"
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    (attempt_dir / f"started-rank{rank}").touch()  # the launcher did its part; what follows is ours
-    setup_logging(out_dir, rank)
-    from lmforge.errors import ConfigError, DeterministicError, ParityError, TrainingDiverged
 
-    status, message = "ok", ""
-    try:
+    def work(spec: dict, rank: int) -> None:
         rank, world = init_distributed()
         run(spec, rank, world)
-    except TrainingDiverged as exc:
-        status, message = "diverged", str(exc)
-    except ParityError as exc:
-        status, message = "parity_failed", str(exc)
-    except DeterministicError as exc:
-        status, message = "deterministic", str(exc)
-    except (ConfigError, ValueError) as exc:
-        status, message = "config_error", f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001 - classified for the launcher, traceback logged
-        logging.getLogger("training").exception("rank %d crashed", rank)
-        status, message = "crash", f"{type(exc).__name__}: {exc}"
-    record = {"rank": rank, "status": status, "message": message, "attempt": spec.get("attempt"), "at": time.time()}
-    (attempt_dir / f"exit-rank{rank}.json").write_text(json.dumps(record))
-    if status != "ok":
-        logging.getLogger("training").error("rank %d: %s: %s", rank, status, message)
-    _shutdown_distributed()
-    return EXIT_CODES[status]
 
-
-def _shutdown_distributed() -> None:
-    """Tear the process group down explicitly: left to interpreter exit, gloo's threads can abort."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - peers may already be gone; the outcome is recorded
-        pass
+    return run_rank(work, args.spec)
 
 
 if __name__ == "__main__":

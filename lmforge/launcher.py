@@ -1,0 +1,237 @@
+"""One launcher for every long subprocess: training ranks, TRL, lm-eval, the quantizer, vLLM.
+
+`run()` starts a command under `lmforge.supervise` (own process group, stopped with this
+process, step lock held until the whole tree is gone, the step's time limit), streams its
+output line by line into a logger (which reaches the Prefect run log), and returns the exit
+code with the last lines of output for a one-line failure message. The caller classifies
+the exit (retryable or not) with what it knows of its own command.
+
+`stop_all()` stops every command this process launched and waits until they are gone:
+Ctrl-C, SIGTERM (SLURM, systemd, Kubernetes eviction), and Prefect's cancellation and
+crash hooks all come through it. A launch that was stopped raises `RunStopped`.
+
+`start_detached()` is for a service that must outlive the flow (the vLLM server): it runs
+under the same supervisor but is not watched, writes a pid file, and is stopped by pid
+(`stop_detached`), never by name.
+
+The step being computed sets a `StepScope` (lock fd, deadline) around its work; launches
+inside it inherit both without every domain function passing them along.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from lmforge.errors import RunStopped, StepTimeout
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+TIMED_OUT = 124  # lmforge.supervise's exit code when the deadline passed
+
+
+@dataclass(frozen=True)
+class StepScope:
+    step: str
+    lock_fd: int | None = None
+    deadline: float | None = None  # epoch seconds
+
+
+_scope: contextvars.ContextVar[StepScope | None] = contextvars.ContextVar("lmforge_step_scope", default=None)
+
+
+@contextlib.contextmanager
+def step_scope(step: str, lock_fd: int | None, timeout_s: float | None) -> Iterator[StepScope]:
+    scope = StepScope(step, lock_fd, time.time() + timeout_s if timeout_s else None)
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
+
+
+def current_scope() -> StepScope | None:
+    return _scope.get()
+
+
+class _Live:
+    """Supervisors of running launches, and which of them were asked to stop."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.stopped: set[int] = set()
+
+
+_live = _Live()
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched command: ours, quiet Hugging Face settings, the repo on the path."""
+    env = {**os.environ, **QUIET_ENV, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _supervised(command: list[str], watch: bool, scope: StepScope | None, grace: float) -> tuple[list[str], tuple[int, ...]]:
+    shim = [sys.executable, "-m", "lmforge.supervise", "--grace", str(grace)]
+    if watch:
+        shim += ["--watch", str(os.getpid())]
+    fds: tuple[int, ...] = ()
+    if scope is not None and scope.lock_fd is not None:
+        shim += ["--hold-fd", str(scope.lock_fd)]
+        fds = (scope.lock_fd,)
+    if scope is not None and scope.deadline is not None:
+        shim += ["--deadline", str(scope.deadline)]
+    return [*shim, "--", *command], fds
+
+
+def run(command: list[str], log: logging.Logger, *, cwd: Path | str | None = None,
+        env: dict[str, str] | None = None, noise: tuple[str, ...] = (), tail_lines: int = 3,
+        grace: float = 20.0, what: str = "") -> tuple[int, str]:
+    """Run `command` supervised, streaming its output into `log`; returns (exit code, last lines).
+
+    Raises `RunStopped` if `stop_all` stopped it and `StepTimeout` if the step's time ran out.
+    """
+    scope = current_scope()
+    full, fds = _supervised(command, watch=True, scope=scope, grace=grace)
+    log.info("launching: %s", " ".join(command))
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               env=child_env(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+    with _live.lock:
+        _live.processes[process.pid] = process
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            line = line.rstrip()
+            if line and not any(n in line for n in noise):
+                log.info("%s", line)
+                tail.append(line)
+        returncode = process.wait()
+    except BaseException:  # Ctrl-C or an error in this process: the command goes with it
+        _stop(process, grace)
+        raise
+    finally:
+        with _live.lock:
+            _live.processes.pop(process.pid, None)
+            stopped = process.pid in _live.stopped
+            _live.stopped.discard(process.pid)
+    name = what or os.path.basename(command[0])
+    if stopped:
+        raise RunStopped(f"{name} was stopped (cancelled or terminated); completed work is kept and "
+                         "the next run resumes from it")
+    if returncode == TIMED_OUT and scope is not None and scope.deadline is not None and time.time() >= scope.deadline:
+        raise StepTimeout(f"{scope.step}: {name} ran past its time limit (runtime.step_timeout_s) and was stopped; "
+                          "completed work is kept")
+    return returncode, " | ".join(tail)
+
+
+def _stop(process: subprocess.Popen, grace: float) -> None:
+    """Ask the supervisor to stop its tree and wait until it (and so the tree) is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace + 15)
+    except subprocess.TimeoutExpired:  # the supervisor itself is stuck: take the group down hard
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def stop_all(grace: float = 20.0) -> int:
+    """Stop every command launched from this process; returns how many were running.
+
+    Returns only once they are gone, so a step lock released after this is never released
+    while one of its processes still runs.
+    """
+    with _live.lock:
+        running = list(_live.processes.values())
+        _live.stopped.update(p.pid for p in running)
+    threads = [threading.Thread(target=_stop, args=(p, grace)) for p in running]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(running)
+
+
+def running() -> int:
+    with _live.lock:
+        return len(_live.processes)
+
+
+# -- services that outlive the flow (the vLLM server) ------------------------------------------
+
+def start_detached(command: list[str], log_file: Path, pid_file: Path, *, cwd: Path | str | None = None,
+                   env: dict[str, str] | None = None, meta: dict | None = None) -> int:
+    """Start `command` supervised but unwatched, output to `log_file`; returns the supervisor's pid.
+
+    The pid file records the pid, the command and `meta`, so `stop_detached` can make sure the
+    pid still belongs to this service before signalling it.
+    """
+    full, _ = _supervised(command, watch=False, scope=None, grace=20.0)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:
+        process = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=child_env(env), cwd=cwd, start_new_session=True)
+    record = {"pid": process.pid, "command": command, "started_at": time.time(), **(meta or {})}
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pid_file.with_name(f".{pid_file.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, pid_file)
+    return process.pid
+
+
+def read_pid_file(pid_file: Path) -> dict | None:
+    try:
+        return json.loads(pid_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def detached_alive(record: dict | None) -> bool:
+    """Whether the pid in `record` is still the supervisor of that command (pids get reused)."""
+    if not record:
+        return False
+    pid = record["pid"]
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that exited: reap it
+            return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"lmforge.supervise" in cmdline and record["command"][-1].encode() in cmdline
+
+
+def stop_detached(pid_file: Path, wait_s: float = 40.0) -> bool:
+    """Stop the service of `pid_file` by pid; False if it was not running. Idempotent."""
+    record = read_pid_file(pid_file)
+    if not detached_alive(record):
+        pid_file.unlink(missing_ok=True)
+        return False
+    pid = record["pid"]  # type: ignore[index]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + wait_s
+    while detached_alive(record) and time.time() < deadline:
+        time.sleep(0.2)
+    if detached_alive(record):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,165 @@
+"""The supervisor every long subprocess runs under: `python -m lmforge.supervise [opts] -- CMD ...`.
+
+It sits between lmforge and the real command (DeepSpeed, accelerate/TRL, lm-eval, vLLM,
+the quantizer) and guarantees what a plain `Popen` cannot:
+
+- the command runs in its own process group, and the supervisor is a child subreaper, so
+  every descendant (ranks, engine workers) stays findable even after its parent exits;
+- when the process that launched it dies -- killed, crashed, OOM-killed, or evicted -- it
+  stops the whole tree within about a second, so no rank trains on as an orphan;
+- on SIGTERM it stops the tree (SIGTERM, then SIGKILL after `--grace` seconds) and only then
+  exits; with `--hold-fd` it keeps the step's lock file open until then, so the step lock
+  is released only after every process of the step is gone;
+- `--deadline` (epoch seconds) enforces the step's wall-clock limit (exit code 124).
+
+Only the standard library is imported: it starts in tens of milliseconds. Why not a
+library: no maintained package combines parent-death watching, subreaping and a held lock
+(`prctl`-based ones are Linux wrappers of the same two calls used here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+TIMED_OUT = 124
+_stop_requested = False
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: descendants are found by process group only
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _descendants() -> list[int]:
+    """Our living descendants (as subreaper, orphans of the tree are re-parented to us)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _signal_tree(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+    for pid in _descendants():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def stop_tree(child: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the command's group and every descendant; SIGKILL what is left after `grace`."""
+    _signal_tree(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap()
+        if child.poll() is not None and not _descendants():
+            return
+        time.sleep(0.1)
+    _signal_tree(child.pid, signal.SIGKILL)
+    while _descendants() or child.poll() is None:
+        _reap()
+        time.sleep(0.05)
+
+
+def _say(message: str) -> None:
+    try:  # the reader of our output may be the very process that died
+        print(message, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lmforge.supervise")
+    parser.add_argument("--watch", type=int, help="stop everything when this process is gone")
+    parser.add_argument("--hold-fd", type=int, help="an inherited fd (the step lock) to keep open until the end")
+    parser.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--deadline", type=float, help="epoch seconds after which the command is stopped")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigterm)
+    _become_subreaper()
+    parent = os.getppid()
+    child = subprocess.Popen(command, start_new_session=True)
+    reason = ""
+    while child.poll() is None:
+        if _stop_requested:
+            reason = "stopped"
+        elif args.watch and (not _alive(args.watch) or (args.watch == parent and os.getppid() != parent)):
+            reason = f"process {args.watch} that launched it is gone"
+        elif args.deadline and time.time() > args.deadline:
+            reason = "time limit reached"
+        if reason:
+            _say(f"lmforge.supervise: {reason}; stopping {' '.join(command[:3])} ...")
+            stop_tree(child, args.grace)
+            break
+        time.sleep(0.2)
+    _reap()
+    if _descendants():  # the command exited but left processes behind: they go with it
+        stop_tree(child, args.grace)
+    if reason == "time limit reached":
+        return TIMED_OUT
+    code = child.returncode
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
