@@ -11,13 +11,15 @@ import concurrent.futures as cf
 import functools
 import logging
 import multiprocessing
+import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import lmforge
+from lmforge import codeprint, launcher
 from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
 from lmforge.store import StageStore
 
@@ -29,9 +31,12 @@ class StepPlan:
     step: Step
     key: str
     components: dict[str, Any]
+    upstream_names: tuple[str, ...]
     directory: Path
     manifest: dict[str, Any] | None
     reason: str
+    drift: list[str] = field(default_factory=list)  # how the code here differs from the code that made the output
+    rerun_for_drift: bool = False
 
     @property
     def cached(self) -> bool:
@@ -60,19 +65,42 @@ def code_version() -> dict[str, Any]:
 
 
 def plan_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:
-    components = key_components(step, config, upstream)
+    """The step's key and whether its output can be reused. Reads only: no side effects."""
+    names = graph().upstream(step, config)
+    components = key_components(step, config, names, upstream)
     key = step_key(components)
     manifest, reason = store.check(step.name, key)
-    return StepPlan(step, key, components, store.step_dir(step.name, key), manifest, reason)
+    drift = codeprint.drift(step, manifest.get("code")) if manifest else []
+    rerun = bool(drift) and config.runtime.on_code_drift == "rerun"
+    if rerun:
+        manifest, reason = None, "; ".join(drift) + " (runtime.on_code_drift=rerun)"
+    return StepPlan(step, key, components, names, store.step_dir(step.name, key), manifest, reason, drift, rerun)
+
+
+def report_reuse(plan: StepPlan) -> None:
+    """One line when an output is reused although its code changed since (on_code_drift=warn)."""
+    if plan.drift:
+        log.warning("%s: %s; reusing it (runtime.on_code_drift=warn; set it to rerun to recompute)",
+                    plan.step.name, "; ".join(plan.drift))
+
+
+def step_timeout(step: Step, config: Any) -> float | None:
+    limits = config.runtime.step_timeout_s
+    return limits.get(step.name, limits.get(step.stage, limits.get("*", step.timeout_s)))
 
 
 def open_step(plan: StepPlan, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepContext:
-    if plan.directory.exists() and store.read_manifest(plan.directory) is not None:
+    if plan.rerun_for_drift:  # made by other code: nothing of it (units, checkpoints) may be resumed
+        log.warning("%s/%s: %s; recomputing from scratch", plan.step.name, plan.key, plan.reason)
+        store.invalidate(plan.directory)
+        shutil.rmtree(plan.directory, ignore_errors=True)
+    elif plan.directory.exists() and store.read_manifest(plan.directory) is not None:
         log.warning("%s/%s: %s; recomputing", plan.step.name, plan.key, plan.reason)
         store.invalidate(plan.directory)
     plan.directory.mkdir(parents=True, exist_ok=True)
-    needed = {name: upstream[name] for name in plan.step.upstream(config)}
-    return StepContext(plan.step.name, plan.key, plan.directory, config, needed, store.root)
+    needed = {name: upstream[name] for name in plan.upstream_names}
+    return StepContext(plan.step.name, plan.key, plan.directory, config, needed, store.root,
+                       identity=plan.components["config"], products=graph().products(plan.step, config))
 
 
 def split_units(ctx: StepContext, store: StageStore) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -98,7 +126,12 @@ def run_unit(ctx: StepContext, unit: str, verify_mode: str = "checksum") -> dict
     return result
 
 
-DOMAIN_LOGGERS = ("lmforge", "data_prep", "training", "evaluation", "serving")
+def domain_loggers() -> tuple[str, ...]:
+    from lmforge.registry import domain_packages
+
+    return domain_packages()
+
+
 LogRecordTuple = tuple[str, int, str]
 
 
@@ -123,7 +156,7 @@ def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum
     if level is None:
         return run_unit(ctx, unit, verify_mode), []
     collector = _Collect(level)
-    loggers = [logging.getLogger(name) for name in DOMAIN_LOGGERS]
+    loggers = [logging.getLogger(name) for name in domain_loggers()]
     saved = [(lg.level, lg.propagate) for lg in loggers]
     for lg in loggers:
         lg.addHandler(collector)
@@ -172,6 +205,7 @@ def close_step(
         "dir": str(plan.directory),
         "key_components": plan.components,
         "inputs": {name: {k: m[k] for k in ("key", "digest", "dir")} for name, m in ctx.upstream.items()},
+        "products": {str(p): sub for p, sub in plan.step.provides.items()},
         "params": plan.components["config"],
         "counts": outcome.get("counts", {}),
         "metrics": outcome.get("metrics", {}),
@@ -184,10 +218,9 @@ def close_step(
             "units_reused": units_reused,
         },
         "code_version": code_version(),
+        "code": codeprint.fingerprint(plan.step),
     }
-    manifest = store.finish(plan.directory, manifest, plan.step.bookkeeping, plan.step.digest_paths)
-    store.record_use(plan.step.name, manifest)
-    return manifest
+    return store.finish(plan.directory, manifest, plan.step.bookkeeping, plan.step.digest_paths)
 
 
 def capture_level(pool: cf.Executor) -> int | None:
@@ -202,29 +235,51 @@ def make_pool(workers: int) -> cf.Executor:
     return cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
 
 
-def execute_step(
-    step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]], pool: cf.Executor
-) -> tuple[dict[str, Any], bool]:
-    """Plan, and compute when needed; returns (manifest, cache_hit)."""
+UnitRunner = Callable[[StepContext, list[str]], dict[str, dict[str, Any]]]
+
+
+def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]],
+                 run_units: UnitRunner) -> tuple[dict[str, Any], bool]:
+    """Plan, and compute when needed; returns (manifest, cache_hit).
+
+    `run_units(ctx, todo)` computes the units still to do (in a process pool, or as Prefect
+    tasks) and returns their results. The computation holds the step's lock; the processes
+    it launches hold it too, until they are gone (`lmforge.launcher`).
+    """
     plan = plan_step(step, config, store, upstream)
     if plan.cached:
-        store.record_use(step.name, plan.manifest)  # type: ignore[arg-type]
+        report_reuse(plan)
         return plan.manifest, True  # type: ignore[return-value]
-    with store.lock(step.name, plan.key):
+    with store.lock(step.name, plan.key) as lock_fd:
         plan = plan_step(step, config, store, upstream)
         if plan.cached:
+            report_reuse(plan)
             return plan.manifest, True  # type: ignore[return-value]
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
         done, todo = split_units(ctx, store)
+        if done:
+            log.info("%s: resuming; %d of %d units already complete", step.name, len(done), len(done) + len(todo))
+        with launcher.step_scope(step.name, lock_fd, step_timeout(step, config)):
+            results = {**done, **run_units(ctx, todo)}
+            manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
+    log.info("%s: computed in %.1fs -> %s", step.name, manifest["timings"]["seconds"], manifest["dir"])
+    return manifest, False
+
+
+def pool_unit_runner(pool: cf.Executor, store: StageStore) -> UnitRunner:
+    """Units in a local pool of worker processes, their logs replayed here as they finish."""
+    def run_units(ctx: StepContext, todo: list[str]) -> dict[str, dict[str, Any]]:
         futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, capture_level(pool)): unit
                    for unit in todo}
-        results = dict(done)
+        results: dict[str, dict[str, Any]] = {}
         for finished, future in enumerate(cf.as_completed(futures), start=1):
             results[futures[future]], records = unit_outcome(future)
             replay_logs(records)
-            log.info("%s: %d/%d units done", step.name, finished + len(done), len(done) + len(todo))
-        return close_step(plan, ctx, results, store, started, units_reused=len(done)), False
+            log.info("%s: %d/%d units done", ctx.step, finished, len(todo))
+        return results
+
+    return run_units
 
 
 def run_pipeline_locally(config: Any, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -233,6 +288,7 @@ def run_pipeline_locally(config: Any, stages: Iterable[str]) -> dict[str, dict[s
     manifests: dict[str, dict[str, Any]] = {}
     with make_pool(config.runtime.workers) as pool:
         for step in graph().active(config, list(stages)):
-            manifests[step.name], hit = execute_step(step, config, store, manifests, pool)
+            manifests[step.name], hit = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
+            store.record_use(step.name, manifests[step.name])
             log.info("%s: %s (%s)", step.name, "cache hit" if hit else "computed", manifests[step.name]["key"])
     return manifests

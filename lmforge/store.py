@@ -7,6 +7,10 @@ units (shards); each finished unit leaves a marker under `.units/` with checksum
 files, so an interrupted step resumes with the units it had not finished.
 
 Bookkeeping files start with a dot and are never part of a step's outputs.
+
+Each output is hashed once per run, not once per look: a verified output is remembered
+with the size, modification time and inode of its manifest and every file, and is only
+hashed again when one of those changes (or when `forget_verified` starts a new run).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -65,6 +70,25 @@ def outputs_digest(outputs: dict[str, dict[str, Any]], prefixes: tuple[str, ...]
     return digest(sorted(chosen), length=32)
 
 
+_verified: dict[str, tuple[Any, ...]] = {}  # output dir -> stat signature at its last verification
+_verified_lock = threading.Lock()
+
+
+def _signature(directory: Path, rel_paths: list[str]) -> tuple[Any, ...] | None:
+    """(size, mtime, inode) of the manifest and every listed file; None if one is missing."""
+    try:
+        stats = [os.stat(directory / rel) for rel in [MANIFEST, *rel_paths]]
+    except OSError:
+        return None
+    return tuple((st.st_size, st.st_mtime_ns, st.st_ino) for st in stats)
+
+
+def forget_verified() -> None:
+    """Start a new run: every output is hashed again the next time it is checked."""
+    with _verified_lock:
+        _verified.clear()
+
+
 def verify_files(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> str | None:
     """None when every listed file is intact; otherwise a one-line description of the first problem."""
     for rel, meta in files.items():
@@ -107,22 +131,36 @@ class StageStore:
         manifest = self.read_manifest(directory)
         if manifest is None:
             return None, "output directory exists but has no manifest (partial run)"
-        problem = verify_files(directory, manifest.get("outputs", {}), self.verify_mode)
-        if problem:
-            return None, f"output is damaged: {problem}"
+        files = manifest.get("outputs", {})
+        signature = _signature(directory, list(files))
+        with _verified_lock:
+            known = signature is not None and _verified.get(str(directory)) == signature
+        if not known:
+            problem = verify_files(directory, files, self.verify_mode)
+            if problem:
+                return None, f"output is damaged: {problem}"
+            if signature is not None:
+                with _verified_lock:
+                    _verified[str(directory)] = signature
         manifest["dir"] = str(directory)  # where it is now, even if the workspace was moved
         return manifest, "complete and verified"
 
     def finish(self, directory: Path, manifest: dict[str, Any], exclude: tuple[str, ...] = (),
                digest_prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """Checksum every output, add the digest, write the manifest last and atomically."""
+        """Checksum every output (the one hashing of this run), add the digest, write the manifest last."""
         outputs = describe_files(directory, list_outputs(directory, exclude))
         manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs, digest_prefixes)}
         atomic_write_json(directory / MANIFEST, manifest)
+        signature = _signature(directory, list(outputs))
+        if signature is not None:
+            with _verified_lock:
+                _verified[str(directory)] = signature
         return manifest
 
     def invalidate(self, directory: Path) -> None:
         """Remove the manifest of a damaged output so it can never be mistaken for complete."""
+        with _verified_lock:
+            _verified.pop(str(directory), None)
         with contextlib.suppress(FileNotFoundError):
             (directory / MANIFEST).unlink()
 
@@ -157,10 +195,18 @@ class StageStore:
             return None
         return self.read_manifest(self.step_dir(step, key))
 
+    def lock_path(self, step: str, key: str) -> Path:
+        return self.root / step / f".{key}.lock"
+
     @contextlib.contextmanager
-    def lock(self, step: str, key: str) -> Iterator[None]:
-        """An exclusive lock so two runs of the same key do not both compute it."""
-        path = self.root / step / f".{key}.lock"
+    def lock(self, step: str, key: str) -> Iterator[int]:
+        """An exclusive lock so two runs of the same key do not both compute it; yields its fd.
+
+        The subprocesses a step launches are supervised by a process that holds a duplicate of
+        this fd (`lmforge.launcher`), so even if this process dies the lock is only released
+        once every process the step started is gone.
+        """
+        path = self.lock_path(step, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as handle:
             try:
@@ -168,5 +214,5 @@ class StageStore:
             except BlockingIOError:
                 log.info("%s/%s is being computed by another run; waiting for it", step, key)
                 fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
+            yield handle.fileno()
 

@@ -1,10 +1,19 @@
 """The Prefect tasks every step runs through.
 
-`run_step` is cached on the step's content address (`StageKeyPolicy`), retried per the
-step's policy, and returns the small manifest. Inside it, each unit (shard) of the step is
-its own `run_unit` task, retryable on its own and visible in the UI; the units execute
-in a shared pool of worker processes. A retry of either skips units whose completion
-markers verify, so it resumes instead of restarting.
+`run_step` returns the step's small manifest, retried per the step's policy and limited by
+its time limit. Inside it, each unit (shard) of the step is its own `run_unit` task,
+retryable on its own and visible in the UI; the units execute in a shared pool of worker
+processes. A retry of either skips units whose completion markers verify, so it resumes
+instead of restarting. The computing itself is `lmforge.executor.execute_step`, shared with
+`--local`.
+
+There is one cache, lmforge's content-addressed store, not two: Prefect's own task cache is
+off (`NO_CACHE`). A cache keyed on the step key alone would hand back the manifest of old
+bytes after a step was recomputed outside Prefect (`--local`, a non-deterministic rerun),
+and downstream keys would be built on the wrong digest; one keyed on the output digest
+too would have to verify the output before the task even starts. Instead the task always
+starts, the store says whether its output is complete and verified (hashing it once per
+run), and a reused output ends the task in a `Cached` state, which the UI shows as such.
 """
 
 from __future__ import annotations
@@ -14,18 +23,17 @@ import concurrent.futures as cf
 import concurrent.futures.process
 import logging
 import threading
-import time
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
+from prefect.states import Completed, State
 
-from lmforge.executor import (capture_level, close_step, graph, make_pool, open_step, plan_step, replay_logs,
-                              run_unit_with_logs, split_units, unit_outcome)
+from lmforge.executor import (capture_level, execute_step, graph, make_pool, replay_logs, run_unit_with_logs,
+                              step_timeout, unit_outcome)
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
-from tasks.cache import StageKeyPolicy, results_dir
 from tasks.retry import should_retry
 
 log = logging.getLogger("lmforge.tasks")
@@ -62,36 +70,32 @@ def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, ver
     return result
 
 
-@task(name="step", task_run_name="{step_name}", cache_policy=StageKeyPolicy(), result_serializer="json",
-      retries=2, retry_delay_seconds=2, retry_condition_fn=should_retry)
-def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    step = graph().get(step_name)
-    store = StageStore(config.workspace, config.runtime.verify)
-    plan = plan_step(step, config, store, upstream)
-    if plan.cached:
-        store.record_use(step_name, plan.manifest)  # type: ignore[arg-type]
-        return plan.manifest  # type: ignore[return-value]
-    with store.lock(step_name, plan.key):
-        plan = plan_step(step, config, store, upstream)
-        if plan.cached:
-            return plan.manifest  # type: ignore[return-value]
-        started = time.time()
-        ctx = open_step(plan, config, store, upstream)
-        done, todo = split_units(ctx, store)
-        if done:
-            log.info("%s: resuming; %d of %d units already complete", step_name, len(done), len(done) + len(todo))
-        futures = {u: run_unit_task.submit(step_name, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
+def _unit_tasks(config: Any):  # type: ignore[no-untyped-def]
+    def run_units(ctx: StepContext, todo: list[str]) -> dict[str, dict[str, Any]]:
+        futures = {u: run_unit_task.submit(ctx.step, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
         # every unit must have finished before the lock is released: a retry of this step
         # must never compute a shard that a still-running sibling is writing
-        total = len(done) + len(todo)
-        for finished, _ in enumerate(as_completed(list(futures.values())), start=len(done) + 1):
-            log.info("%s: %d/%d units done", step_name, finished, total)
-        results = {**done, **{u: f.result() for u, f in futures.items()}}
-        manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
-    log.info("%s: computed in %.1fs -> %s", step_name, manifest["timings"]["seconds"], manifest["dir"])
-    return manifest
+        for finished, _ in enumerate(as_completed(list(futures.values())), start=1):
+            log.info("%s: %d/%d units done", ctx.step, finished, len(todo))
+        return {u: f.result() for u, f in futures.items()}
+
+    return run_units
+
+
+@task(name="step", task_run_name="{step_name}", cache_policy=NO_CACHE, persist_result=False,
+      retries=2, retry_delay_seconds=2, retry_condition_fn=should_retry)
+def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> State:
+    store = StageStore(config.workspace, config.runtime.verify)
+    manifest, hit = execute_step(graph().get(step_name), config, store, upstream, _unit_tasks(config))
+    if hit:
+        return Completed(data=manifest, name="Cached", message=f"reused {manifest['dir']}")
+    return Completed(data=manifest, message=f"computed in {manifest['timings']['seconds']:.1f}s")
 
 
 def step_task(step_name: str, config: Any):  # type: ignore[no-untyped-def]
-    """`run_step` with the step's retry count and the workspace's result storage."""
-    return run_step.with_options(retries=graph().get(step_name).retries, result_storage=results_dir(config.workspace))
+    """`run_step` with the step's retry count and time limit."""
+    step = graph().get(step_name)
+    limit = step_timeout(step, config)
+    # Prefect's limit is the backstop for in-process work; launched commands meet the launcher's
+    # deadline first (a minute earlier), which stops their whole process tree
+    return run_step.with_options(retries=step.retries, timeout_seconds=limit + 60 if limit else None)

@@ -62,6 +62,8 @@ ROWS = [
     ("pretrain.eval_every=5", set()),
     ("pretrain.resume=never", set()),
     ("runtime.log_level=DEBUG", set()),
+    ("runtime.on_code_drift=rerun", set()),
+    ("runtime.step_timeout_s={pretrain/train: 60}", set()),
     ("pretrain.distributed.launcher=torchrun", set()),
     ("pretrain.distributed.hostfile=pyproject.toml", set()),
     # a second node needs a hostfile, and the batch must still split: 4 x 2 ranks x 2 nodes = 16
@@ -96,3 +98,78 @@ def test_every_runtime_field_is_pinned_above() -> None:
 def test_select_reads_only_enabled_attribute_steps() -> None:
     config = load_config("tiny-cpu", ["curate.langid.enabled=false", "curate.near_dedup.enabled=false"])
     assert graph().get("curate/select").upstream(config) == ("curate/ingest", "curate/heuristics", "curate/quality")
+
+
+# companions a perturbation needs to stay valid (a threshold replaces the keep-fraction)
+COMPANIONS = {"curate.quality_classifier.threshold": ["curate.quality_classifier.keep_fraction=null"]}
+
+
+def _leaves(model: type, prefix: str = "") -> list[str]:
+    from pydantic import BaseModel
+
+    from lmforge.configbase import is_runtime_field
+
+    found = []
+    for name, field in model.model_fields.items():
+        if is_runtime_field(model, name):
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found += _leaves(annotation, f"{prefix}{name}.")
+        else:
+            found.append(f"{prefix}{name}")
+    return found
+
+
+def _candidates(value: object) -> list[str]:
+    """YAML values to try in place of `value`, in order; the config model keeps the valid ones."""
+    import json
+
+    if isinstance(value, bool):
+        return [json.dumps(not value)]
+    if isinstance(value, int):
+        return [str(value + 1), str(value * 2), str(max(value - 1, 0))]
+    if isinstance(value, float):
+        return [repr(value * 0.5), repr(round(value + 0.05, 6)), repr(value * 1.5), repr(value * 0.9)]
+    if isinstance(value, str):
+        return ["fp32", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x"]
+    if value is None:
+        return ["0.5", "1", "x"]
+    if isinstance(value, list):
+        return [json.dumps(value[:-1]), json.dumps(value + value[-1:])] if value else ['["pyproject.toml"]', '["x"]', "[1]"]
+    if isinstance(value, dict):
+        return [json.dumps({k: v for k, v in list(value.items())[:-1]})] if value else ['{"x": 0.5}', '{"2": 0.3}']
+    return []
+
+
+def test_every_result_changing_field_changes_a_step_key() -> None:
+    """The other direction: no field outside the runtime set can change a result without changing a key."""
+    from lmforge.config import pipeline_model
+
+    base_config = load_config("tiny-cpu", [], "/tmp/lmforge-keys-test", check_paths=False)
+    base = {step.name: digest([step.version, step.identity(base_config)]) for step in graph().steps}
+    sections = [name for name in pipeline_model().model_fields if name not in ("name", "workspace", "stages", "runtime")]
+    unkeyed, untried = [], []
+    for path in [leaf for section in sections for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")]:
+        value = base_config
+        for part in path.split("."):
+            value = getattr(value, part)
+        for candidate in _candidates(value):
+            try:
+                config = load_config("tiny-cpu", [f"{path}={candidate}", *COMPANIONS.get(path, [])],
+                                     "/tmp/lmforge-keys-test", check_paths=False)
+            except Exception:  # noqa: BLE001 - not a valid value for this field; try the next
+                continue
+            after = config
+            for part in path.split("."):
+                after = getattr(after, part)
+            if after == value:
+                continue
+            changed = {step.name for step in graph().steps if digest([step.version, step.identity(config)]) != base[step.name]}
+            if not changed:
+                unkeyed.append(f"{path}={candidate}")
+            break
+        else:
+            untried.append(path)
+    assert unkeyed == [], f"fields that change no step's key: {unkeyed}"
+    assert untried == [], f"fields the test could not perturb: {untried}"

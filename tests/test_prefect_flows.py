@@ -21,12 +21,10 @@ def _run(workspace: Path, *extra: str) -> dict:
                     workspace=str(workspace), stages=["curate"])
 
 
-def test_second_run_is_served_from_the_stage_key_cache(curated_copy: Path, prefect_server) -> None:
-    first = _run(curated_copy)
-    assert {s["status"] for s in first["steps"].values()} == {"reused"}  # built without Prefect
-    second = _run(curated_copy)
-    assert {s["status"] for s in second["steps"].values()} == {"cached"}
-    assert (curated_copy / ".prefect" / "results").is_dir()
+def test_outputs_built_without_prefect_are_cache_hits_under_prefect(curated_copy: Path, prefect_server) -> None:
+    first = _run(curated_copy)  # the workspace was curated with --local: one cache for both
+    assert {s["status"] for s in first["steps"].values()} == {"cached"}
+    assert {s["status"] for s in _run(curated_copy)["steps"].values()} == {"cached"}
 
 
 def test_damaged_output_is_recomputed_not_served_from_prefect(curated_copy: Path, prefect_server) -> None:
@@ -37,7 +35,7 @@ def test_damaged_output_is_recomputed_not_served_from_prefect(curated_copy: Path
     third = _run(curated_copy)
     status = {n: s["status"] for n, s in third["steps"].items()}
     assert status["curate/heuristics"] == "computed"
-    assert status["curate/select"] in ("cached", "reused")  # same bytes rebuilt: downstream keys unchanged
+    assert status["curate/select"] == "cached"  # same bytes rebuilt: downstream keys unchanged
     assert victim.read_bytes() != b"garbage"
 
 
@@ -49,8 +47,8 @@ def test_config_change_recomputes_that_step_and_downstream_only(curated_copy: Pa
     assert all(s != "computed" for n, s in status.items() if n not in ("curate/tokenizer", "curate/pack"))
 
 
-def test_a_prefect_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefect_server) -> None:
-    """Switching back to an earlier config is answered from Prefect's cache; `explain` must see it."""
+def test_a_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefect_server) -> None:
+    """Switching back to an earlier config is a cache hit; `explain` must compare against it next time."""
     from lmforge.store import StageStore
 
     original = _run(curated_copy)
@@ -149,7 +147,11 @@ def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_s
     bad = tmp_path / "mixed.jsonl"
     bad.write_text('{"id": "a", "text": "good text here"}\n{"id": "b", "text": broken\n')
     config = load_config("tiny-cpu", [f"curate.inputs=[{bad}]"], str(tmp_path / "ws"))
-    ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws")
+    from lmforge.executor import graph
+    from lmforge.graph import config_identity
+
+    ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws",
+                      identity=config_identity(graph().get("curate/ingest"), config))
 
     @flow
     def one_unit() -> str:
@@ -161,3 +163,43 @@ def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_s
 
     run_id = one_unit()
     assert _logged(run_id, "quarantined 1 of 2 records")
+
+
+def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
+        curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--local recomputes the tokenizer with different bytes under the same key (a non-deterministic
+    rerun); the next Prefect run must see the new digest, not the manifest Prefect cached before."""
+    import data_prep.steps
+    from lmforge.executor import run_pipeline_locally
+    from lmforge.store import StageStore
+    from tests.conftest import small_config
+
+    before = _run(curated_copy)
+    assert _run(curated_copy)["steps"]["curate/tokenizer"]["status"] == "cached"
+    store = StageStore(curated_copy)
+    old = store.latest("curate/tokenizer")
+    store.invalidate(store.step_dir("curate/tokenizer", old["key"]))  # as if lost; the rerun below makes other bytes under the same key
+    original = data_prep.steps.train_bpe
+    monkeypatch.setattr(data_prep.steps, "train_bpe",
+                        lambda texts, vocab, freq, out: original(texts[: len(texts) // 2], vocab, freq, out))
+    local = run_pipeline_locally(small_config(curated_copy), ["curate"])
+    monkeypatch.setattr(data_prep.steps, "train_bpe", original)
+    assert local["curate/tokenizer"]["key"] == old["key"] and local["curate/tokenizer"]["digest"] != old["digest"]
+
+    after = _run(curated_copy)
+    assert {s["status"] for s in after["steps"].values()} == {"cached"}
+    pack = after["manifests"]["curate/pack"]  # built on the bytes that are really there now
+    assert pack["key_components"]["upstream"]["curate/tokenizer"] == local["curate/tokenizer"]["digest"]
+    assert pack["key"] == local["curate/pack"]["key"] != before["steps"]["curate/pack"]["key"]
+
+
+def test_each_output_is_hashed_once_per_run(curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmforge.store
+
+    _run(curated_copy)
+    hashed: list[str] = []
+    real = lmforge.store.file_sha256
+    monkeypatch.setattr(lmforge.store, "file_sha256", lambda path: hashed.append(str(path)) or real(path))
+    _run(curated_copy)
+    assert hashed, "the run verified nothing"
+    assert len(hashed) == len(set(hashed)), [h for h in set(hashed) if hashed.count(h) > 1][:5]
