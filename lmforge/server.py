@@ -4,6 +4,14 @@ The server binds to 127.0.0.1 unless told otherwise, keeps its database under
 `~/.lmforge/server` (or $LMFORGE_HOME), and is found again by pid file. While it runs,
 `lmforge run` sends runs to it so they stay browsable in the UI; without it Prefect
 starts a temporary server for the duration of the run.
+
+Why not just `prefect server start --background` / `prefect server stop`: in Prefect 3.7 the
+background server's output goes to pipes of the CLI process that started it, which exits at
+once, so its logs are lost (and writes to a closed pipe); it does not wait until the API
+answers, and `stop` does not wait until the server is gone. This module starts the same
+server (`prefect server start`) with its log in `server.log`, waits for `/health`, refuses to
+expose the API without auth, and writes Prefect's own pid file too, so `PREFECT_HOME=...
+prefect server stop` works on it as well.
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
         raise ConfigError(f"server host {host}: exposing the API beyond this machine needs "
                           "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set")
     directory = home()
-    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "prefect").mkdir(parents=True, exist_ok=True)
     # SQLite in lmforge's home, whatever database an inherited profile names (Prefect 3 reads the
     # SERVER_ name first and still honours the older API_ one)
     database = f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"
@@ -96,6 +104,7 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
     base = f"http://{_url_host(host)}:{port}"
     api_url = f"{base}/api"
     (directory / "server.json").write_text(json.dumps({"pid": process.pid, "api_url": api_url, "ui_url": base}))
+    (directory / "prefect" / "server.pid").write_text(str(process.pid))  # where `prefect server stop` looks
     deadline = time.time() + wait_s
     while time.time() < deadline:
         if healthy(api_url):
@@ -120,6 +129,7 @@ def stop(wait_s: float = 15.0) -> bool:
     if _alive(state["pid"]):
         os.killpg(group, signal.SIGKILL)
     (home() / "server.json").unlink(missing_ok=True)
+    (home() / "prefect" / "server.pid").unlink(missing_ok=True)
     return True
 
 

@@ -88,13 +88,14 @@ def test_bad_config_fails_fast_with_one_line(workspace: Path) -> None:
 
 
 def test_a_config_error_found_mid_run_is_one_line_without_traceback(tmp_path: Path) -> None:
-    """Some settings can only be judged against the data (here: a domain no document has)."""
+    """Some settings can only be judged once the step reads them (here: a reference file with no documents)."""
     from tests.conftest import SMALL_CURATE
 
-    overrides = [a for o in [*SMALL_CURATE, "curate.quality_classifier.negative_domains=[nosuch]"] for a in ("--set", o)]
+    empty = tmp_path / "reference.jsonl"
+    empty.write_text("")
+    overrides = [a for o in [*SMALL_CURATE, f"curate.quality_classifier.reference=[{empty}]"] for a in ("--set", o)]
     result = lmforge("stage", "curate", "--workspace", str(tmp_path / "ws"), *overrides)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [l for l in result.stderr.splitlines() if l.startswith("config error:")]
-    assert len(errors) == 1 and errors[0].startswith(
-        "config error: curate.quality_classifier.negative_domains: ['nosuch'] match no ingested document")
+    assert errors == ["config error: curate.quality_classifier.reference: no reference documents to train on"]

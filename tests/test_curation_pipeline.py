@@ -111,3 +111,26 @@ def test_explain_downstream_of_a_rerun_lists_only_fields_that_changed(curated_co
     assert not explained["curate/heuristics"].reuse
     assert explained["curate/heuristics"].reasons == [
         "upstream curate/ingest will be recomputed (reused after all if it reproduces the same bytes)"]
+
+
+def test_the_default_preset_curates_a_users_own_single_domain_file(tmp_path: Path) -> None:
+    """What a new user does first: tiny-cpu (written for the demo's four domains) on their own JSONL."""
+    import subprocess
+    import sys
+
+    from pydoc_data.topics import topics
+
+    docs = [text for text in topics.values() if len(text.split()) > 100]
+    data = tmp_path / "my.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "stage", "curate", "--local", "--workspace",
+                             str(tmp_path / "ws"), "--set", f"curate.inputs=[{data}]", "--set", "curate.tokenizer.vocab_size=1024"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [l for l in result.stderr.splitlines() if "negative_domains" in l]
+    assert len(warnings) == 1 and "sampling negatives from the whole pool" in warnings[0]
+    select = json.loads(next((tmp_path / "ws" / "curate" / "select").glob("*/manifest.json")).read_text())["counts"]
+    assert select["input"] == len(docs) and select["kept_by_domain"] == {"my": select["kept"]}
+    assert select["kept"] >= len(docs) // 3 and select["removed"].get("quality_classifier")  # the classifier ran
+    pack = json.loads(next((tmp_path / "ws" / "curate" / "pack").glob("*/manifest.json")).read_text())["counts"]
+    assert pack["train_tokens"] > 5_000

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pydoc_data.topics
 
-from data_prep.minhash import MinHasher, UnionFind, band_keys, candidate_pairs, estimated_jaccard, exact_jaccard
+from data_prep.minhash import MinHasher, band_keys, candidate_pairs, estimated_jaccard, exact_jaccard
 from data_prep.textnorm import jaccard, shingle_set
 
 PROSE = [t for _, t in sorted(pydoc_data.topics.topics.items()) if len(t.split()) > 300]
@@ -88,12 +88,17 @@ def test_lsh_finds_near_duplicates_with_high_precision_and_recall() -> None:
     assert recall >= 0.9 and precision >= 0.95
 
 
-def test_union_find_roots_at_the_lowest_index() -> None:
-    forest = UnionFind()
-    forest.union(5, 3)
-    forest.union(3, 9)
-    forest.union(7, 8)
-    assert forest.find(9) == 3 and forest.find(5) == 3 and forest.find(8) == 7
+def test_clusters_are_connected_components_above_the_threshold(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.select import near_duplicate_clusters
+
+    path = tmp_path / "edges.parquet"
+    pq.write_table(pa.table({"a": [5, 3, 7, 1], "b": [3, 9, 8, 2], "jaccard": [0.9, 0.85, 0.95, 0.6]}), path)
+    assert near_duplicate_clusters(path, 0.8) == [[3, 5, 9], [7, 8]]  # 1-2 is below the threshold
+    assert sorted(near_duplicate_clusters(path, 0.5)) == [[1, 2], [3, 5, 9], [7, 8]]
+    assert near_duplicate_clusters(path, 0.99) == []
 
 
 def test_big_buckets_stay_linear() -> None:

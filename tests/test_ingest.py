@@ -125,6 +125,34 @@ def test_truncated_compressed_file_keeps_what_was_read_and_says_so(tmp_path: Pat
     assert result["input"] == len(docs) + len(quarantined)
 
 
+def test_truncated_zstd_file_keeps_what_was_read_and_says_so(tmp_path: Path) -> None:
+    """What the GPU presets read: a .zst cut short must not end quietly as if the file were complete."""
+    lines = [json.dumps({"id": f"d{i}", "text": f"document {i} " + "word " * 40}).encode() for i in range(3000)]
+    data = zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n")
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    docs, quarantined, result = _ingest(path, tmp_path)
+    assert len(quarantined) == 1 and quarantined[0]["reason"].startswith("unreadable_file (EOFError")
+    assert 0 < len(docs) < 3000 and [d["id"] for d in docs] == [f"d{i}" for i in range(len(docs))]
+    assert result["input"] == len(docs) + len(quarantined)
+
+
+def test_corrupt_zstd_file_is_quarantined_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + b"not a frame" * 50)
+    docs, quarantined, result = _ingest(path, tmp_path)
+    assert docs == [] and result["input"] == 1
+    assert quarantined[0]["reason"].startswith("unreadable_file (ZstdError")
+
+
+def test_multi_frame_zstd_file_is_read_whole(tmp_path: Path) -> None:
+    frames = [zstandard.ZstdCompressor().compress(json.dumps(g).encode() + b"\n") for g in GOOD]
+    path = tmp_path / "frames.jsonl.zst"
+    path.write_bytes(b"".join(frames))
+    docs, quarantined, _ = _ingest(path, tmp_path)
+    assert [d["id"] for d in docs] == [g["id"] for g in GOOD] and quarantined == []
+
+
 def test_corrupt_parquet_is_quarantined_not_a_crash(tmp_path: Path) -> None:
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"PAR1 not really")
@@ -187,3 +215,62 @@ def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_
     with pytest.raises(DataError, match="cannot load Hugging Face dataset") as local:
         list(read_input(str(broken)))
     assert not is_retryable(local.value)
+
+
+def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from data_prep.steps import _ingest_identity
+    from lmforge.config import load_config
+    from lmforge.errors import SourceUnavailable, is_retryable
+
+    commit = {"sha": "aaaa"}
+
+    class FakeApi:
+        def dataset_info(self, name: str, timeout: float) -> object:
+            return type("Info", (), {"sha": commit["sha"]})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    config = load_config("tiny-cpu", ["curate.inputs=[hf:org/corpus, hf:org/pinned@v1.0]"], str(tmp_path), check_paths=False)
+    first = _ingest_identity(config)["input_files"]
+    assert first == {"hf:org/corpus": "hf:org/corpus@aaaa", "hf:org/pinned@v1.0": "hf:org/pinned@v1.0"}
+    commit["sha"] = "bbbb"  # the dataset was updated on the hub: a new key
+    assert _ingest_identity(config)["input_files"]["hf:org/corpus"] == "hf:org/corpus@bbbb"
+
+    class Offline:
+        def dataset_info(self, name: str, timeout: float) -> object:
+            raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    with pytest.raises(SourceUnavailable, match="pin one as hf:org/corpus@REVISION") as info:
+        _ingest_identity(config)
+    assert is_retryable(info.value)
+
+
+def test_a_glob_is_expanded_once_and_the_expansion_is_what_is_read(tmp_path: Path) -> None:
+    from data_prep.steps import _input_paths, _ingest_identity
+    from lmforge.config import load_config
+    from lmforge.graph import StepContext
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    config = load_config("tiny-cpu", [f"curate.inputs=[{tmp_path}/*.jsonl]"], str(tmp_path / "ws"))
+    identity = _ingest_identity(config)
+    assert list(identity["input_files"]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    (tmp_path / "c.jsonl").write_text(json.dumps(GOOD[1]) + "\n")  # arrives while the step runs
+    ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws", identity=identity)
+    assert _input_paths(ctx) == list(identity["input_files"])
+    assert str(tmp_path / "c.jsonl") in _ingest_identity(config)["input_files"]  # the next run's key has it
+
+
+def test_fix_encoding_repairs_mojibake_with_ftfy(tmp_path: Path) -> None:
+    from data_prep.heuristics import StatParams, compute_stats
+
+    broken = "Caf\u00c3\u00a9 au lait and na\u00c3\u00afve \u00e2\u20ac\u0153quotes\u00e2\u20ac\u009d in M\u00c3\u00bcnchen."
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"id": "m", "text": broken}) + "\n")
+    docs, _, _ = _ingest(path, tmp_path)
+    assert docs[0]["text"] != broken and compute_stats(docs[0]["text"], StatParams())["bad_char_ratio"] > 0.05
+    fixed, _, _ = _ingest(path, tmp_path / "fixed", normalize={"fix_encoding": True})
+    assert fixed[0]["text"] == "Café au lait and naïve “quotes” in München."
+    assert compute_stats(fixed[0]["text"], StatParams())["bad_char_ratio"] == 0

@@ -78,3 +78,33 @@ def test_mixing_reaches_target_shares_and_respects_the_repeat_cap() -> None:
     # the choice follows document ids, not their order in the corpus
     reordered, _ = plan_mix(list(reversed(docs)), MixConfig(weights={"code": 0.5, "prose": 0.3, "dialogue": 0.2}))
     assert list(reversed(reordered)) == repeats
+
+
+def test_ipv6_is_redacted_in_every_written_form_and_code_is_left_alone() -> None:
+    text = ("Reach 2001:db8::1 or 2001:0db8:0000:0000:0000:0000:0002:0001, DNS 2606:4700:4700::1111, "
+            "mapped ::ffff:93.184.216.34. Local ::1, fe80::1 and fd00::5 stay; x[1::2], std::vector and 12:30:45 too.")
+    redacted, counts = redact(text, PIIConfig())
+    assert counts == {"ip": 4}
+    assert "2001:db8::1" not in redacted and "2606:4700" not in redacted and "93.184.216.34" not in redacted
+    for kept in ("::1,", "fe80::1", "fd00::5", "x[1::2]", "std::vector", "12:30:45"):
+        assert kept in redacted
+
+
+def test_redact_stored_removes_pii_from_ingested_removed_and_quarantined_text(tmp_path: Path) -> None:
+    import json
+
+    from data_prep.config import CurateConfig
+    from data_prep.ingest import ingest_file
+    from data_prep.records import iter_rows, shard_path
+
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "text": "Mail jane.doe@example.org about host 2001:db8::1 today."}) + "\n"
+                      + '{"id": "b", "text": "broken record from bob@example.com\n')
+    for stored, expect_pii in ((False, True), (True, False)):
+        out = tmp_path / f"out-{stored}"
+        _, result = ingest_file(str(source), 0, CurateConfig(pii={"redact_stored": stored}), out)
+        text = next(iter_rows(shard_path(out, result["shards"][0]["name"])))["text"]
+        quarantined = (out / "quarantine" / "f0000.jsonl").read_text()
+        assert ("jane.doe@example.org" in text) == expect_pii and ("2001:db8::1" in text) == expect_pii
+        assert ("bob@example.com" in quarantined) == expect_pii
+        assert result["pii_redacted"] == ({} if expect_pii else {"email": 2, "ip": 1})
