@@ -131,7 +131,7 @@ def main() -> None:
         ds_step, plain_step = _steady(timings["ds"]), _steady(timings["plain"])
         ds_losses, plain_losses = losses["ds"], losses["plain"]
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
-    fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len)
+    fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len, trainer.vocab_size)
     ds_tps, plain_tps = tokens_per_step / ds_step, tokens_per_step / plain_step
     print(f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
           f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps each, interleaved (median after warm-up)")

@@ -287,3 +287,18 @@ def test_torchrun_launches_the_same_training(curated: tuple[Path, dict], trained
     torchrun, deepspeed = _metrics(manifest), _metrics(trained)
     assert [r["step"] for r in torchrun] == list(range(1, 161))
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(torchrun, deepspeed)) < 1e-4
+
+
+def test_planner_memory_matches_what_a_real_run_uses(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    """A 12M-parameter model on 2 CPU ranks: memory each rank gained from building the engine to
+    the end of training (peak RSS) is what the planner said the rank needs, within 30%."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, "pretrain.model.hidden_size=512", "pretrain.model.intermediate_size=1376",
+                          "pretrain.model.num_layers=4", "pretrain.model.num_heads=8", "pretrain.model.num_kv_heads=4",
+                          "pretrain.max_steps=4", "pretrain.checkpoint.every_steps=4", "pretrain.eval_every=4")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    planned_mb = sum(manifest["extra"]["plan"]["per_rank_gib"].values()) * 1024
+    measured_mb = manifest["metrics"]["mem_peak_mb"] - manifest["metrics"]["mem_before_engine_mb"]
+    assert manifest["extra"]["plan"]["zero_stage"] == 0 and manifest["counts"]["params"] > 10_000_000
+    assert 0.7 < measured_mb / planned_mb < 1.3, (measured_mb, planned_mb)

@@ -4,7 +4,6 @@ checkpoint verification, launcher commands and exit classification, retry policy
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -51,26 +50,54 @@ def test_planner_picks_the_least_sharded_strategy_that_fits() -> None:
         assert sum(plan.per_rank_gib.values()) <= plan.capacity_gib
 
 
-def test_planner_memory_follows_the_zero_paper() -> None:
-    """bf16 mixed precision: 2 B weights + 2 B gradients + 12 B Adam (fp32 master, m, v) per parameter;
-    ZeRO-1 shards the 12 B, ZeRO-2 also the gradients, ZeRO-3 also the weights (Rajbhandari et al.)."""
-    from training.planner import memory_per_rank
+def test_planner_memory_follows_deepspeeds_layout() -> None:
+    """bf16: 2 B weights + 2 B gradients + 16 B for the optimizer step (fp32 master copy, the fp32
+    gradient buffer DeepSpeed keeps, Adam m and v) per parameter; ZeRO-1 shards the 16 B, ZeRO-2
+    also the gradients, ZeRO-3 also the weights; ZeRO-1/2/3 add their communication buckets."""
+    from training.planner import ALLGATHER_BUCKET, REDUCE_BUCKET, memory_per_rank
 
     cfg = load_config("gpu-1node", ["pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
     n, world = count_parameters(cfg.model, 50304), 8
-    expected = {0: (2, 2, 12), 1: (2, 2, 12 / world), 2: (2, 2 / world, 12 / world), 3: (2 / world, 2 / world, 12 / world)}
+    expected = {0: (2, 2, 16), 1: (2, 2, 16 / world), 2: (2, 2 / world, 16 / world), 3: (2 / world, 2 / world, 16 / world)}
     for stage, (w, g, o) in expected.items():
         parts, host = memory_per_rank(n, cfg, "bf16", world, stage, "none", 50304)
         assert parts["weights"] * GIB == pytest.approx(w * n)
         assert parts["gradients"] * GIB == pytest.approx(g * n)
         assert parts["optimizer"] * GIB == pytest.approx(o * n) and host == 0
+        assert parts["buckets"] > 0  # ZeRO-0: the flattened fp32 all-reduce buffer; ZeRO-1/2/3: the buckets
+        assert parts["optimizer_step"] * GIB == pytest.approx(4 * n / (world if stage else 1))
+    parts, _ = memory_per_rank(n, cfg, "bf16", world, 2, "none", 50304)
+    assert parts["buckets"] * GIB == pytest.approx(2 * (min(REDUCE_BUCKET, n) + min(ALLGATHER_BUCKET, n)))
+    assert "fp32_build_copy" not in parts and memory_per_rank(n, cfg, "bf16", world, 2, "none", 50304, cpu=True)[0][
+        "fp32_build_copy"] * GIB == pytest.approx(4 * n)
     parts, host = memory_per_rank(n, cfg, "bf16", world, 2, "optimizer", 50304)
-    assert parts["optimizer"] == 0 and host * GIB == pytest.approx(12 * n / world)
+    assert parts["optimizer"] == 0 and host * GIB == pytest.approx(16 * n / world)
     # activations: 34*s*b*h bytes per layer (16-bit, no stored attention scores) plus fp32 logits and their grads
     m, s = cfg.model, cfg.seq_len
     assert parts["activations"] * GIB == pytest.approx(34 * s * m.hidden_size * m.num_layers + 8 * s * 50304)
     fp32, _ = memory_per_rank(n, cfg, "fp32", world, 0, "none", 50304)
     assert (fp32["weights"] + fp32["gradients"] + fp32["optimizer"]) * GIB == pytest.approx(16 * n)
+
+
+def test_planner_agrees_with_deepspeeds_own_estimates() -> None:
+    """DeepSpeed's estimate_zero2/zero3_model_states_mem_needs for the 1.1B preset on 8 GPUs."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from training.planner import layer_parameters, memory_per_rank
+
+    cfg = load_config("gpu-1node", ["pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    n, world = count_parameters(cfg.model, 50304), 8
+
+    def states(stage: int) -> float:
+        parts, _ = memory_per_rank(n, cfg, "bf16", world, stage, "none", 50304)
+        return (parts["weights"] + parts["gradients"] + parts["optimizer"]) * GIB
+
+    _, zero2 = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=world, cpu_offload=False)
+    assert states(2) == pytest.approx(zero2, rel=0.001)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(n, layer_parameters(cfg.model), num_gpus_per_node=world,
+                                                     cpu_offload=False, cpu_offload_params=False)
+    assert states(3) == pytest.approx(zero3, rel=0.15)  # DeepSpeed counts 18 B/N plus a gathered layer
 
 
 def test_planner_checks_offloaded_states_against_host_ram() -> None:
@@ -96,8 +123,12 @@ def test_planner_checks_offloaded_states_against_host_ram() -> None:
 def test_planner_reports_the_compute_budget() -> None:
     cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     plan = plan_parallelism(cfg, 50304, gpu(80), peak_tflops=989)
+    tied = plan_parallelism(cfg.model_copy(update={"model": cfg.model.model_copy(update={"tie_embeddings": True})}),
+                            50304, gpu(80), peak_tflops=989)
+    assert tied.budget["flops_6nd"] == 6 * tied.params * cfg.max_steps * cfg.global_batch_size * cfg.seq_len
     n, d = plan.params, cfg.max_steps * cfg.global_batch_size * cfg.seq_len
-    assert plan.budget["flops_6nd"] == 6 * n * d
+    untied_embedding = 50304 * cfg.model.hidden_size  # gpu-1node unties embeddings: the input one is a lookup
+    assert not cfg.model.tie_embeddings and plan.budget["flops_6nd"] == 6 * (n - untied_embedding) * d
     assert plan.budget["chinchilla_optimal_tokens"] == 20 * n
     hours = plan.budget["flops_with_attention"] / (989e12 * 8 * 0.4) / 3600
     assert plan.budget["estimated_hours"] == pytest.approx(hours, rel=1e-3)
@@ -232,4 +263,27 @@ def test_retry_policy() -> None:
     from concurrent.futures.process import BrokenProcessPool
 
     assert is_retryable(BrokenProcessPool("a worker died")) and is_retryable(TimeoutError("slow disk"))
-    assert math.isclose(1.0, 1.0)
+    from lmforge.errors import RunStopped, StepTimeout
+
+    assert not is_retryable(RunStopped("cancelled")) and not is_retryable(StepTimeout("over its limit"))
+    prefect_timeout = type("TaskRunTimeoutError", (TimeoutError,), {})
+    assert not is_retryable(prefect_timeout("step ran past timeout_seconds"))
+
+
+def test_known_gpu_peaks_tell_pcie_from_sxm() -> None:
+    from training.device import peak_tflops
+
+    def peak(name: str) -> float:
+        return peak_tflops(DeviceInfo("cuda", name, 8, 80 * GIB, True, 64), "bf16")
+
+    assert peak("NVIDIA H100 80GB HBM3") == 989.0 and peak("NVIDIA H100 PCIe") == 756.0
+    assert peak("NVIDIA H100 NVL") == 835.0 and peak("NVIDIA H100 PCIe") != peak("NVIDIA H100 80GB HBM3")
+
+
+def test_mfu_flops_leave_out_an_untied_input_embedding() -> None:
+    from training.metrics import flops_per_token
+
+    tied = PretrainConfig().model
+    untied = tied.model_copy(update={"tie_embeddings": False})
+    n_tied, n_untied = count_parameters(tied, 4096), count_parameters(untied, 4096)
+    assert flops_per_token(n_untied, untied, 256, 4096) == flops_per_token(n_tied, tied, 256, 4096)

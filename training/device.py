@@ -8,8 +8,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Dense bf16 peak per GPU (TFLOP/s) from vendor data sheets, used when not measured.
-KNOWN_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+# Dense bf16 peak per GPU (TFLOP/s) from vendor data sheets, used when not measured. Matched
+# against the CUDA device name in this order, so the PCIe and NVL parts are found before the
+# SXM ones they share a prefix with ("NVIDIA H100 PCIe" vs "NVIDIA H100 80GB HBM3").
+KNOWN_GPU_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "A100": 312.0,
+                         "L40S": 362.0, "A10": 125.0, "L4": 121.0}
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from training.config import PretrainConfig
-from training.planner import Plan
+from training.planner import ALLGATHER_BUCKET, PREFETCH_BUCKET, REDUCE_BUCKET, Plan
 
 
 def build_ds_config(cfg: PretrainConfig, plan: Plan) -> dict[str, Any]:
     opt = cfg.optim
     zero: dict[str, Any] = {"stage": plan.zero_stage}
+    if plan.zero_stage >= 1:  # DeepSpeed's defaults, stated so the planner's memory figures match them
+        zero.update({"reduce_bucket_size": REDUCE_BUCKET, "allgather_bucket_size": ALLGATHER_BUCKET})
+    if plan.zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = PREFETCH_BUCKET
     if plan.zero_stage >= 2:
         zero.update({"overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True})
     if plan.zero_stage == 3:

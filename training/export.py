@@ -28,10 +28,38 @@ def consolidated_state(engine: Any, zero_stage: int) -> dict[str, Any] | None:
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()} if dist.get_rank() == 0 else None
 
 
+def end_of_turn_ids(tokenizer_dir: Path, eos_id: int) -> list[int]:
+    """Stop tokens: <|im_end|> (the end of a chat turn, where vLLM and `generate` must stop) and EOS."""
+    from tokenizers import Tokenizer
+
+    im_end = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id("<|im_end|>")
+    return [im_end, eos_id] if im_end is not None else [eos_id]
+
+
+def generation_config(tokenizer_dir: Path, special: dict[str, int], context: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=special["bos_id"], eos_token_id=end_of_turn_ids(tokenizer_dir, special["eos_id"]),
+                            pad_token_id=special["pad_id"], max_length=context)
+
+
+def copy_tokenizer(tokenizer_dir: Path, out_dir: Path, context: int) -> None:
+    """The tokenizer files, with `model_max_length` set to the model's context (TRL and lm-eval read it)."""
+    import json
+
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy2(tokenizer_dir / name, out_dir / name)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = context
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def save_hf(state: dict[str, Any], trainer_cfg: Any, vocab_size: int, special: dict[str, int],
             tokenizer_dir: Path, out_dir: Path) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
     dtype = next(iter(state.values())).dtype
@@ -41,13 +69,10 @@ def save_hf(state: dict[str, Any], trainer_cfg: Any, vocab_size: int, special: d
     missing = [k for k in missing if not (trainer_cfg.model.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"export: state dict mismatch (missing {missing}, unexpected {unexpected})")
-    model.generation_config = GenerationConfig(bos_token_id=special["bos_id"], eos_token_id=special["eos_id"],
-                                               pad_token_id=special["pad_id"], max_length=trainer_cfg.seq_len)
+    model.generation_config = generation_config(tokenizer_dir, special, trainer_cfg.seq_len)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy2(tokenizer_dir / name, out_dir / name)
+    copy_tokenizer(tokenizer_dir, out_dir, trainer_cfg.seq_len)
     del model
     torch.set_grad_enabled(True)
 

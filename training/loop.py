@@ -24,7 +24,7 @@ from training import checkpoint
 from training.config import PretrainConfig
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
-from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb
+from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb, peak_memory_mb
 from training.model import build_model
 from training.planner import Plan
 
@@ -54,8 +54,7 @@ class Trainer:
         self.vocab_size = self.train_data.vocab_size
         micro = cfg.distributed.micro_batch_size
         self.schedule = BatchSchedule(len(self.train_data), micro, world, rank, cfg.seed)
-        self.val_schedule = (BatchSchedule(len(self.val_data), micro, world, rank, cfg.seed + 1)
-                             if len(self.val_data) >= micro * world else None)
+        self.val_schedule = self._validation_schedule(micro)
         self.detector = SpikeDetector(cfg.guardrails)
         self.ckpt_root = out_dir / "checkpoints"
         self.step, self.tokens, self.lr_scale, self.grad_norm = 0, 0, 1.0, float("nan")
@@ -63,10 +62,20 @@ class Trainer:
         self.progress: dict[str, Any] = {"last_val": None, "tps_sum": 0.0, "tps_count": 0, "wall_s": 0.0}
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
+        self.mem_before_engine_mb = memory_mb()  # the baseline the planner's per-rank figures add to
         self.engine = self._build_engine()
-        self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len)
+        self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len, self.vocab_size)
         self.peak_flops = (peak_tflops or 0.0) * 1e12
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _validation_schedule(self, micro: int) -> BatchSchedule | None:
+        """A small validation split is still used: fewer windows per rank rather than none."""
+        windows = len(self.val_data)
+        if windows < self.world:
+            log.warning("validation split has %d window(s) of %d tokens, fewer than the %d ranks: no validation loss",
+                        windows, self.cfg.seq_len, self.world)
+            return None
+        return BatchSchedule(windows, min(micro, windows // self.world), self.world, self.rank, self.cfg.seed + 1)
 
     # -- engine ----------------------------------------------------------------------------
 
@@ -336,7 +345,12 @@ class Trainer:
         return {"final_step": self.step, "tokens": self.tokens, "final_val_loss": self.progress["last_val"],
                 "tokens_per_s": mean_tps, "train_seconds": round(self.progress["wall_s"], 2),
                 "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
-                "params": self.params, "anomalies": len(self.anomalies)}
+                "params": self.params, "anomalies": len(self.anomalies),
+                # every token of both splits is in some window except these (the end of each stream)
+                "train_windows": len(self.train_data), "val_windows": len(self.val_data),
+                "dropped_tokens_train": self.train_data.dropped_tokens,
+                "dropped_tokens_val": self.val_data.dropped_tokens,
+                "mem_before_engine_mb": round(self.mem_before_engine_mb, 1), "mem_peak_mb": round(peak_memory_mb(), 1)}
 
     def _log_step(self, metrics: MetricsWriter, loss: float, tokens_per_s: float) -> None:
         values = {"loss": loss, "lr": _float(self.engine.get_lr()[0]), "tokens_per_s": tokens_per_s,

@@ -20,9 +20,11 @@ from training.config import ModelConfig
 METRICS_FILE = "metrics.jsonl"
 
 
-def flops_per_token(params: int, model: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the dense matmuls plus attention scores (fwd+bwd)."""
-    return 6 * params + 12 * model.num_layers * model.hidden_size * seq_len
+def flops_per_token(params: int, model: ModelConfig, seq_len: int, vocab_size: int) -> float:
+    """Training FLOPs per token: 6N over the parameters that do matmuls (an untied input
+    embedding is a lookup) plus attention scores (fwd+bwd)."""
+    dense = params - (0 if model.tie_embeddings else vocab_size * model.hidden_size)
+    return 6 * dense + 12 * model.num_layers * model.hidden_size * seq_len
 
 
 def memory_mb() -> float:
@@ -33,6 +35,17 @@ def memory_mb() -> float:
     import psutil
 
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+def peak_memory_mb() -> float:
+    """Peak device memory (CUDA max allocated), or this process's peak RSS on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class MetricsWriter:

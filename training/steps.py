@@ -23,10 +23,11 @@ from lmforge.configbase import pick
 from lmforge.errors import TrainingDiverged
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
+from lmforge.stage import TOKEN_SHARDS, TOKENIZER, hf_model
 
 log = logging.getLogger(__name__)
-PACK, TOKENIZER = "curate/pack", "curate/tokenizer"
 TRAIN = "pretrain/train"
+PRETRAINED = hf_model("pretrained")
 
 
 def _special_tokens(pack_dir: Path) -> tuple[int, dict[str, int]]:
@@ -61,7 +62,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from training.planner import devices_used, format_plan, plan_parallelism, resolve_precision
 
     cfg, out_dir = ctx.config.pretrain, ctx.out_dir
-    pack_dir, tokenizer_dir = ctx.upstream_dir(PACK), ctx.upstream_dir(TOKENIZER)
+    pack_dir, tokenizer_dir = ctx.path(TOKEN_SHARDS), ctx.path(TOKENIZER)
     vocab_size, special = _special_tokens(pack_dir)
     device = detect_device()
     per_device = cfg.peak_tflops or peak_tflops(device, resolve_precision(cfg.precision, device))
@@ -88,13 +89,14 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         raise
     summary = json.loads((out_dir / "summary.json").read_text())
     anomalies = _read_anomalies(out_dir)
-    unigram = ctx.upstream[PACK]["metrics"].get("unigram_entropy_nats")
+    unigram = ctx.manifest(TOKEN_SHARDS)["metrics"].get("unigram_entropy_nats")
     return {"counts": {"steps": summary["final_step"], "tokens": summary["tokens"], "anomalies": len(anomalies),
                        "attempts": attempt, "params": summary["params"]},
             "metrics": {**{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
                         "unigram_entropy_nats": unigram},
             "extra": {"anomalies": anomaly_rows(anomalies),
                       "plan": {"zero_stage": plan.zero_stage, "offload": plan.offload, "world_size": plan.world_size,
+                               "per_rank_gib": plan.per_rank_gib,
                                "grad_accum": plan.grad_accum, "precision": plan.precision, "reasoning": plan.reasoning},
                       "budget": plan.budget, "hf_dir": str(out_dir / "hf")}}
 
@@ -134,7 +136,12 @@ def _identity(config: Any) -> dict[str, Any]:
 
 
 PRETRAIN_STEPS = [
-    Step(TRAIN, 1, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
-         identity=_identity, upstream=lambda c: (PACK, TOKENIZER), finalize=_train_finalize,
-         enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",)),
+    # version 2: windows span shard boundaries (no shard tail or short shard is skipped)
+    Step(TRAIN, 2, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
+         identity=_identity, upstream=lambda c: (TOKEN_SHARDS, TOKENIZER), finalize=_train_finalize,
+         enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
+         provides={PRETRAINED: "hf"},
+         code=("training.loop", "training.model", "training.checkpoint", "training.export", "training.train_entry",
+               "training.guardrails", "training.ds_config", "training.planner", "data_prep.reader"),
+         libraries=("torch", "transformers", "deepspeed")),
 ]
