@@ -1,7 +1,18 @@
 """Selection: turn stored attributes into keep/remove decisions, redact PII, mix domains.
 
-This is the cheap step. It reads only small attribute columns to decide (no text, no
-signatures, no models), then streams each shard once to write `kept/` and `removed/`.
+This is the cheap step, and it stays cheap and bounded in memory on large corpora:
+
+1. Per shard (a unit, in parallel, resumable): the rules every document fails are found
+   from the small attribute columns (no text, no signatures, no models) and saved as a few
+   numpy columns: a code for the document's list of failed rules, its domain, size, quality
+   score and the 128-bit hashes of its text and URL.
+2. Across the corpus (finalize), on those numpy columns only: exact and URL dedup (sorting
+   hashes), near-dedup (connected components of the stored edges), the quality
+   keep-fraction and mixing. Memory is a few tens of bytes per document; no Python object
+   is made per document.
+3. Each shard is streamed once to write `kept/` and `removed/`; a retried selection skips
+   shards it already wrote.
+
 Every removed document keeps its primary reason and every rule it failed; counts always
 satisfy input = kept + sum(removed) + quarantined.
 """
@@ -10,19 +21,21 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from data_prep import heuristics
 from data_prep.config import CurateConfig
 from data_prep.mixing import plan_mix
 from data_prep.pii import redact
-from data_prep.records import shard_path, write_rows
+from data_prep.records import shard_path, temp_path, write_rows
+from lmforge.hashing import atomic_write_json
 
 KEPT_SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("domain", pa.string()),
@@ -34,6 +47,11 @@ REMOVED_SCHEMA = pa.schema([
     ("url", pa.string()), ("meta", pa.string()), ("reason", pa.string()), ("reasons", pa.string()),
     ("duplicate_of", pa.string()), ("origin", pa.string()),
 ])
+# Rules decided across the corpus, after the per-document filters; a document fails at most one.
+LATER_REASONS = ("", "exact_dedup", "exact_dedup:url", "near_dedup", "quality_classifier", "mix:downsampled")
+EXACT, URL, NEAR, QUALITY, MIX = range(1, len(LATER_REASONS))
+SHARD_INPUTS = ".select-inputs"  # per-shard numpy columns (hidden: working state, not an output)
+SHARD_WRITTEN = ".select-written"  # per-shard counts of a written shard, so a retry resumes
 
 
 @dataclass
@@ -46,42 +64,6 @@ class AttributeDirs:
     langid: Path | None = None
     heuristics: Path | None = None
     quality: Path | None = None
-
-
-@dataclass
-class Decisions:
-    ids: list[str] = field(default_factory=list)
-    domains: list[str] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    reasons: list[list[str]] = field(default_factory=list)
-    duplicate_of: dict[int, int] = field(default_factory=dict)
-    langs: list[str | None] = field(default_factory=list)
-    lang_scores: list[float | None] = field(default_factory=list)
-    quality: list[float | None] = field(default_factory=list)
-
-
-def near_duplicate_clusters(edges_path: Path, threshold: float) -> list[list[int]]:
-    """Connected components (sorted member lists) of the edges at or above `threshold`.
-
-    `scipy.sparse.csgraph.connected_components` on the edge list: linear in edges, and no
-    Python object per edge. Members come sorted, so each cluster's first member is its
-    earliest document.
-    """
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
-    edges = pq.read_table(edges_path, columns=["a", "b", "jaccard"])
-    keep = np.asarray(edges["jaccard"]) >= threshold
-    a, b = np.asarray(edges["a"])[keep], np.asarray(edges["b"])[keep]
-    if not len(a):
-        return []
-    nodes, index = np.unique(np.concatenate([a, b]), return_inverse=True)
-    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (index[: len(a)], index[len(a):])),
-                       shape=(len(nodes), len(nodes)))
-    _, labels = connected_components(graph, directed=False)
-    order = np.argsort(labels, kind="stable")  # nodes are ascending, and stay so within a component
-    bounds = np.flatnonzero(np.diff(labels[order])) + 1
-    return [nodes[group].tolist() for group in np.split(order, bounds)]
 
 
 def _attr(directory: Path | None, shard: str, columns: list[str] | None = None) -> list[dict[str, Any]] | None:
@@ -113,132 +95,289 @@ def _rule_failures(cfg: CurateConfig, domain: str, stats: dict[str, Any] | None,
     return failures
 
 
-def decide(cfg: CurateConfig, dirs: AttributeDirs) -> Decisions:
-    """Every rule except the quality keep-fraction and mixing, from attributes only.
+def _hashes128(digests: list[bytes]) -> np.ndarray:
+    """(n, 2) uint64 from n 16-byte digests."""
+    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64).reshape(len(digests), 2)
+
+
+# -- 1. per shard ---------------------------------------------------------------------------
+
+def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Path) -> tuple[list[str], dict[str, Any]]:
+    """Every per-document rule (filters, language) for one shard, plus what dedup, the quality
+    rule and mixing need, as numpy columns. Failure lists and domains are coded per shard; the
+    result lists the codes' meanings."""
+    base = pq.read_table(shard_path(dirs.ingest, shard), columns=["domain", "text_hash", "url_norm", "n_chars"])
+    domains = base["domain"].to_pylist()
+    langs = _attr(dirs.langid, shard) or [None] * len(domains)
+    stats = _attr(dirs.heuristics, shard) or [None] * len(domains)
+    quality = _attr(dirs.quality, shard)
+    failure_codes: dict[tuple[str, ...], int] = {(): 0}
+    domain_codes: dict[str, int] = {}
+    failure = np.empty(len(domains), dtype=np.uint32)
+    domain = np.empty(len(domains), dtype=np.uint32)
+    for i, (dom, lang, stat) in enumerate(zip(domains, langs, stats)):
+        failed = tuple(_rule_failures(cfg, dom, stat, lang["lang"] if lang else None, lang["lang_score"] if lang else None))
+        failure[i] = failure_codes.setdefault(failed, len(failure_codes))
+        domain[i] = domain_codes.setdefault(dom, len(domain_codes))
+    urls = base["url_norm"].to_pylist()
+    columns = {
+        "failure": failure, "domain": domain,
+        "n_chars": base["n_chars"].to_numpy().astype(np.int64),
+        "text_hash": _hashes128([bytes.fromhex(h) for h in base["text_hash"].to_pylist()]),
+        "url_hash": _hashes128([xxhash.xxh3_128_digest(u.encode()) if u else bytes(16) for u in urls]),
+        "has_url": np.array([bool(u) for u in urls], dtype=bool),
+        "quality": np.array([q["quality_score"] for q in quality], dtype=np.float64) if quality
+        else np.full(len(domains), np.nan),
+    }
+    rel = f"{SHARD_INPUTS}/{shard}.npz"
+    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(out_dir / rel)
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **columns)
+    tmp.replace(out_dir / rel)
+    return [rel], {"docs": len(domains), "failures": [list(f) for f in failure_codes], "domains": list(domain_codes)}
+
+
+# -- 2. across the corpus -------------------------------------------------------------------
+
+@dataclass
+class Decisions:
+    """One entry per document, in corpus order. A document's reasons are its failed rules
+    (`failures[failure[i]]`), else the one corpus-level rule it failed (`LATER_REASONS[later[i]]`)."""
+
+    failures: list[tuple[str, ...]]
+    failure: np.ndarray  # uint32 code into failures; 0 = passed every per-document rule
+    later: np.ndarray  # uint8 code into LATER_REASONS; 0 = none
+    duplicate_of: np.ndarray  # int64 document index, -1 = none
+    domains: list[str]
+    domain: np.ndarray  # code into domains
+    repeat: np.ndarray  # int32, for kept documents
+    bounds: np.ndarray  # shard k holds documents bounds[k]:bounds[k+1]
+
+    def reasons(self, index: int) -> list[str]:
+        later = LATER_REASONS[self.later[index]]
+        return [*self.failures[self.failure[index]], *([later] if later else [])]
+
+    @property
+    def kept(self) -> np.ndarray:
+        return (self.failure == 0) & (self.later == 0)
+
+
+def _load(out_dir: Path, shards: list[str], column: str) -> np.ndarray:
+    return np.concatenate([np.load(out_dir / SHARD_INPUTS / f"{s}.npz")[column] for s in shards])
+
+
+def _recode(out_dir: Path, shards: list[str], results: dict[str, Any], column: str, key: str,
+            table: dict[Any, int]) -> np.ndarray:
+    """A per-shard coded column with codes shared by the whole corpus (`table` grows as needed)."""
+    parts = []
+    for shard in shards:
+        local = [table.setdefault(tuple(v) if isinstance(v, list) else v, len(table)) for v in results[shard][key]]
+        parts.append(np.asarray(local, dtype=np.uint32)[np.load(out_dir / SHARD_INPUTS / f"{shard}.npz")[column]]
+                     if local else np.zeros(0, dtype=np.uint32))
+    return np.concatenate(parts)
+
+
+def first_of_equal(rows: np.ndarray) -> np.ndarray:
+    """For each row of an (n, 2) uint64 array, the index of the first row equal to it."""
+    order = np.lexsort((rows[:, 1], rows[:, 0]))  # stable: equal rows stay in index order
+    ordered = rows[order]
+    starts = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)] if len(rows) else np.zeros(0, dtype=bool)
+    first = np.empty(len(rows), dtype=np.int64)
+    first[order] = order[np.flatnonzero(starts)][np.cumsum(starts) - 1]
+    return first
+
+
+def _mark_copies(d: Decisions, candidates: np.ndarray, hashes: np.ndarray, reason: int) -> np.ndarray:
+    """Mark every candidate whose hash an earlier candidate has; returns the unmarked candidates."""
+    first = first_of_equal(hashes)
+    copy = first != np.arange(len(candidates))
+    d.later[candidates[copy]] = reason
+    d.duplicate_of[candidates[copy]] = candidates[first[copy]]
+    return candidates[~copy]
+
+
+def near_duplicate_components(edges_path: Path, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes, component label of each) for the edges at or above `threshold`; nodes ascending.
+
+    `scipy.sparse.csgraph.connected_components` on the edge list: linear in edges, and no
+    Python object per edge.
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    edges = pq.read_table(edges_path, columns=["a", "b", "jaccard"])
+    keep = np.asarray(edges["jaccard"]) >= threshold
+    a, b = np.asarray(edges["a"])[keep], np.asarray(edges["b"])[keep]
+    if not len(a):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    nodes, index = np.unique(np.concatenate([a, b]), return_inverse=True)
+    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (index[: len(a)], index[len(a):])),
+                       shape=(len(nodes), len(nodes)))
+    return nodes, connected_components(graph, directed=False)[1]
+
+
+def near_duplicate_clusters(edges_path: Path, threshold: float) -> list[list[int]]:
+    """Connected components (sorted member lists) of the edges at or above `threshold`."""
+    nodes, labels = near_duplicate_components(edges_path, threshold)
+    order = np.argsort(labels, kind="stable")  # nodes are ascending, and stay so within a component
+    bounds = np.flatnonzero(np.diff(labels[order])) + 1
+    return [nodes[group].tolist() for group in np.split(order, bounds)] if len(nodes) else []
+
+
+def _deduplicate(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> None:
+    """Exact, URL and near-duplicate removal among the documents that passed every filter:
+    of each group the first such document stays (FineWeb's order: filter, then deduplicate)."""
+    if cfg.exact_dedup.enabled:
+        passed = np.flatnonzero(d.failure == 0)
+        firsts = _mark_copies(d, passed, _load(out_dir, dirs.shards, "text_hash")[passed], EXACT)
+        if cfg.exact_dedup.url:
+            firsts = firsts[_load(out_dir, dirs.shards, "has_url")[firsts]]
+            _mark_copies(d, firsts, _load(out_dir, dirs.shards, "url_hash")[firsts], URL)
+    if dirs.minhash is None:
+        return
+    nodes, labels = near_duplicate_components(dirs.minhash / "edges.parquet", cfg.near_dedup.threshold)
+    alive = d.kept[nodes]
+    nodes, labels = nodes[alive], labels[alive]
+    order = np.lexsort((nodes, labels))  # by component, earliest document first
+    nodes, labels = nodes[order], labels[order]
+    starts = np.r_[True, labels[1:] != labels[:-1]] if len(nodes) else np.zeros(0, dtype=bool)
+    survivor = nodes[np.flatnonzero(starts)][np.cumsum(starts) - 1]
+    d.later[nodes[~starts]] = NEAR
+    d.duplicate_of[nodes[~starts]] = survivor[~starts]
+
+
+def decide(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[str, Any]) -> Decisions:
+    """Every rule except the quality keep-fraction and mixing, from the per-shard inputs.
 
     Filters run before dedup (FineWeb's order): the copy kept from a group of duplicates is
     the first one that passes the filters, so a good copy is never dropped because its
     first occurrence happened to be a truncated or mis-detected one.
     """
-    out = Decisions()
-    hashes: list[str] = []
-    urls: list[str | None] = []
-    for shard in dirs.shards:
-        base = pq.read_table(shard_path(dirs.ingest, shard),
-                             columns=["id", "domain", "text_hash", "url_norm", "n_chars"]).to_pylist()
-        langs = _attr(dirs.langid, shard) or [None] * len(base)
-        stats = _attr(dirs.heuristics, shard) or [None] * len(base)
-        quality = _attr(dirs.quality, shard) or [None] * len(base)
-        for doc, lang, stat, qual in zip(base, langs, stats, quality):
-            lang_code = lang["lang"] if lang else None
-            lang_score = lang["lang_score"] if lang else None
-            out.reasons.append(_rule_failures(cfg, doc["domain"], stat, lang_code, lang_score))
-            out.ids.append(doc["id"])
-            out.domains.append(doc["domain"])
-            out.sizes.append(doc["n_chars"])
-            out.langs.append(lang_code)
-            out.lang_scores.append(lang_score)
-            out.quality.append(qual["quality_score"] if qual else None)
-            hashes.append(doc["text_hash"])
-            urls.append(doc["url_norm"])
-    _deduplicate(cfg, dirs, out, hashes, urls)
-    return out
+    failures: dict[Any, int] = {(): 0}
+    domains: dict[Any, int] = {}
+    failure = _recode(out_dir, dirs.shards, results, "failure", "failures", failures)
+    domain = _recode(out_dir, dirs.shards, results, "domain", "domains", domains)
+    bounds = np.zeros(len(dirs.shards) + 1, dtype=np.int64)
+    np.cumsum([results[s]["docs"] for s in dirs.shards], out=bounds[1:])
+    d = Decisions(failures=list(failures), failure=failure, later=np.zeros(len(failure), dtype=np.uint8),
+                  duplicate_of=np.full(len(failure), -1, dtype=np.int64), domains=list(domains), domain=domain,
+                  repeat=np.ones(len(failure), dtype=np.int32), bounds=bounds)
+    _deduplicate(cfg, dirs, out_dir, d)
+    return d
 
 
-def _deduplicate(cfg: CurateConfig, dirs: AttributeDirs, out: Decisions, hashes: list[str], urls: list[str | None]) -> None:
-    """Exact, URL and near-duplicate removal among the documents that passed every filter."""
-    if cfg.exact_dedup.enabled:
-        seen_text: dict[str, int] = {}
-        seen_url: dict[str, int] = {}
-        for index, reasons in enumerate(out.reasons):
-            if reasons:
-                continue
-            first = seen_text.setdefault(hashes[index], index)
-            if first != index:
-                reasons.append("exact_dedup")
-                out.duplicate_of[index] = first
-            elif cfg.exact_dedup.url and urls[index]:
-                first_url = seen_url.setdefault(urls[index], index)  # type: ignore[arg-type]
-                if first_url != index:
-                    reasons.append("exact_dedup:url")
-                    out.duplicate_of[index] = first_url
-    if dirs.minhash is None:
-        return
-    for members in near_duplicate_clusters(dirs.minhash / "edges.parquet", cfg.near_dedup.threshold):
-        survivors = [m for m in members if not out.reasons[m]]
-        for member in survivors[1:]:
-            out.reasons[member].append("near_dedup")
-            out.duplicate_of[member] = survivors[0]
-
-
-def apply_quality_rule(cfg: CurateConfig, d: Decisions) -> float | None:
-    """Add `quality_classifier` failures; returns the effective score threshold."""
+def apply_quality_rule(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> float | None:
+    """Mark `quality_classifier` failures; returns the effective score threshold."""
     qc = cfg.quality_classifier
     if not qc.enabled:
         return None
-    eligible = [i for i, r in enumerate(d.reasons)
-                if not r and d.quality[i] is not None and d.domains[i] not in qc.skip_domains]
-    if not eligible:
+    quality = _load(out_dir, dirs.shards, "quality")
+    skipped = np.array([name in qc.skip_domains for name in d.domains], dtype=bool)
+    eligible = np.flatnonzero(d.kept & ~np.isnan(quality) & ~skipped[d.domain])
+    if not len(eligible):
         return None
     threshold = qc.threshold
     if threshold is None:
-        scores = np.array([d.quality[i] for i in eligible])
-        threshold = float(np.quantile(scores, 1.0 - qc.keep_fraction, method="lower"))  # type: ignore[operator]
-    for i in eligible:
-        if d.quality[i] < threshold:  # type: ignore[operator]
-            d.reasons[i].append("quality_classifier")
+        threshold = float(np.quantile(quality[eligible], 1.0 - qc.keep_fraction, method="lower"))  # type: ignore[operator]
+    d.later[eligible[quality[eligible] < threshold]] = QUALITY
     return threshold
 
 
-def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, repeats: dict[int, int],
-                    out_dir: Path) -> tuple[Counter[str], Counter[str], int]:
-    """Stream each shard once; returns (removed reasons, PII counts, number kept)."""
+def apply_mix(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> dict[str, Any]:
+    """Downsample (`mix:downsampled`) or repeat survivors towards the domain weights."""
+    if not (cfg.mix.enabled and cfg.mix.weights):
+        return {}
+    survivors = np.flatnonzero(d.kept)
+    sizes = _load(out_dir, dirs.shards, "n_chars")
+    docs = []
+    for k, shard in enumerate(dirs.shards):
+        mine = survivors[(survivors >= d.bounds[k]) & (survivors < d.bounds[k + 1])]
+        ids = pq.read_table(shard_path(dirs.ingest, shard), columns=["id"])["id"].take(pa.array(mine - d.bounds[k]))
+        docs += [(i, d.domains[d.domain[g]], int(sizes[g])) for i, g in zip(ids.to_pylist(), mine)]
+    planned, report = plan_mix(docs, cfg.mix)
+    planned_array = np.asarray(planned, dtype=np.int32)
+    d.later[survivors[planned_array == 0]] = MIX
+    d.repeat[survivors[planned_array > 0]] = planned_array[planned_array > 0]
+    return report
+
+
+# -- 3. writing -----------------------------------------------------------------------------
+
+def _target_ids(dirs: AttributeDirs, d: Decisions) -> tuple[np.ndarray, pa.Array]:
+    """(document indices that others duplicate, sorted; their ids), read one shard's ids at a time."""
+    targets = np.unique(d.duplicate_of[d.duplicate_of >= 0])
+    ids = []
+    for k, shard in enumerate(dirs.shards):
+        mine = targets[(targets >= d.bounds[k]) & (targets < d.bounds[k + 1])]
+        if len(mine):
+            column = pq.read_table(shard_path(dirs.ingest, shard), columns=["id"])["id"]
+            ids.append(column.take(pa.array(mine - d.bounds[k])).combine_chunks())
+    return targets, pa.concat_arrays(ids) if ids else pa.array([], pa.string())
+
+
+def write_shard(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, number: int, targets: tuple[np.ndarray, pa.Array],
+                out_dir: Path) -> dict[str, Any]:
+    """Write one shard's kept/ and removed/ files; returns its counts."""
+    shard, offset = dirs.shards[number], int(d.bounds[number])
     removed_counts: Counter[str] = Counter()
     pii_counts: Counter[str] = Counter()
-    kept_total, index = 0, 0
-    for shard in dirs.shards:
-        kept, removed = [], []
-        for doc in pq.read_table(shard_path(dirs.ingest, shard)).to_pylist():
-            reasons = d.reasons[index]
-            if reasons:
-                removed_counts[reasons[0]] += 1
-                dup = d.duplicate_of.get(index)
-                removed.append({**{k: doc[k] for k in ("id", "text", "source", "domain", "url", "meta", "origin")},
-                                "reason": reasons[0], "reasons": json.dumps(reasons),
-                                "duplicate_of": d.ids[dup] if dup is not None else None})
-            else:
-                text = doc["text"]
-                if cfg.pii.enabled and doc["domain"] not in cfg.pii.skip_domains:
-                    text, found = redact(text, cfg.pii)
-                    pii_counts.update(found)
-                kept.append({**{k: doc[k] for k in ("id", "source", "domain", "url", "meta", "origin")}, "text": text,
-                             "lang": d.langs[index], "lang_score": d.lang_scores[index],
-                             "quality_score": d.quality[index], "repeat": repeats.get(index, 1)})
-            index += 1
-        write_rows(out_dir / "kept" / f"{shard}.parquet", kept, KEPT_SCHEMA)
-        write_rows(out_dir / "removed" / f"{shard}.parquet", removed, REMOVED_SCHEMA)
-        kept_total += len(kept)
-    return removed_counts, pii_counts, kept_total
+    kept_domains: Counter[str] = Counter()
+    langs = _attr(dirs.langid, shard)
+    quality = _attr(dirs.quality, shard)
+    kept, removed = [], []
+    for row, doc in enumerate(pq.read_table(shard_path(dirs.ingest, shard)).to_pylist()):
+        index = offset + row
+        reasons = d.reasons(index)
+        if reasons:
+            removed_counts[reasons[0]] += 1
+            dup = int(d.duplicate_of[index])
+            removed.append({**{k: doc[k] for k in ("id", "text", "source", "domain", "url", "meta", "origin")},
+                            "reason": reasons[0], "reasons": json.dumps(reasons),
+                            "duplicate_of": targets[1][int(np.searchsorted(targets[0], dup))].as_py() if dup >= 0 else None})
+        else:
+            text = doc["text"]
+            if cfg.pii.enabled and doc["domain"] not in cfg.pii.skip_domains:
+                text, found = redact(text, cfg.pii)
+                pii_counts.update(found)
+            kept_domains[doc["domain"]] += 1
+            kept.append({**{k: doc[k] for k in ("id", "source", "domain", "url", "meta", "origin")}, "text": text,
+                         "lang": langs[row]["lang"] if langs else None,
+                         "lang_score": langs[row]["lang_score"] if langs else None,
+                         "quality_score": quality[row]["quality_score"] if quality else None,
+                         "repeat": int(d.repeat[index])})
+    write_rows(out_dir / "kept" / f"{shard}.parquet", kept, KEPT_SCHEMA)
+    write_rows(out_dir / "removed" / f"{shard}.parquet", removed, REMOVED_SCHEMA)
+    return {"removed": dict(removed_counts), "pii": dict(pii_counts), "kept": len(kept), "kept_by_domain": dict(kept_domains)}
 
 
-def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path) -> dict[str, Any]:
-    decisions = decide(cfg, dirs)
-    threshold = apply_quality_rule(cfg, decisions)
-    survivors = [i for i, r in enumerate(decisions.reasons) if not r]
-    repeats: dict[int, int] = {}
-    mix_report: dict[str, Any] = {}
-    if cfg.mix.enabled and cfg.mix.weights:
-        planned, mix_report = plan_mix([(decisions.ids[i], decisions.domains[i], decisions.sizes[i]) for i in survivors],
-                                       cfg.mix)
-        for i, repeat in zip(survivors, planned):
-            if repeat == 0:
-                decisions.reasons[i].append("mix:downsampled")
-            else:
-                repeats[i] = repeat
-    removed, pii, kept = write_selection(cfg, dirs, decisions, repeats, out_dir)
-    kept_domains = Counter(decisions.domains[i] for i, r in enumerate(decisions.reasons) if not r)
+def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path) -> dict[str, Counter[str] | int]:
+    """Stream each shard once (skipping shards a previous attempt finished); the summed counts."""
+    targets = _target_ids(dirs, d)
+    total: dict[str, Any] = {"removed": Counter(), "pii": Counter(), "kept": 0, "kept_by_domain": Counter()}
+    for number, shard in enumerate(dirs.shards):
+        marker = out_dir / SHARD_WRITTEN / f"{shard}.json"
+        files = [out_dir / "kept" / f"{shard}.parquet", out_dir / "removed" / f"{shard}.parquet"]
+        if marker.exists() and all(f.exists() for f in files):
+            counts = json.loads(marker.read_text())
+        else:
+            counts = write_shard(cfg, dirs, d, number, targets, out_dir)
+            atomic_write_json(marker, counts)
+        for key in ("removed", "pii", "kept_by_domain"):
+            total[key].update(counts[key])
+        total["kept"] += counts["kept"]
+    return total
+
+
+def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Decide across the corpus from the per-shard inputs (`shard_inputs` results), then write."""
+    decisions = decide(cfg, dirs, out_dir, results)
+    threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
+    mix_report = apply_mix(cfg, dirs, out_dir, decisions)
+    total = write_selection(cfg, dirs, decisions, out_dir)
+    removed: Counter[str] = total["removed"]  # type: ignore[assignment]
     return {
-        "counts": {"kept": kept, "removed": dict(sorted(removed.items())), "removed_total": sum(removed.values()),
-                   "pii": dict(pii), "kept_by_domain": dict(kept_domains)},
+        "counts": {"kept": total["kept"], "removed": dict(sorted(removed.items())), "removed_total": sum(removed.values()),
+                   "pii": dict(total["pii"]), "kept_by_domain": dict(total["kept_by_domain"])},  # type: ignore[arg-type]
         "metrics": {"quality_threshold": threshold, "mix": mix_report},
     }

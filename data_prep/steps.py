@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exa
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
 from data_prep.quality import QualityScorer, builtin_reference, read_reference, train_classifier
 from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_rows
-from data_prep.select import AttributeDirs, run_selection
+from data_prep.select import AttributeDirs, run_selection, shard_inputs
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
 from lmforge.configbase import pick
 from lmforge.errors import ConfigError, DeterministicError
@@ -162,17 +164,56 @@ def _save_array(ctx: StepContext, rel: str, array: np.ndarray) -> str:
     return rel
 
 
-def _verify_candidates(ctx: StepContext, pairs: np.ndarray, offsets: np.ndarray) -> list[float]:
-    """Exact shingle Jaccard for every candidate pair, reading each involved shard once."""
-    shards = _shards(ctx)
+def _spill_shingle_sets(ctx: StepContext, docs: np.ndarray, offsets: np.ndarray, path: Path) -> np.ndarray:
+    """Write the shingle sets of `docs` (sorted corpus indices) to `path`, one shard's documents at
+    a time (reading only their text); returns where each starts: docs[k]'s set is items
+    bounds[k]:bounds[k+1] of the file."""
+    shards, cfg = _shards(ctx), _cur(ctx)
+    hasher, batch = _hasher(cfg), cfg.near_dedup.batch_docs
+    bounds = np.zeros(len(docs) + 1, dtype=np.int64)
+    cuts = np.searchsorted(docs, offsets)  # docs[cuts[s]:cuts[s+1]] lie in shard s
+    with open(path, "wb") as out:
+        for number in np.flatnonzero(np.diff(cuts)):
+            column = pq.read_table(shard_path(_ingest_dir(ctx), shards[number]), columns=["text"])["text"]
+            texts = column.take(pa.array(docs[cuts[number] : cuts[number + 1]] - offsets[number])).to_pylist()
+            for start in range(0, len(texts), batch):
+                for k, shingles in enumerate(hasher.shingle_sets(texts[start : start + batch]), cuts[number] + start):
+                    out.write(shingles.tobytes())
+                    bounds[k + 1] = len(shingles)
+    return np.cumsum(bounds)
+
+
+def _verify_candidates(ctx: StepContext, pairs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Exact shingle Jaccard of every candidate pair (sorted by first document), in bounded memory.
+
+    The shingle sets of the documents in some pair are spilled to a scratch file, then each
+    pair reads its two sets back (its first document's only when that changes). Memory holds
+    one shard's texts, two shingle sets and a few numbers per pair, however big the corpus.
+    """
     needed = np.unique(pairs)
-    hasher, shingles = _hasher(_cur(ctx)), {}
-    for number in np.unique(np.searchsorted(offsets, needed, side="right") - 1):
-        texts = read_columns(shard_path(_ingest_dir(ctx), shards[number]), ["text"])["text"]
-        cache: dict[str, int] = {}
-        for g in needed[(needed >= offsets[number]) & (needed < offsets[number + 1])]:
-            shingles[int(g)] = hasher.shingles(texts[int(g - offsets[number])], cache)
-    return [exact_jaccard(shingles[int(a)], shingles[int(b)]) for a, b in pairs]
+    spill = ctx.out_dir / ".verify" / "shingles.u64"
+    spill.parent.mkdir(parents=True, exist_ok=True)
+    bounds = _spill_shingle_sets(ctx, needed, offsets, spill)
+    similarity = np.empty(len(pairs), dtype=np.float64)
+    with open(spill, "rb") as handle:
+
+        def read(k: int) -> np.ndarray:
+            size, start = 8 * int(bounds[k + 1] - bounds[k]), 8 * int(bounds[k])
+            return np.frombuffer(os.pread(handle.fileno(), size, start), dtype=np.uint64)
+
+        current, first = -1, np.zeros(0, dtype=np.uint64)
+        for n, (i, j) in enumerate(zip(np.searchsorted(needed, pairs[:, 0]).tolist(),
+                                       np.searchsorted(needed, pairs[:, 1]).tolist())):
+            if i != current:
+                current, first = i, read(i)
+            similarity[n] = exact_jaccard(first, read(j))
+    shutil.rmtree(spill.parent)
+    return similarity
+
+
+def _band_column(ctx: StepContext, shards: list[str], band: int) -> np.ndarray:
+    """One band's keys for the whole corpus (8 bytes a document), read shard by shard."""
+    return np.concatenate([np.load(ctx.out_dir / f"bands/{s}.npy")[:, band] for s in shards])
 
 
 def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
@@ -180,16 +221,15 @@ def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, An
     shards = _shards(ctx)
     offsets = np.cumsum([0] + [results[s]["docs"] for s in shards])
     # band keys were computed per shard by the units; here one band of the whole corpus at a time
-    keys = [np.load(ctx.out_dir / f"bands/{s}.npy", mmap_mode="r") for s in shards]
-    pairs = candidate_pairs_by_band(np.concatenate([k[:, band] for k in keys]) for band in range(nd.bands))
+    pairs = candidate_pairs_by_band(_band_column(ctx, shards, band) for band in range(nd.bands))
     similarity = _verify_candidates(ctx, pairs, offsets)
-    keep = [i for i, s in enumerate(similarity) if s >= nd.store_min_jaccard]
-    edges = pa.table({"a": pa.array(pairs[keep, 0] if keep else [], pa.int64()),
-                      "b": pa.array(pairs[keep, 1] if keep else [], pa.int64()),
-                      "jaccard": pa.array([similarity[i] for i in keep], pa.float32())})
+    keep = similarity >= nd.store_min_jaccard
+    edges = pa.table({"a": pa.array(pairs[keep, 0], pa.int64()), "b": pa.array(pairs[keep, 1], pa.int64()),
+                      "jaccard": pa.array(similarity[keep].astype(np.float32), pa.float32())})
     pq.write_table(edges, ctx.out_dir / "edges.parquet")
-    bins = {f"edges_jaccard_ge_{round(t * 100)}": sum(similarity[i] >= t for i in keep) for t in (0.5, 0.7, 0.8, 0.9, 1.0)}
-    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": len(keep), **bins}}
+    bins = {f"edges_jaccard_ge_{round(t * 100)}": int(np.count_nonzero(similarity[keep] >= t)) for t in (0.5, 0.7, 0.8, 0.9, 1.0)}
+    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": int(np.count_nonzero(keep)),
+                       **bins}}
 
 
 # -- language ID, heuristics, quality -----------------------------------------------------
@@ -298,17 +338,25 @@ def _select_identity(config: Any) -> dict[str, Any]:
     return pick(config, *[f"curate.{s}" for s in sections])
 
 
-def _select_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
     up = ctx.upstream
-    dirs = AttributeDirs(
+    return AttributeDirs(
         ingest=_ingest_dir(ctx), shards=_shards(ctx),
         minhash=ctx.upstream_dir(MINHASH) if MINHASH in up else None,
         langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
         heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
         quality=ctx.upstream_dir(QUALITY) if QUALITY in up else None,
     )
-    outcome = run_selection(_cur(ctx), dirs, ctx.out_dir)
-    ingest_counts = up[INGEST]["counts"]
+
+
+def _select_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    return shard_inputs(_cur(ctx), _attribute_dirs(ctx), shard, ctx.out_dir)
+
+
+def _select_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    dirs = _attribute_dirs(ctx)
+    outcome = run_selection(_cur(ctx), dirs, ctx.out_dir, results)
+    ingest_counts = ctx.upstream[INGEST]["counts"]
     counts = {"input": ingest_counts["input"], "quarantined": ingest_counts["quarantined"], **outcome["counts"]}
     if counts["kept"] + counts["removed_total"] + counts["quarantined"] != counts["input"]:
         raise DeterministicError(f"selection lost documents: {counts}")
@@ -403,8 +451,10 @@ CURATE_STEPS = [
          identity=lambda c: {}, upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
          finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled,
          code=("data_prep.quality",), libraries=("fasttext-wheel",)),
-    Step(SELECT, 1, "Apply dedup, language and quality rules; redact PII; mix domains",
-         identity=_select_identity, upstream=_select_upstream, finalize=_select_finalize,
+    # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)
+    Step(SELECT, 2, "Apply dedup, language and quality rules; redact PII; mix domains",
+         identity=_select_identity, upstream=_select_upstream, units=_shards, run_unit=_select_unit,
+         finalize=_select_finalize,
          provides={DOCUMENTS: "kept"}, code=("data_prep.select", "data_prep.mixing", "data_prep.pii")),
     # version 2: the chat template marks assistant turns ({% generation %}) for assistant-only loss
     Step(TOKENIZER, 2, "Train the byte-level BPE tokenizer on kept documents",

@@ -134,3 +134,102 @@ def test_the_default_preset_curates_a_users_own_single_domain_file(tmp_path: Pat
     assert select["kept"] >= len(docs) // 3 and select["removed"].get("quality_classifier")  # the classifier ran
     pack = json.loads(next((tmp_path / "ws" / "curate" / "pack").glob("*/manifest.json")).read_text())["counts"]
     assert pack["train_tokens"] > 5_000
+
+
+def _reference_selection(config, manifests: dict) -> list[dict]:
+    """Selection written the plain way (a Python record per document, a dict per dedup rule,
+    union-find for near-duplicate clusters), to check the numpy implementation against."""
+    import numpy as np
+
+    from data_prep.mixing import plan_mix
+    from data_prep.records import shard_path
+    from data_prep.select import _rule_failures
+
+    cfg = config.curate
+    step_dir = {name: Path(m["dir"]) for name, m in manifests.items()}
+
+    def attributes(step: str, shard: str) -> list:
+        return pq.read_table(step_dir[step] / "attributes" / f"{shard}.parquet").to_pylist()
+
+    docs: list[dict] = []
+    for shard in manifests["curate/select"]["extra"]["shards"]:
+        base = pq.read_table(shard_path(step_dir["curate/ingest"], shard),
+                             columns=["id", "domain", "text_hash", "url_norm", "n_chars"]).to_pylist()
+        for doc, lang, stats, quality in zip(base, attributes("curate/langid", shard), attributes("curate/heuristics", shard),
+                                             attributes("curate/quality", shard)):
+            reasons = _rule_failures(cfg, doc["domain"], stats, lang["lang"], lang["lang_score"])
+            docs.append({**doc, "reasons": reasons, "quality": quality["quality_score"], "dup": None, "repeat": 1})
+    seen_text: dict = {}
+    seen_url: dict = {}
+    for i, doc in enumerate(docs):
+        if doc["reasons"]:
+            continue
+        if seen_text.setdefault(doc["text_hash"], i) != i:
+            doc["reasons"].append("exact_dedup")
+            doc["dup"] = seen_text[doc["text_hash"]]
+        elif cfg.exact_dedup.url and doc["url_norm"] and seen_url.setdefault(doc["url_norm"], i) != i:
+            doc["reasons"].append("exact_dedup:url")
+            doc["dup"] = seen_url[doc["url_norm"]]
+    parent: dict[int, int] = {}
+
+    def root(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for edge in pq.read_table(step_dir["curate/minhash"] / "edges.parquet").to_pylist():
+        if edge["jaccard"] >= cfg.near_dedup.threshold:
+            parent[root(edge["a"])] = root(edge["b"])
+    clusters: dict[int, list[int]] = {}
+    for node in sorted(parent):
+        clusters.setdefault(root(node), []).append(node)
+    for members in clusters.values():
+        survivors = [m for m in members if not docs[m]["reasons"]]
+        for member in survivors[1:]:
+            docs[member]["reasons"].append("near_dedup")
+            docs[member]["dup"] = survivors[0]
+    eligible = [d for d in docs if not d["reasons"] and d["domain"] not in cfg.quality_classifier.skip_domains]
+    threshold = np.quantile([d["quality"] for d in eligible], 1 - cfg.quality_classifier.keep_fraction, method="lower")
+    for doc in eligible:
+        if doc["quality"] < threshold:
+            doc["reasons"].append("quality_classifier")
+    survivors = [d for d in docs if not d["reasons"]]
+    planned, _ = plan_mix([(d["id"], d["domain"], d["n_chars"]) for d in survivors], cfg.mix)
+    for doc, repeat in zip(survivors, planned):
+        doc["repeat"] = repeat
+        if repeat == 0:
+            doc["reasons"].append("mix:downsampled")
+    return docs
+
+
+def test_selection_matches_a_plain_reference_implementation(curated) -> None:
+    """Same kept documents in the same order, same primary reason, reasons and duplicate_of for
+    every removed one, same counts: the numpy selection changes nothing but its cost."""
+    from collections import Counter
+
+    workspace, manifests = curated
+    docs = _reference_selection(small_config(workspace), manifests)
+    select_dir = Path(manifests["curate/select"]["dir"])
+    kept = _rows(select_dir, "kept")
+    assert [(r["id"], r["repeat"]) for r in kept] == [(d["id"], d["repeat"]) for d in docs if not d["reasons"]]
+    removed = {r["id"]: (r["reason"], json.loads(r["reasons"]), r["duplicate_of"]) for r in _rows(select_dir, "removed")}
+    assert removed == {d["id"]: (d["reasons"][0], d["reasons"], docs[d["dup"]]["id"] if d["dup"] is not None else None)
+                       for d in docs if d["reasons"]}
+    assert manifests["curate/select"]["counts"]["removed"] == dict(sorted(Counter(d["reasons"][0] for d in docs
+                                                                                  if d["reasons"]).items()))
+
+
+def test_a_retried_selection_keeps_the_shards_it_wrote(curated_copy: Path) -> None:
+    config = small_config(curated_copy)
+    select_dir = next(p for p in (curated_copy / "curate" / "select").iterdir() if p.is_dir())
+    before = {p.relative_to(select_dir): p.read_bytes() for p in select_dir.rglob("*.parquet")}
+    shards = sorted(p.stem for p in (select_dir / "kept").glob("*.parquet"))
+    assert len(shards) > 1
+    (select_dir / "manifest.json").unlink()  # as if the step had died while writing shards[0]
+    (select_dir / "kept" / f"{shards[0]}.parquet").unlink()
+    (select_dir / ".select-written" / f"{shards[0]}.json").unlink()
+    untouched = (select_dir / "kept" / f"{shards[1]}.parquet").stat().st_mtime_ns
+    manifests = run_pipeline_locally(config, ["curate"])
+    assert manifests["curate/select"]["timings"]["units_reused"] == len(shards)
+    assert (select_dir / "kept" / f"{shards[1]}.parquet").stat().st_mtime_ns == untouched
+    assert {p.relative_to(select_dir): p.read_bytes() for p in select_dir.rglob("*.parquet")} == before

@@ -117,3 +117,65 @@ def test_clusters_at_threshold_include_their_roots(tmp_path) -> None:
     pq.write_table(pa.table({"a": [1, 2, 7], "b": [2, 5, 9], "jaccard": [0.9, 0.85, 0.6]}), path)
     assert near_duplicate_clusters(path, 0.8) == [[1, 2, 5]]
     assert sorted(near_duplicate_clusters(path, 0.5)) == [[1, 2, 5], [7, 9]]
+
+
+def test_dedup_word_bytes_are_dedup_words_on_every_character() -> None:
+    """The fast word split must give exactly textnorm's words, or signatures would change."""
+    from data_prep.minhash import dedup_word_bytes
+    from data_prep.textnorm import dedup_words
+
+    every = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    samples = [every[i : i + 997] + " Ab1 Ç 2x" for i in range(0, len(every), 997)]  # non-ASCII path
+    samples += ["X" + every[i : i + 61] + "y5" for i in range(0, len(every), 61)]  # each character between words
+    samples += ["".join(map(chr, range(128))), "Hello, World! 3.14 don't_stop  tab\there", ""] + PROSE[:20]
+    for text in samples:
+        assert [w.decode() for w in dedup_word_bytes(text)] == dedup_words(text), text[:40]
+
+
+def test_batches_give_the_keys_and_shingles_of_single_documents() -> None:
+    hasher = MinHasher()
+    texts = PROSE[:5] + ["", "one two", "a b c d", "a b c d e", "Ünïcödé wörds 42 here"]
+    keys, bounds = hasher.batch_keys(texts)
+    for i, text in enumerate(texts):
+        assert np.array_equal(keys[bounds[i] : bounds[i + 1]], hasher.shingle_keys(text))
+    assert [len(hasher.shingle_keys(t)) for t in texts[5:]] == [0, 1, 1, 1, 1]
+    for text, shingles in zip(texts, hasher.shingle_sets(texts)):
+        assert np.array_equal(shingles, hasher.shingles(text))
+        assert len(shingles) == len(shingle_set(text, 5))
+
+
+def test_candidate_pairs_are_every_pair_of_small_buckets_and_stars_of_big_ones() -> None:
+    import itertools
+    from collections import defaultdict
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 400, size=(3000, 3)).astype(np.uint64)  # buckets of ~7.5 documents
+    keys[rng.random(3000) < 0.03, 1] = 7  # one bucket of ~90 (> 32: a star)
+    expected = set()
+    for band in range(keys.shape[1]):
+        buckets = defaultdict(list)
+        for doc, key in enumerate(keys[:, band]):
+            buckets[int(key)].append(doc)
+        for members in buckets.values():
+            pairs = itertools.combinations(members, 2) if len(members) <= 32 else ((members[0], m) for m in members[1:])
+            expected.update(pairs)
+    found = candidate_pairs(keys)
+    assert {(int(a), int(b)) for a, b in found} == expected
+    assert len(found) == len(expected) and (np.diff(found[:, 0]) >= 0).all()
+
+
+def test_exact_jaccard_of_sorted_arrays() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        a = np.unique(rng.integers(0, 60, size=rng.integers(0, 40)).astype(np.uint64))
+        b = np.unique(rng.integers(0, 60, size=rng.integers(0, 40)).astype(np.uint64))
+        union = len(set(a.tolist()) | set(b.tolist()))
+        assert exact_jaccard(a, b) == (len(set(a.tolist()) & set(b.tolist())) / union if union else 1.0)
+
+
+def test_first_of_equal_points_every_row_at_its_first_copy() -> None:
+    from data_prep.select import first_of_equal
+
+    rows = np.array([[5, 1], [2, 2], [5, 1], [5, 2], [2, 2], [5, 1]], dtype=np.uint64)
+    assert first_of_equal(rows).tolist() == [0, 1, 0, 3, 1, 0]
+    assert first_of_equal(np.zeros((0, 2), dtype=np.uint64)).tolist() == []
