@@ -66,6 +66,8 @@ def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]
         try:
             results, own = run_stage_steps(stage.name, config, manifests)
             status.update(own)
+            if stage.reconcile is not None:
+                stage.reconcile(config, {**manifests, **results})
         except BaseException as exc:
             error = exc
             raise

@@ -291,4 +291,9 @@ def run_pipeline_locally(config: Any, stages: Iterable[str]) -> dict[str, dict[s
             manifests[step.name], hit = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
             store.record_use(step.name, manifests[step.name])
             log.info("%s: %s (%s)", step.name, "cache hit" if hit else "computed", manifests[step.name]["key"])
+    from lmforge.registry import stages as registered
+
+    for stage in registered():  # live state that follows the cached outputs (a running server)
+        if stage.reconcile is not None and any(m["stage"] == stage.name for m in manifests.values()):
+            stage.reconcile(config, manifests)
     return manifests

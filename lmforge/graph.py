@@ -26,7 +26,7 @@ from typing import Any, Callable, Union
 
 from lmforge.errors import ConfigError
 from lmforge.hashing import canonical_json, digest
-from lmforge.stage import Product
+from lmforge.stage import Maybe, Product
 
 UnitResult = tuple[list[str], dict[str, Any]]
 
@@ -46,6 +46,9 @@ class StepContext:
 
     def upstream_dir(self, name: str) -> Path:
         return Path(self.upstream[name]["dir"])
+
+    def has(self, product: Product) -> bool:
+        return str(product) in self.products
 
     def path(self, product: Product) -> Path:
         """Where an upstream product lives (a directory or file inside its step's output)."""
@@ -72,7 +75,7 @@ class Step:
     identity: Callable[[Any], dict[str, Any]]
     finalize: Callable[[StepContext, dict[str, dict[str, Any]]], dict[str, Any]]
     # what it reads: steps of its own stage by name, other stages' results as typed products
-    upstream: Callable[[Any], tuple[Union[str, Product], ...]] = lambda config: ()
+    upstream: Callable[[Any], tuple[Union[str, Product, Maybe], ...]] = lambda config: ()
     provides: dict[Product, str] = field(default_factory=dict)  # product -> path inside the output ("" = all)
     units: Callable[[StepContext], list[str]] = lambda ctx: []
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
@@ -131,8 +134,9 @@ class Graph:
 
     def providers(self, product: Product, config: Any) -> list[Step]:
         """Enabled steps providing `product` (any role when `product.role` is empty)."""
-        return [s for s in self.steps if s.enabled(config)
-                and any(p == product or (not product.role and p.kind == product.kind) for p in s.provides)]
+        return [s for s in self.steps
+                if any(p == product or (not product.role and p.kind == product.kind) for p in s.provides)
+                and s.enabled(config)]
 
     def provider(self, product: Product, config: Any, wanted_by: str = "") -> Step:
         found = self.providers(product, config)
@@ -141,19 +145,27 @@ class Graph:
                               "(is the stage that makes it switched off?)")
         return found[0]
 
+    def _wants(self, step: Step, config: Any) -> list[Union[str, Product]]:
+        """What `step` reads, optional products dropped where nothing enabled provides them."""
+        return [w.product if isinstance(w, Maybe) else w for w in step.upstream(config)
+                if not isinstance(w, Maybe) or self.providers(w.product, config)]
+
     def upstream(self, step: Step, config: Any) -> tuple[str, ...]:
         """The step names `step` reads, products resolved to their providers."""
         names: list[str] = []
-        for want in step.upstream(config):
+        for want in self._wants(step, config):
             name = self.provider(want, config, step.name).name if isinstance(want, Product) else want
             if name not in names:
                 names.append(name)
         return tuple(names)
 
+    def has(self, product: Product, config: Any) -> bool:
+        return bool(self.providers(product, config))
+
     def products(self, step: Step, config: Any) -> dict[str, tuple[str, str]]:
         """str(product) -> (providing step, path inside its output), for the products `step` reads."""
         out: dict[str, tuple[str, str]] = {}
-        for want in step.upstream(config):
+        for want in self._wants(step, config):
             if isinstance(want, Product):
                 source = self.provider(want, config, step.name)
                 sub = next(path for p, path in source.provides.items()

@@ -38,7 +38,7 @@ from typing import Iterator
 from lmforge.errors import RunStopped, StepTimeout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
              "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 TIMED_OUT = 124  # lmforge.supervise's exit code when the deadline passed
 
@@ -172,6 +172,53 @@ def stop_all(grace: float = 20.0) -> int:
 def running() -> int:
     with _live.lock:
         return len(_live.processes)
+
+
+# -- services used while a step runs (a temporary vLLM server) -----------------------------------
+
+class Service:
+    """A supervised command running beside the step's own work, its output streamed into `log`.
+
+    It is watched like `run` (stops with this process, counted by `stop_all`); `stop()` ends it
+    and waits until its tree is gone. `tail` keeps its last lines for error messages.
+    """
+
+    def __init__(self, command: list[str], log: logging.Logger, *, cwd: Path | str | None = None,
+                 env: dict[str, str] | None = None, tail_lines: int = 20, noise: tuple[str, ...] = ()) -> None:
+        full, fds = _supervised(command, watch=True, scope=None, grace=20.0)
+        log.info("starting: %s", " ".join(command))
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                        env=child_env(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+        with _live.lock:
+            _live.processes[self.process.pid] = self.process
+        self._reader = threading.Thread(target=self._stream, args=(log, noise), daemon=True)
+        self._reader.start()
+
+    def _stream(self, log: logging.Logger, noise: tuple[str, ...]) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            line = line.rstrip()
+            if line and not any(n in line for n in noise):
+                log.debug("%s", line)
+                self.tail.append(line)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.alive():
+            _stop(self.process, grace)
+        with _live.lock:
+            _live.processes.pop(self.process.pid, None)
+            _live.stopped.discard(self.process.pid)
+        self._reader.join(timeout=5)
+
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # -- services that outlive the flow (the vLLM server) ------------------------------------------

@@ -49,6 +49,7 @@ KINDS = {
     "chat-data": "chat records (JSONL with messages), train and held-out splits",
     "preference-data": "preference records (JSONL with prompt, chosen, rejected), train and held-out splits",
     "ngram-index": "a hashed n-gram index of a training source, for contamination checks",
+    "eval-tasks": "lm-eval task YAMLs and their data, built for this lineage (an include_path)",
     "eval-results": "lm-eval results of one model on a task group, with per-sample logs",
     "eval-verdict": "the evaluation stage's verdict: metrics, contamination and gates per model",
     "quantized-model": "a quantized Hugging Face model directory in compressed-tensors format",
@@ -64,6 +65,14 @@ TOKEN_SHARDS = Product("token-shards")
 
 def hf_model(role: str) -> Product:
     return Product("hf-model", role)
+
+
+@dataclass(frozen=True)
+class Maybe:
+    """A product a step reads when the lineage has it, e.g. alignment data for evaluation
+    (absent when the align stage is switched off); otherwise the step goes without."""
+
+    product: Product
 
 
 @dataclass(frozen=True)
@@ -114,3 +123,6 @@ class Stage:
     summary: Callable[[dict[str, dict[str, Any]]], list[str]] | None = None  # lines for the CLI's run summary
     check: Callable[[Any, str], None] | None = None  # (config, its source) -> raise ConfigError for missing paths
     cli: Callable[[Any], None] | None = None  # (argparse subparsers) -> add the stage's own commands
+    # (config, manifests) after the stage's steps ran, cached or not: bring live state (a running
+    # server) in line with the cached outputs; returns what it did, for the log
+    reconcile: Callable[[Any, dict[str, dict[str, Any]]], list[str]] | None = None

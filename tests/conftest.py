@@ -20,20 +20,35 @@ SMALL_CURATE = [
     "curate.demo.num_pii_docs=10", "curate.demo.num_contaminated=6", "curate.docs_per_shard=300",
     "curate.tokenizer.vocab_size=1024", "curate.pack.val_fraction=0.1",
 ]
-# A model that trains in seconds on 2 CPU ranks.
+# A model that trains in seconds on 2 CPU ranks (head dim 32 and widths in multiples of 32: what vLLM serves on CPU).
 SMALL_PRETRAIN = [
-    "pretrain.model.hidden_size=64", "pretrain.model.intermediate_size=172", "pretrain.model.num_layers=2",
-    "pretrain.model.num_heads=4", "pretrain.model.num_kv_heads=2", "pretrain.seq_len=64",
+    "pretrain.model.hidden_size=64", "pretrain.model.intermediate_size=192", "pretrain.model.num_layers=2",
+    "pretrain.model.num_heads=2", "pretrain.model.num_kv_heads=1", "pretrain.seq_len=64",
     "pretrain.global_batch_size=8", "pretrain.distributed.micro_batch_size=4", "pretrain.max_steps=160",
     "pretrain.optim.warmup_steps=5", "pretrain.optim.lr=1e-2", "pretrain.checkpoint.every_steps=20",
     "pretrain.eval_every=40", "pretrain.eval_batches=4", "pretrain.log_every=20",
 ]
 
 
+# Alignment that finishes in seconds on the small model (the CLI test runs tiny-cpu's real settings).
+SMALL_ALIGN = [
+    "align.builtin.per_task=60", "align.builtin.dialogue_conversations=30", "align.sft.max_steps=40",
+    "align.sft.save_steps=10", "align.sft.eval_every=20", "align.dpo.max_steps=20", "align.dpo.save_steps=10",
+    "align.dpo.eval_every=10", "align.eval_generations=40",
+]
+
+# Evaluation on few items (the metric runs; contamination still checks every item).
+SMALL_EVAL = [
+    "evaluate.builtin.continuation_items=40", "evaluate.builtin.ppl_docs=8", "evaluate.builtin.ppl_max_chars=1500",
+    "evaluate.limit={lmforge_continuation: 20, lmforge_chat_exact: 20, lmforge_preference: 20, lmforge_humaneval: 3}",
+    "evaluate.bootstrap_iters=100",
+]
+
+
 def small_config(workspace: Path, *extra: str):
     from lmforge.config import load_config
 
-    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *extra], str(workspace))
+    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *extra], str(workspace))
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +76,33 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted 2-rank pretraining run of the small model (also the reference for resume tests)."""
+    from lmforge.executor import run_pipeline_locally
+
+    workspace = tmp_path_factory.mktemp("trained")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace), ["pretrain"])["pretrain/train"]
+
+
+@pytest.fixture(scope="session")
+def aligned(trained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SFT and DPO of the small pretrained model on 2 ranks, once per session (the reference for resume tests)."""
+    from lmforge.executor import run_pipeline_locally
+
+    workspace = tmp_path_factory.mktemp("aligned")
+    shutil.copytree(Path(trained["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace), ["align"])
+
+
+@pytest.fixture(scope="session")
+def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The small lineage evaluated on both backends, once per session."""
+    from lmforge.executor import run_pipeline_locally
+
+    workspace = tmp_path_factory.mktemp("evaluated")
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace), ["evaluate"])

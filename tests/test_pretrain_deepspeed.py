@@ -25,14 +25,6 @@ def _metrics(manifest: dict) -> list[dict]:
     return [json.loads(l) for l in (Path(manifest["dir"]) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="session")
-def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An uninterrupted 2-rank run of the small model (also the reference for resume tests)."""
-    workspace = tmp_path_factory.mktemp("trained")
-    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace), ["pretrain"])["pretrain/train"]
-
-
 def test_two_ranks_train_and_the_loss_falls(trained: dict) -> None:
     rows = _metrics(trained)
     assert [r["step"] for r in rows] == list(range(1, 161))

@@ -19,7 +19,7 @@ class ModelConfig(StrictModel):
     """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
     hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(688, ge=8, description="SwiGLU width (about 8/3 of hidden_size).")
+    intermediate_size: int = Field(768, ge=8, description="SwiGLU width (about 8/3 of hidden_size, rounded up; vLLM's CPU 4-bit kernel needs a multiple of 32).")
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads for grouped-query attention.")

@@ -1,0 +1,188 @@
+"""Alignment: data (built in and the user's, malformed records quarantined), SFT and DPO with TRL on
+2 CPU ranks, exports that load and stop at <|im_end|>, LoRA merge parity, resume after a killed rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner, run_pipeline_locally
+from lmforge.store import StageStore
+from tests.conftest import small_config
+
+
+def _run_data_step(workspace: Path, *extra: str) -> dict:
+    config = small_config(workspace, *extra)
+    store = StageStore(workspace)
+    with make_pool(1) as pool:
+        manifest, _ = execute_step(graph().get("align/data"), config, store, {}, pool_unit_runner(pool, store))
+    return manifest
+
+
+def test_builtin_data_is_verifiable_split_by_id_and_written_for_evaluation(tmp_path: Path) -> None:
+    from training.align.data import GENERATORS
+
+    manifest = _run_data_step(tmp_path)
+    out = Path(manifest["dir"])
+    sft = [json.loads(l) for l in (out / "sft" / "train.jsonl").read_text().splitlines()]
+    heldout = [json.loads(l) for l in (out / "heldout_sft.jsonl").read_text().splitlines()]
+    prefs = [json.loads(l) for l in (out / "heldout_preferences.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in sft} == set(GENERATORS) | {"dialogue"}
+    assert not {r["id"] for r in sft} & {r["id"] for r in heldout}
+    add = next(r for r in heldout + sft if r["task"] == "add")
+    a, b = [int(x) for x in add["messages"][-2]["content"].replace("?", " ").replace(".", " ").split() if x.isdigit()]
+    assert add["answer"] == str(a + b) == add["messages"][-1]["content"]
+    assert prefs and all(p["chosen"] != p["rejected"] and p["chosen"][0]["content"] == p["answer"] for p in prefs)
+    counts = manifest["counts"]["sft"]
+    assert counts["input"] == counts["train"] + counts["heldout"] + counts["quarantined"] + counts["duplicates"]
+    again = _run_data_step(tmp_path / "other")  # the split follows ids, not order or machine
+    assert (Path(again["dir"]) / "heldout_sft.jsonl").read_text() == (out / "heldout_sft.jsonl").read_text()
+
+
+def test_malformed_user_records_are_quarantined_and_counted(tmp_path: Path) -> None:
+    sft = tmp_path / "chat.jsonl"
+    good = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
+            for w in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
+    sft.write_text("\n".join([json.dumps(g) for g in good] + [
+        '{"messages": [{"role": "user", "content": "broken',
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}),
+        json.dumps({"prompt": "2+2?", "completion": "4"}),
+    ]) + "\n")
+    dpo = tmp_path / "prefs.jsonl"
+    dpo.write_text("\n".join([
+        json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}),
+        json.dumps({"prompt": "3+3?", "rejected": "7"}),
+        json.dumps({"prompt": "4+4?", "chosen": "8", "rejected": "8"}),
+        json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
+                    "rejected": [{"role": "assistant", "content": "3"}]}),
+    ]) + "\n")
+    manifest = _run_data_step(tmp_path / "ws", f"align.sft.inputs=[{sft}]", f"align.dpo.inputs=[{dpo}]")
+    counts = manifest["counts"]
+    assert counts["sft"]["input"] == 14 and counts["sft"]["quarantined"] == 3
+    assert counts["sft"]["train"] + counts["sft"]["heldout"] == 11
+    assert counts["dpo"]["input"] == 4 and counts["dpo"]["quarantined"] == 2
+    quarantine = [json.loads(l) for l in (Path(manifest["dir"]) / "quarantine.jsonl").read_text().splitlines()]
+    reasons = sorted((q["dataset"], q["reason"].split(" ")[0], q["line"]) for q in quarantine)
+    assert reasons == [("dpo", "identical_pair", 3), ("dpo", "missing_chosen", 2), ("sft", "empty_assistant_turn", 13),
+                       ("sft", "invalid_json", 11), ("sft", "unknown_role", 12)]
+    assert all(q["file"].endswith(("chat.jsonl", "prefs.jsonl")) for q in quarantine)
+
+
+@pytest.mark.slow
+def test_sft_and_dpo_train_on_two_ranks_and_export_models_that_stop_at_end_of_turn(aligned: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    for step in ("align/sft", "align/dpo"):
+        manifest = aligned[step]
+        assert manifest["extra"]["world_size"] == 2
+        hf = Path(manifest["dir"]) / "hf"
+        assert not (hf / "training_args.bin").exists() and (hf / "model.safetensors").exists()
+        tokenizer = AutoTokenizer.from_pretrained(str(hf))
+        model = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert im_end in model.generation_config.eos_token_id
+        assert tokenizer.model_max_length == model.config.max_position_embeddings
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+        class EndAt(LogitsProcessor):  # the model says <|im_end|> as its 4th token: generation must stop there
+            def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
+                if input_ids.shape[1] - prompt["input_ids"].shape[1] == 3:
+                    scores[:] = -float("inf")
+                    scores[:, im_end] = 0
+                return scores
+
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=20, do_sample=False, logits_processor=LogitsProcessorList([EndAt()]))
+        new = out[0, prompt["input_ids"].shape[1]:].tolist()
+        assert len(new) == 4 and new[-1] == im_end
+    metrics = [json.loads(l) for l in (Path(aligned["align/dpo"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
+    logged = set().union(*metrics)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "kl_chosen",
+            "tokens_per_s", "heldout_exact_match"} <= logged
+    assert list((Path(aligned["align/sft"]["dir"]) / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_sft_lowers_held_out_assistant_loss_below_the_pretrained_models(aligned: dict) -> None:
+    m = aligned["align/sft"]["metrics"]
+    assert m["heldout_loss_after_ci"][1] < m["heldout_loss_before_ci"][0], m  # the intervals do not even touch
+    assert m["tokens_per_s"] > 0 and aligned["align/sft"]["counts"]["steps"] == 40
+
+
+@pytest.mark.slow
+def test_changing_dpo_beta_reruns_only_dpo(aligned: dict) -> None:
+    from lmforge.explain import explain
+
+    workspace = Path(aligned["align/sft"]["dir"]).parents[2]
+    lines = {e.step: e for e in explain(small_config(workspace, "align.dpo.beta=0.35"), ["align"])}
+    assert lines["align/sft"].reuse and lines["align/data"].reuse and lines["pretrain/train"].reuse
+    assert not lines["align/dpo"].reuse and "align.dpo.beta changed 0.2 -> 0.35" in lines["align/dpo"].reasons
+
+
+@pytest.mark.slow
+def test_lora_merge_is_checked_against_the_peft_model_and_a_bad_merge_is_caught(aligned: dict, tmp_path: Path) -> None:
+    from lmforge.errors import ParityError, is_retryable
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace)
+    lora = ["align.method=lora", "align.dpo.enabled=false", "align.sft.max_steps=20", "align.sft.lr=5e-3"]
+    manifest = run_pipeline_locally(small_config(workspace, *lora), ["align"])["align/sft"]
+    out = Path(manifest["dir"])
+    assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "hf" / "model.safetensors").exists()
+    assert manifest["metrics"]["merge_parity_max_abs_logit_diff"] < 1e-3 and manifest["extra"]["lora"]
+    assert manifest["metrics"]["heldout_loss_after"] < manifest["metrics"]["heldout_loss_before"]
+    with pytest.raises(ParityError, match="merged LoRA model's logits differ") as info:
+        run_pipeline_locally(small_config(workspace, *lora, "align.fault.corrupt_merge=true"), ["align"])
+    assert not is_retryable(info.value)
+
+
+def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event) -> None:
+    """SIGKILL one alignment rank once SFT has logged `step`."""
+    while not done.is_set():
+        for metrics in workspace.glob("align/sft/*/metrics.jsonl"):
+            rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+            if any(r.get("step", 0) >= step and "loss" in r for r in rows):
+                for proc in psutil.process_iter(["cmdline"]):
+                    cmd = " ".join(proc.info["cmdline"] or [])
+                    if "training.align.entry" in cmd and str(workspace) in cmd and "supervise" not in cmd:
+                        try:
+                            if proc.environ().get("LOCAL_RANK") == str(rank):
+                                proc.send_signal(signal.SIGKILL)
+                                return
+                        except psutil.Error:
+                            continue
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_retried_and_resumes_to_the_same_held_out_loss(
+        aligned: dict, tmp_path: Path, prefect_server) -> None:
+    from flows.pipeline import pipeline
+    from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_PRETRAIN
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace)
+    for step in ("sft", "dpo"):  # train them again, from the same pretrained model
+        shutil.rmtree(workspace / "align" / step)
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
+    killer.start()
+    result = pipeline(preset="tiny-cpu", overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, "align.dpo.enabled=false"],
+                      workspace=str(workspace), stages=["align"])
+    done.set()
+    manifest = result["manifests"]["align/sft"]
+    assert manifest["key"] == aligned["align/sft"]["key"]
+    assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
+    assert "resuming from checkpoint-20" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+    resumed, reference = manifest["metrics"]["heldout_loss_after"], aligned["align/sft"]["metrics"]["heldout_loss_after"]
+    assert abs(resumed - reference) < 1e-4, (resumed, reference)

@@ -1,0 +1,224 @@
+"""The alignment stage's steps: data, SFT, DPO.
+
+    hf-model:pretrained ---------------------------\\
+    align/data -> chat-data ------------------> align/sft -> hf-model:sft --\\
+               -> preference-data ------------------------------------------> align/dpo -> hf-model:dpo
+
+`align/sft` and `align/dpo` launch TRL on N ranks (accelerate, torchrun, or the deepspeed
+launcher for several nodes) through lmforge's one launcher; a killed rank is retried and
+resumes from the newest complete Trainer checkpoint. Their output digests cover `hf/` only,
+so downstream stages follow the weights, not the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from lmforge.configbase import pick
+from lmforge.errors import ConfigError
+from lmforge.graph import Step, StepContext
+from lmforge.hashing import atomic_write_json
+from lmforge.stage import Product, hf_model
+
+log = logging.getLogger(__name__)
+DATA, SFT, DPO = "align/data", "align/sft", "align/dpo"
+CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
+PRETRAINED, SFT_MODEL, DPO_MODEL = hf_model("pretrained"), hf_model("sft"), hf_model("dpo")
+HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def _input_files(paths: list[str], workspace: str) -> dict[str, str]:
+    from data_prep.ingest import expand_inputs
+    from data_prep.steps import fingerprints
+
+    cache = fingerprints(workspace)
+    return {p: cache.path_fingerprint(p) for p in expand_inputs(paths)}
+
+
+def _data_identity(config: Any) -> dict[str, Any]:
+    a = config.align
+    ident = pick(config, "align.heldout_fraction", "align.builtin")
+    ident["sft_inputs"] = _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin"
+    ident["dpo_inputs"] = _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin"
+    return ident
+
+
+def _label(ctx: StepContext):  # type: ignore[no-untyped-def]
+    def label(origin: str) -> str:
+        path = Path(origin.rsplit(":", 1)[0])
+        inside = path.resolve().is_relative_to(ctx.workspace)
+        return str(path.resolve().relative_to(ctx.workspace)) + origin[len(str(path)):] if inside else origin
+
+    return label
+
+
+def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from training.align import data
+
+    a = ctx.config.align
+    counts: dict[str, Any] = {}
+    quarantine: list[dict[str, Any]] = []
+    examples = data.builtin_examples(a.builtin.per_task, a.builtin.seed, list(a.builtin.tasks))
+    for kind, inputs, validate, builtin in (
+            ("sft", list(ctx.identity["sft_inputs"]) if a.sft.inputs else [], data.validate_chat,
+             lambda: [data.chat_record(e) for e in examples]
+             + data.dialogue_records(a.builtin.dialogue_conversations, a.builtin.seed)),
+            ("dpo", list(ctx.identity["dpo_inputs"]) if a.dpo.inputs else [], data.validate_preference,
+             lambda: [data.preference_record(e) for e in examples])):
+        if inputs:
+            records, bad, total = data.read_user_records(inputs, validate, _label(ctx))
+            for record in bad:
+                record["dataset"] = kind
+            quarantine += bad
+            if bad:
+                log.warning("align %s data: quarantined %d of %d records (%s)", kind, len(bad), total,
+                            dict(Counter(b["reason"].split(" ")[0] for b in bad)))
+        else:
+            records, total = builtin(), None
+        train, heldout = data.split(records, a.heldout_fraction, a.builtin.seed)
+        if not train:
+            raise ConfigError(f"align.{kind}.inputs: no usable records to train on ({len(quarantine)} quarantined)")
+        data.write_jsonl(ctx.out_dir / kind / "train.jsonl", train)
+        data.write_jsonl(ctx.out_dir / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES), heldout)
+        read = total if total is not None else len(records)
+        counts[kind] = {"input": read, "train": len(train), "heldout": len(heldout),
+                        "quarantined": sum(1 for q in quarantine if q["dataset"] == kind),
+                        "duplicates": len(records) - len(train) - len(heldout),
+                        "by_task": data.task_counts(train + heldout)}
+        if counts[kind]["input"] != counts[kind]["train"] + counts[kind]["heldout"] + counts[kind]["quarantined"] \
+                + counts[kind]["duplicates"]:
+            raise AssertionError(f"align {kind} data lost records: {counts[kind]}")
+    if quarantine:
+        data.write_jsonl(ctx.out_dir / "quarantine.jsonl", quarantine)
+    return {"counts": counts}
+
+
+# -- training -----------------------------------------------------------------------------------------
+
+def _precision(config: Any) -> str:
+    from training.device import detect_device
+
+    if config.align.precision != "auto":
+        return config.align.precision
+    device = detect_device()
+    # on CPU fp32: bf16 autocast is slower there with TRL and not bit-identical across a resume
+    return "bf16" if device.kind == "cuda" and device.bf16 else "fp32"
+
+
+def _train_identity(kind: str):  # type: ignore[no-untyped-def]
+    def identity(config: Any) -> dict[str, Any]:
+        section = "align.sft" if kind == "sft" else "align.dpo"
+        fields = [f for f in type(getattr(config.align, kind)).model_fields if f not in ("inputs", "enabled")]
+        ident = pick(config, *[f"{section}.{f}" for f in fields])
+        if kind == "sft":
+            ident["align"]["method"] = config.align.method
+            if config.align.method == "lora":
+                ident["align"]["lora"] = pick(config, "align.lora")["align"]["lora"]
+        elif config.align.dpo.lora:
+            ident["align"]["lora"] = pick(config, "align.lora")["align"]["lora"]
+        ident["precision"] = _precision(config)
+        ident["fault"] = pick(config, "align.fault")["align"]["fault"]
+        return ident
+
+    return identity
+
+
+def _ranks(config: Any) -> int:
+    from training.device import detect_device
+
+    ranks = config.align.distributed.num_ranks
+    if ranks != "auto":
+        return int(ranks)
+    device = detect_device()
+    return device.count if device.kind == "cuda" else 2
+
+
+def _context(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+
+
+def _next_attempt(out_dir: Path) -> int:
+    return len(list((out_dir / "logs").glob("attempt-*"))) + 1 if (out_dir / "logs").exists() else 1
+
+
+def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
+    from training.align.data import read_jsonl, spread_over_tasks
+
+    a = ctx.config.align
+    cfg = getattr(a, kind)
+    base = ctx.path(PRETRAINED if kind == "sft" else SFT_MODEL)
+    context = _context(base)
+    data_dir = ctx.path(CHAT_DATA if kind == "sft" else PREFERENCE_DATA)
+    heldout = data_dir.parent / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES)
+    verifiable = spread_over_tasks([r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r],
+                                   a.eval_generations)
+    world = _ranks(ctx.config) * a.distributed.num_nodes
+    if cfg.global_batch_size % (cfg.micro_batch_size * world):
+        raise ConfigError(f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
+                          f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}")
+    lora = a.method == "lora" if kind == "sft" else a.dpo.lora
+    return {"kind": kind, "config": cfg.model_dump(mode="json"), "base_dir": str(base), "out_dir": str(ctx.out_dir),
+            "train": str(data_dir / "train.jsonl"), "heldout": str(heldout), "heldout_generation": verifiable,
+            "max_length": min(cfg.max_seq_len or context, context), "precision": _precision(ctx.config),
+            "zero_stage": a.distributed.zero_stage, "lora": a.lora.model_dump(mode="json") if lora else None,
+            "fault": a.fault.model_dump(mode="json"), "eval_every": cfg.eval_every, "world_size": world,
+            "attempt": _next_attempt(ctx.out_dir)}
+
+
+def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
+    def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+        from training.align.launch import build_command
+        from training.launcher import classify, exit_records, free_port, launch, ranks_started
+
+        d = ctx.config.align.distributed
+        spec = _spec(ctx, kind)
+        spec_path = ctx.out_dir / "run_spec.json"
+        atomic_write_json(spec_path, spec)
+        command = build_command(d.launcher, _ranks(ctx.config), spec_path, d.master_port or free_port(),
+                                d.hostfile, d.num_nodes)
+        attempt = spec["attempt"]
+        atomic_write_json(ctx.out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
+        returncode, tail = launch(command, ctx.out_dir)
+        classify(returncode, exit_records(ctx.out_dir, attempt), spec["world_size"],
+                 ranks_started(ctx.out_dir, attempt), tail)
+        summary = json.loads((ctx.out_dir / "summary.json").read_text())
+        rows = [json.loads(line) for line in (ctx.out_dir / "metrics.jsonl").read_text().splitlines()]
+        speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+        metrics = {k: v for k, v in summary.items() if not k.startswith("examples_") and k != "warnings"}
+        metrics["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
+        last = {k: v for r in rows for k, v in r.items() if k.startswith(("rewards/", "kl_", "loss"))}
+        metrics.update({f"final_{k}": v for k, v in last.items()})
+        for warning in summary["warnings"]:
+            log.warning("%s: %s", ctx.step, warning)
+        return {"counts": {"steps": summary["final_step"], "attempts": attempt, "heldout_items": summary["heldout_items"]},
+                "metrics": metrics,
+                "extra": {"warnings": summary["warnings"], "hf_dir": str(ctx.out_dir / "hf"),
+                          "examples": summary.get("examples_after", []), "world_size": spec["world_size"],
+                          "precision": spec["precision"], "lora": spec["lora"] is not None}}
+
+    return finalize
+
+
+CODE = ("training.align.entry", "training.align.heldout", "training.align.launch", "training.ranks", "training.export")
+LIBS = ("trl", "transformers", "peft", "torch", "accelerate")
+
+ALIGN_STEPS = [
+    # version 4: SFT and DPO records of one question are held out together
+    Step(DATA, 4, "Chat and preference data: the user's (quarantined where malformed) or built in; train/held-out split",
+         identity=_data_identity, finalize=_data_finalize, enabled=lambda c: c.align.enabled,
+         provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"}, code=("training.align.data",), libraries=("wordfreq",)),
+    Step(SFT, 1, "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
+         identity=_train_identity("sft"), upstream=lambda c: (PRETRAINED, CHAT_DATA), finalize=_train_finalize("sft"),
+         enabled=lambda c: c.align.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
+         provides={SFT_MODEL: "hf"}, code=CODE, libraries=LIBS),
+    Step(DPO, 1, "Direct preference optimisation with TRL against the frozen SFT model",
+         identity=_train_identity("dpo"), upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA), finalize=_train_finalize("dpo"),
+         enabled=lambda c: c.align.enabled and c.align.dpo.enabled, retries=3, bookkeeping=("checkpoints", "logs"),
+         digest_paths=("hf/",), provides={DPO_MODEL: "hf"}, code=CODE, libraries=LIBS),
+]
