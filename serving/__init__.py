@@ -1,4 +1,2 @@
-"""Serving domain: quantization and vLLM deployment (the last stages).
-
-Not built yet. `pretrain/train/*/hf` is already a directory vLLM loads as it is.
-"""
+"""Serving domain: vLLM's OpenAI-compatible server (`engine`), used by evaluation, the quantization
+gate and the serving stage, so a model is judged the way it will be served."""

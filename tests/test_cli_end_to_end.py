@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
+STAGE_PREFIXES = ("curate/", "pretrain/", "align/", "evaluate/", "quantize/", "serve/")
 
 
 def lmforge(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
@@ -21,7 +22,7 @@ def statuses(output: str) -> dict[str, str]:
     rows = {}
     for line in output.splitlines():
         parts = line.split()
-        if len(parts) == 4 and parts[0].startswith(("curate/", "pretrain/")):
+        if len(parts) == 4 and parts[0].startswith(STAGE_PREFIXES):
             rows[parts[0]] = parts[1]
     return rows
 
@@ -32,13 +33,36 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_run(workspace: Path) -> subprocess.CompletedProcess:
-    return lmforge("run", "--workspace", str(workspace))
+def first_run(workspace: Path):
+    try:
+        yield lmforge("run", "--workspace", str(workspace))
+    finally:  # the served model outlives the run by design; stop it by its pid file
+        lmforge("serve", "stop", "--workspace", str(workspace), timeout=120)
+
+
+def served(workspace: Path) -> tuple[dict, str]:
+    record = json.loads((workspace / "serving" / "current.json").read_text())
+    return record, (workspace / "serving" / "api_key").read_text().strip()
+
+
+def raw_post(url: str, body: bytes, key: str | None) -> int:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def test_tiny_pipeline_runs_and_the_model_learns(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
     assert first_run.returncode == 0, first_run.stderr[-3000:]
-    assert set(statuses(first_run.stdout).values()) == {"computed"} and len(statuses(first_run.stdout)) == 11
+    rows = statuses(first_run.stdout)
+    assert set(rows.values()) == {"computed"}
+    # the whole lifecycle ran, every stage the tiny-cpu preset lists
+    assert {name.split("/")[0] for name in rows} >= {"curate", "pretrain", "align", "evaluate"}
     assert "model:" in first_run.stdout and "results:" in first_run.stdout
     manifest = json.loads(next(workspace.glob("pretrain/train/*/manifest.json")).read_text())
     assert manifest["counts"]["steps"] == 200 and manifest["extra"]["plan"]["world_size"] == 2
@@ -48,19 +72,139 @@ def test_tiny_pipeline_runs_and_the_model_learns(first_run: subprocess.Completed
     assert select["input"] == select["kept"] + select["removed_total"] + select["quarantined"]
 
 
-def test_second_run_recomputes_nothing_within_a_minute(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+def test_alignment_makes_the_model_answer_and_prefer_the_right_answers(
+        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    """tiny-cpu's real settings: held-out exact match rises from the pretrained model's zero; DPO ranks
+    chosen above rejected more often than SFT; held-out assistant loss falls clearly."""
+    sft = json.loads(next(workspace.glob("align/sft/*/manifest.json")).read_text())["metrics"]
+    dpo = json.loads(next(workspace.glob("align/dpo/*/manifest.json")).read_text())["metrics"]
+    assert sft["heldout_loss_after_ci"][1] < sft["heldout_loss_before_ci"][0]
+    assert sft["exact_match_before"] == 0 and sft["exact_match_delta_ci"][0] > 0
+    assert dpo["preference_accuracy_after"] > dpo["preference_accuracy_before"]
+
+
+def test_the_run_ends_with_a_served_model_that_answers_through_openai(
+        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    from openai import OpenAI
+
+    record, key = served(workspace)
+    assert "served:" in first_run.stdout and record["served_name"] in first_run.stdout
+    client = OpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 4 + 5?"}]
+    reply = client.chat.completions.create(model=record["served_name"], messages=messages, max_tokens=48, temperature=0)
+    answer = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and answer.strip() and "<|im_end|>" not in answer
+    stream = client.chat.completions.create(model=record["served_name"], messages=messages, max_tokens=48,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+    status = lmforge("serve", "status", "--workspace", str(workspace))
+    assert status.returncode == 0 and "running, pid" in status.stdout and record["served_name"] in status.stdout
+    assert record["key_fingerprint"] in status.stdout
+    # the key: 0600, never printed in full by the run or the status command
+    assert (workspace / "serving" / "api_key").stat().st_mode & 0o777 == 0o600
+    assert key not in first_run.stdout + first_run.stderr + status.stdout + status.stderr
+    assert raw_post(f"{record['url']}/v1/chat/completions", json.dumps(
+        {"model": record["served_name"], "messages": messages}).encode(), None) == 401
+    deploy = json.loads(next(workspace.glob("serve/deploy/*/manifest.json")).read_text())
+    assert deploy["counts"]["slo_levels"] >= 4 and deploy["counts"]["slo_errors"] == 0
+
+
+def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    import asyncio
+
+    from openai import APIConnectionError, APIStatusError, AsyncOpenAI
+
+    record, key = served(workspace)
+    chat, name = f"{record['url']}/v1/chat/completions", record["served_name"]
+
+    def body(**fields) -> bytes:
+        return json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+    cases = {
+        "malformed JSON": raw_post(chat, b'{"model": "x", "messages": [', key),
+        "prompt longer than max_model_len": raw_post(chat, json.dumps({"model": name, "messages": [
+            {"role": "user", "content": "word " * 20000}]}).encode(), key),
+        "max_tokens < 0": raw_post(chat, body(max_tokens=-1), key),
+        "unknown model": raw_post(chat, json.dumps({"model": "no-such-model", "messages": [
+            {"role": "user", "content": "hi"}]}).encode(), key),
+        "wrong key": raw_post(chat, body(max_tokens=4), "sk-wrong"),
+    }
+    assert all(400 <= code < 500 for code in cases.values()), cases
+
+    async def load(clients: int = 64, seconds: float = 20.0) -> tuple[int, list[str]]:
+        done, failures = 0, []
+        async with AsyncOpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0, timeout=120) as client:
+            deadline = time.perf_counter() + seconds
+
+            async def user(k: int) -> None:
+                nonlocal done
+                while time.perf_counter() < deadline:
+                    try:
+                        await client.chat.completions.create(model=name, max_tokens=16, messages=[
+                            {"role": "user", "content": f"What is {k} + {done % 7}?"}])
+                        done += 1
+                    except (APIStatusError, APIConnectionError) as exc:
+                        failures.append(f"{type(exc).__name__}: {exc}"[:120])
+
+            await asyncio.gather(*(user(k) for k in range(clients)))
+        return done, failures
+
+    done, failures = asyncio.run(load())
+    assert failures == [] and done >= 64
+    assert lmforge("serve", "status", "--workspace", str(workspace)).returncode == 0  # still healthy
+
+
+def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
+        first_run: subprocess.CompletedProcess, workspace: Path, tmp_path: Path) -> None:
+    import shutil
+    import threading
+
+    from serving.engine import request
+
+    before, key = served(workspace)
+    broken = tmp_path / "broken"
+    shutil.copytree(before["model_dir"], broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])  # a torn copy: the header promises more than is there
+    answers, stop = [], threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            answers.append(request(f"{before['url']}/v1/completions", key,
+                                   {"model": before["served_name"], "prompt": "a", "max_tokens": 1})[0])
+            time.sleep(0.5)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        result = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(broken), timeout=600)
+    finally:
+        stop.set()
+        prober.join()
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "not promoted" in result.stderr + result.stdout
+    assert served(workspace)[0] == before  # current.json still names the old server
+    assert answers and set(answers) == {200}  # it answered throughout
+    assert lmforge("serve", "status", "--workspace", str(workspace)).returncode == 0
+
+
+def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
+        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    before, _ = served(workspace)
     started = time.perf_counter()
     second = lmforge("run", "--workspace", str(workspace))
     elapsed = time.perf_counter() - started
     assert second.returncode == 0, second.stderr[-3000:]
-    assert set(statuses(second.stdout).values()) == {"cached"} and len(statuses(second.stdout)) == 11
+    rows = statuses(second.stdout)
+    assert set(rows.values()) == {"cached"} and rows.keys() == statuses(first_run.stdout).keys()
+    assert served(workspace)[0] == before  # the same server, not restarted
     assert elapsed < 60
 
 
 def test_explain_names_the_changed_field(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
     result = lmforge("explain", "all", "--workspace", str(workspace), "--set", "pretrain.optim.lr=1e-3")
     assert result.returncode == 0, result.stderr
-    lines = {l.split()[0]: l for l in result.stdout.splitlines() if l.startswith(("curate/", "pretrain/"))}
+    lines = {l.split()[0]: l for l in result.stdout.splitlines() if l.startswith(STAGE_PREFIXES)}
     assert all("reuse" in lines[name] for name in lines if name.startswith("curate/"))
     assert "recompute" in lines["pretrain/train"] and "pretrain.optim.lr changed 0.003 -> 0.001" in lines["pretrain/train"]
 

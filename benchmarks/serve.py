@@ -1,0 +1,142 @@
+"""Serving latency and throughput: vLLM (as `serve/deploy` runs it) against two baselines, same model, same prompts.
+
+    .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
+    .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]
+
+Rows, for the `shared-prefix` workload (a long system prompt shared by every request, then a
+short question) and the `distinct` one (prompts of the same length with nothing shared):
+
+- vLLM, prefix caching on (the serving stage's settings), at each concurrency level;
+- vLLM, prefix caching off, same levels (the baseline for the prefix-caching effect on TTFT);
+- Hugging Face `generate`, one request at a time, and batched (all of a level's prompts as one
+  left-padded batch): what a user would write without a server.
+
+TTFT/TPOT/latency p50/p90/p99 and output tokens/s, then the ratios the README quotes: vLLM's
+throughput at the highest level over HF's (sequential and batched), and TTFT p50 of the
+shared-prefix workload with caching off over on. Every request generates exactly
+`--max-tokens` tokens (ignore_eos / min_new_tokens), so engines do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from serving import slo  # noqa: E402
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    current = Path(args.workspace) / "serving" / "current.json"
+    if current.exists():
+        return Path(json.loads(current.read_text())["model_dir"])
+    found = sorted(Path(args.workspace).glob("align/dpo/*/hf/config.json"))
+    if not found:
+        sys.exit(f"no served or DPO model under {args.workspace}; pass --model DIR")
+    return found[-1].parent
+
+
+def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens: int, prefix_words: int) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+
+    def generate(texts: list[str], new: int) -> float:
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        started = time.perf_counter()
+        with torch.no_grad():
+            model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=tokenizer.pad_token_id)
+        return time.perf_counter() - started
+
+    rows = []
+    for workload in slo.WORKLOADS:
+        for clients in concurrency:
+            texts = slo.prompts(workload, clients * per_client, prefix_words, seed=clients)
+            generate(texts[:1], 2)  # warm up
+            # one at a time: each request's TTFT is its own prefill + first token
+            samples, started = [], time.perf_counter()
+            for text in texts:
+                ttft = generate([text], 1)
+                total = generate([text], max_tokens)
+                samples.append(slo.Sample(ttft, total, max_tokens))
+            rows.append({"engine": "hf generate, sequential", "workload": workload, "clients": clients,
+                         **slo.summarize(samples, time.perf_counter() - started)})
+            # batched: every request of the level in one batch, so each waits for the batch
+            samples, started = [], time.perf_counter()
+            for i in range(0, len(texts), clients):
+                chunk = texts[i:i + clients]
+                ttft = generate(chunk, 1)
+                total = generate(chunk, max_tokens)
+                samples += [slo.Sample(ttft, total, max_tokens) for _ in chunk]
+            rows.append({"engine": "hf generate, batched", "workload": workload, "clients": clients,
+                         **slo.summarize(samples, time.perf_counter() - started)})
+            if clients == concurrency[-1]:
+                pass
+    return rows
+
+
+def vllm_rows(model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int,
+              prefix_words: int) -> list[dict]:
+    from serving.engine import EngineConfig, TemporaryServer
+
+    cfg = EngineConfig(enable_prefix_caching=prefix_caching)
+    with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, cfg, Path(work), "bench") as server:
+        rows = slo.run(server.base_url, server.api_key, "bench", concurrency, per_client, max_tokens, prefix_words)
+    label = "vLLM" + ("" if prefix_caching else ", prefix caching off")
+    return [{"engine": label, **r} for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", default="workspace")
+    parser.add_argument("--model")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prefix-words", type=int, default=120)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    model_dir = _model_dir(args)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    shape = (levels, args.requests_per_client, args.max_tokens, args.prefix_words)
+    print(f"model: {model_dir}\nlevels: {levels} clients x {args.requests_per_client} requests, "
+          f"{args.max_tokens} tokens each, system prompt {args.prefix_words} words\n", flush=True)
+    rows = vllm_rows(model_dir, True, *shape)
+    rows += vllm_rows(model_dir, False, *shape)
+    rows += hf_rows(model_dir, *shape)
+    print(slo.table(rows))
+
+    def pick(engine: str, workload: str, clients: int) -> dict:
+        return next(r for r in rows if r["engine"] == engine and r["workload"] == workload and r["clients"] == clients)
+
+    top = levels[-1]
+    vllm = pick("vLLM", "distinct", top)["output_tokens_per_s"]
+    print(f"\nthroughput at {top} clients (distinct prompts): vLLM {vllm:.1f} tok/s = "
+          f"{vllm / pick('hf generate, sequential', 'distinct', top)['output_tokens_per_s']:.1f}x HF sequential, "
+          f"{vllm / pick('hf generate, batched', 'distinct', top)['output_tokens_per_s']:.1f}x HF batched")
+    for clients in levels:
+        on = pick("vLLM", "shared-prefix", clients)["ttft_ms_p50"]
+        off = pick("vLLM, prefix caching off", "shared-prefix", clients)["ttft_ms_p50"]
+        print(f"prefix caching, shared-prefix TTFT p50 at {clients} clients: {off:.0f} ms off -> {on:.0f} ms on "
+              f"({off / on:.2f}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

