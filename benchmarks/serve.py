@@ -113,9 +113,10 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = _model_dir(args)
     levels = [int(c) for c in args.concurrency.split(",")]
-    shape = (levels, args.requests_per_client, args.max_tokens, args.prefix_words)
+    words = slo.fit_prefix_words(model_dir, args.max_tokens, args.prefix_words)
+    shape = (levels, args.requests_per_client, args.max_tokens, words)
     print(f"model: {model_dir}\nlevels: {levels} clients x {args.requests_per_client} requests, "
-          f"{args.max_tokens} tokens each, system prompt {args.prefix_words} words\n", flush=True)
+          f"{args.max_tokens} tokens each, system prompt {words} words (what the context holds)\n", flush=True)
     rows = vllm_rows(model_dir, True, *shape)
     rows += vllm_rows(model_dir, False, *shape)
     rows += hf_rows(model_dir, *shape)

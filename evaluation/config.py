@@ -55,10 +55,11 @@ class EvaluateConfig(StrictModel):
     tasks: list[str] = Field(default_factory=lambda: list(BUILTIN_TASKS),
                              description="Built-in task names, any lm-eval task name (mmlu, hellaswag: needs the hub), "
                                          "or a path to an lm-eval task YAML.")
-    models: list[Literal["pretrained", "sft", "dpo"]] = Field(
+    # which metric steps run (like `stages`): no step's own results change with them
+    models: list[Literal["pretrained", "sft", "dpo"]] = runtime_field(
         default_factory=lambda: ["pretrained", "sft", "dpo"], description="Models of the lineage to evaluate (those that exist).")
-    backends: list[Literal["hf", "vllm"]] = Field(default_factory=lambda: ["hf", "vllm"],
-                                                   description="hf: transformers in-process; vllm: vLLM's OpenAI server.")
+    backends: list[Literal["hf", "vllm"]] = runtime_field(default_factory=lambda: ["hf", "vllm"],
+                                                          description="hf: transformers in-process; vllm: vLLM's OpenAI server.")
     limit: dict[str, int] = Field(default_factory=dict, description="Items per task for the metric run ({task: n}); "
                                                                     "contamination always checks every item.")
     builtin: BuiltinTaskConfig = BuiltinTaskConfig()

@@ -114,3 +114,13 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def progress(work_dir: Path) -> tuple[float, float] | None:
+    """(tasks done, tasks asked) over the lm-eval runs started under `work_dir` (a step's output)."""
+    done = total = 0
+    for spec in work_dir.rglob("lmeval_spec_*.json"):
+        tasks = json.loads(spec.read_text())["tasks"]
+        total += len(tasks)
+        done += sum((Path(t["out_dir"]) / "result.json").exists() for t in tasks)
+    return (done, total) if total else None

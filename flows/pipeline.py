@@ -9,8 +9,10 @@
 
 Every stage is a subflow (`lmforge-<stage>`) whose steps are cached on content addresses,
 so rerunning the pipeline recomputes only what a change invalidated, and `lmforge explain`
-says why. Parameters are plain values so the flow can be a deployment: `prefect deployment
-run 'lmforge-pipeline/tiny-cpu' --param overrides='["pretrain.max_steps=50"]'`.
+says why. With `runtime.dispatch: deployments` each stage runs instead as its own deployment
+on its work pool (curation on CPU workers, training and serving on GPU workers), with the same
+keys and outputs. Parameters are plain values so the flow is a deployment too:
+`prefect deployment run 'lmforge-pipeline/tiny-cpu' --param overrides='["pretrain.max_steps=50"]'`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
+from flows.dispatch import run_stage_deployment
 from flows.stage import stage_flow, upstream_stages
 from lmforge.config import load_config
 from lmforge.registry import stages as lifecycle
@@ -40,23 +43,33 @@ def wanted_stages(config: Any) -> list[str]:
       on_cancellation=[stop_launched], on_crashed=[stop_launched])
 def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
              stages: list[str] | None = None) -> dict[str, Any]:
-    """Run `stages` (default: the config's `stages`) and whatever they need upstream."""
+    """Run `stages` (default: the config's `stages`) and whatever they need upstream.
+
+    preset: a preset name or YAML path; overrides: `KEY=VALUE` fields (as `--set`); workspace:
+    where outputs live; stages: which stages to run (their upstream stages come along).
+    """
     config = load_config(preset, overrides or [], workspace)
     set_library_log_level(config.runtime.log_level)
     forget_verified()  # a new run: every output it reuses is verified (once) again
     if stages:
         config.stages = stages
+    params = {"preset": preset, "overrides": overrides or [], "workspace": workspace}
     watch_cancellation()
+    runs: dict[str, dict[str, Any]] = {}
     try:
         manifests: dict[str, dict[str, Any]] = {}
         status: dict[str, str] = {}
         for stage in wanted_stages(config):  # curate -> pretrain -> align -> evaluate -> quantize -> serve
-            outcome = stage_flow(stage)(config=config, manifests=manifests)
+            if config.runtime.dispatch == "deployments":  # on the stage's own work pool
+                outcome = run_stage_deployment(stage, config, params, manifests)
+                runs[stage] = outcome["run"]
+            else:
+                outcome = stage_flow(stage)(**params, manifests=manifests)
             manifests.update(outcome["manifests"])
             status.update(outcome["status"])
     finally:
         unwatch()
-    publish_lineage(manifests, status)
+    publish_lineage(manifests, status, runs)
     computed = sum(s == "computed" for s in status.values())
     get_run_logger().info("%d steps: %d cache hits, %d computed", len(status), len(status) - computed, computed)
     return {"workspace": config.workspace,

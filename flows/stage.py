@@ -1,26 +1,33 @@
 """One flow per registered stage, made by one factory, and the steps of a stage as Prefect tasks.
 
-Every stage flow has the same shape: load the config from plain parameters (so it can be
-a deployment), run the flows of the stages it needs first when their results were not
-handed in, submit its active steps in dependency order (independent steps run
-concurrently), publish the generic `<stage>-steps` / `<stage>-card` artifacts and the
-stage's own, and stop whatever it launched when it is cancelled or crashes.
+Every stage flow has the same shape and plain, typed parameters (preset, overrides,
+workspace, upstream manifests), so each one is also a deployment (`lmforge-<stage>/<preset>`):
+load the config, run the flows of the stages it needs first when their results were not
+handed in, submit its active steps in dependency order (independent steps run concurrently),
+publish the generic `<stage>-steps` / `<stage>-card` artifacts and the stage's own, and stop
+whatever it launched when it is cancelled or crashes. A GPU stage holds slots of the `gpu`
+global concurrency limit (created by `lmforge deploy`), so two GPU stages never share a node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import Flow, flow
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
-from lmforge.executor import graph
+from lmforge.executor import graph, made_by
 from lmforge.registry import get_stage, stages
 from lmforge.stage import Stage
 from lmforge.store import StageStore
 from tasks.artifacts import publish, publish_stage
+from tasks.logs import set_library_log_level
+from tasks.progress import step_images
 from tasks.steps import step_task
+
+GPU_LIMIT = "gpu"
 
 
 def run_stage_steps(stage: str, config: Any, manifests: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -30,7 +37,7 @@ def run_stage_steps(stage: str, config: Any, manifests: dict[str, dict[str, Any]
     store) or "computed".
     """
     futures: dict[str, Any] = {}
-    for step in graph().active(config, config.stages):
+    for step in graph().active(config, [stage]):
         if step.stage != stage:
             continue
         upstream = {name: futures.get(name, manifests.get(name)) for name in graph().upstream(step, config)}
@@ -49,7 +56,44 @@ def upstream_stages(stage: str, config: Any) -> list[str]:
     return [s.name for s in stages() if s.name in needed]
 
 
-def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _run_context() -> dict[str, Any]:
+    """The flow run computing the steps, and where it runs: recorded in every manifest it writes."""
+    from prefect.runtime import flow_run
+
+    fields: dict[str, Any] = {"flow_run_id": str(flow_run.id) if flow_run.id else None, "flow_run_name": flow_run.name}
+    if flow_run.id:
+        try:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                run = client.read_flow_run(flow_run.id)
+            fields.update(work_pool=run.work_pool_name, deployment_id=str(run.deployment_id) if run.deployment_id else None)
+        except Exception:  # noqa: BLE001 - provenance is a record, never a reason to fail a stage
+            pass
+    return fields
+
+
+@contextlib.contextmanager
+def gpu_slots(stage: Stage) -> Iterator[None]:
+    """Hold the GPUs a stage uses from the `gpu` global concurrency limit (when it exists)."""
+    if stage.resources.pool != "gpu":
+        yield
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+    except Exception:  # noqa: BLE001 - no limit configured (laptop, tests): nothing to hold
+        yield
+        return
+    wanted = limit if stage.resources.gpus < 0 else min(max(stage.resources.gpus, 1), limit)
+    with concurrency(GPU_LIMIT, occupy=wanted, strict=False, lease_duration=600):
+        yield
+
+
+def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
     """The body of every stage flow."""
     watch_cancellation()
     try:
@@ -58,13 +102,14 @@ def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]
         missing = [name for name in upstream_stages(stage.name, config)
                    if not any(m["stage"] == name for m in manifests.values())]
         for name in missing:  # e.g. a stage deployment run on its own: compute (or reuse) what it reads
-            outcome = stage_flow(name)(config=config, manifests=manifests)
+            outcome = stage_flow(name)(**params, manifests=manifests)
             manifests.update(outcome["manifests"])
             status.update(outcome["status"])
         error: BaseException | None = None
         results: dict[str, dict[str, Any]] = {}
         try:
-            results, own = run_stage_steps(stage.name, config, manifests)
+            with gpu_slots(stage), made_by(**_run_context()):
+                results, own = run_stage_steps(stage.name, config, manifests)
             status.update(own)
             if stage.reconcile is not None:
                 stage.reconcile(config, {**manifests, **results})
@@ -73,7 +118,7 @@ def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]
             raise
         finally:
             if stage.artifacts is not None:
-                for spec in stage.artifacts({**manifests, **results}, status, error):
+                for spec in [*stage.artifacts({**manifests, **results}, status, error), *step_images(stage.name, results)]:
                     publish(spec)
         publish_stage(stage.name, results, status)
         return {"manifests": {**manifests, **results}, "status": status}
@@ -86,9 +131,21 @@ def stage_flow(name: str) -> Flow:
     """The Prefect flow of one stage: `lmforge-<stage>`, e.g. `lmforge-pretrain`."""
     stage = get_stage(name)
 
-    @flow(name=f"lmforge-{name}", flow_run_name=f"{name}-{{config.name}}", log_prints=True,
+    @flow(name=f"lmforge-{name}", flow_run_name=f"{name}-{{preset}}", log_prints=True,
           description=stage.description, on_cancellation=[stop_launched], on_crashed=[stop_launched])
-    def run(config: Any, manifests: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-        return execute_stage(stage, config, manifests or {})
+    def run(preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
+            manifests: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Run the stage (and, when `manifests` does not hold them, the stages it reads from).
+
+        preset: a preset name or YAML path; overrides: `KEY=VALUE` fields; workspace: where outputs
+        live (shared storage when stages run on different machines); manifests: the upstream steps'
+        manifests (paths and digests) when a pipeline run hands them in.
+        """
+        from lmforge.config import load_config
+
+        config = load_config(preset, overrides or [], workspace)
+        set_library_log_level(config.runtime.log_level)
+        params = {"preset": preset, "overrides": overrides, "workspace": workspace}
+        return execute_stage(stage, config, manifests or {}, params)
 
     return run

@@ -4,7 +4,8 @@
     lmforge stage STAGE              one stage (and what it needs upstream, reused when cached)
     lmforge explain STAGE|all        would each step be reused? if not, exactly why
     lmforge server start|stop|status a local Prefect UI/API on 127.0.0.1
-    lmforge deploy                   serve the pipeline as a Prefect deployment
+    lmforge deploy                   work pools and deployments (pipeline + one per stage) on a Prefect server
+    lmforge slurm render|submit S    an sbatch script running stage S across a SLURM job's nodes
     lmforge config show|validate     the resolved configuration
 
 Stages add their own commands (e.g. `lmforge plan` from pretraining). All commands that
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from lmforge.errors import ConfigError, LmforgeError
@@ -78,9 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("action", choices=["start", "stop", "status"])
     server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=4200)
-    deploy = sub.add_parser("deploy", help="serve the pipeline as a deployment (`prefect deployment run ...`)")
+    deploy = sub.add_parser("deploy", help="create the work pools and deployments (`prefect deployment run ...`)")
     _common(deploy)
     deploy.add_argument("--name", help="deployment name (default: the preset name)")
+    deploy.add_argument("--serve", action="store_true",
+                        help="laptop mode: serve the pipeline deployment from this process (no work pools or workers)")
+    deploy.add_argument("--gpu-worker-type", choices=["process", "docker", "kubernetes"], default="process",
+                        help="worker type of the lmforge-gpu pool when it is created (default: process)")
+    deploy.add_argument("--gpus", type=int, help="slots of the `gpu` concurrency limit: GPUs per node (default: "
+                                                 "the GPUs visible here, at least 1)")
+    deploy.add_argument("--write-prefect-yaml", metavar="PATH", help="write the deployments as a prefect.yaml and exit")
+    slurm = sub.add_parser("slurm", help="run a stage as a SLURM job: render (print) or submit (sbatch) its script")
+    slurm.add_argument("action", choices=["render", "submit"])
+    slurm.add_argument("stage", choices=stage_names())
+    _common(slurm)
     config = sub.add_parser("config", help="show or validate the resolved configuration")
     config.add_argument("action", choices=["show", "validate"])
     _common(config)
@@ -145,9 +158,13 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
         _print_summary(steps, manifests, config.workspace, time.time() - started, None)
         return 0
     api_url = _use_server_if_running()
-    from flows.pipeline import pipeline
+    from prefect import tags
 
-    result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
+    from flows.pipeline import pipeline
+    from lmforge.slurm import main_tags
+
+    with tags(*main_tags()):  # a run inside a SLURM job is tagged with its job id in the UI
+        result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
     _print_summary(result["steps"], result["manifests"], result["workspace"], time.time() - started, api_url)
     return 0
 
@@ -213,16 +230,61 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    config = _load(args)
+    config = _load(args, check_paths=not args.write_prefect_yaml)
+    name = args.name or config.name
+    if args.write_prefect_yaml:
+        from flows.deployments import deployment_specs, prefect_yaml
+
+        Path(args.write_prefect_yaml).write_text(prefect_yaml(deployment_specs(name, args.config, args.overrides,
+                                                                               args.workspace)))
+        print(f"wrote {args.write_prefect_yaml}")
+        return 0
     if not _use_server_if_running():
         raise ConfigError("deploy needs a Prefect server: run `lmforge server start` first (or set PREFECT_API_URL)")
-    from flows.pipeline import pipeline
+    parameters = {"preset": args.config, "overrides": args.overrides, "workspace": args.workspace}
+    if args.serve:
+        from flows.pipeline import pipeline
 
-    name = args.name or config.name
-    print(f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
-          f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)")
-    pipeline.serve(name=name, parameters={"preset": args.config, "overrides": args.overrides,
-                                          "workspace": args.workspace})
+        print(f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
+              f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)")
+        pipeline.serve(name=name, parameters=parameters)
+        return 0
+    from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
+
+    for pool, outcome in ensure_pools(args.gpu_worker_type).items():
+        print(f"work pool {pool}: {outcome}")
+    print(f"concurrency limit gpu ({_gpu_slots(args.gpus)} slots): {ensure_gpu_limit(_gpu_slots(args.gpus))}")
+    specs = deployment_specs(name, args.config, args.overrides, args.workspace)
+    for full_name, spec in zip(apply_deployments(specs), specs):
+        print(f"deployment {full_name}  (pool {spec['work_pool']})")
+    print("\nstart workers (from this checkout's .venv, with PREFECT_API_URL pointing at this server):\n"
+          "  .venv/bin/prefect worker start --pool lmforge-cpu\n"
+          "  .venv/bin/prefect worker start --pool lmforge-gpu     # on each GPU machine\n"
+          f"then: prefect deployment run 'lmforge-pipeline/{name}'"
+          + ("" if config.runtime.dispatch == "deployments" else
+             "\n(stages run inside the pipeline's flow run; deploy with --set runtime.dispatch=deployments to send "
+             "each stage to its pool)"))
+    return 0
+
+
+def _gpu_slots(requested: int | None) -> int:
+    if requested:
+        return requested
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from lmforge import slurm
+
+    config = _load(args, check_paths=False)
+    script = slurm.render(config, args.stage, args.config, args.overrides, args.workspace)
+    if args.action == "render":
+        print(script, end="")
+        return 0
+    path, answer = slurm.submit(script, Path(args.workspace or config.workspace).resolve() / "slurm")
+    print(f"{answer}  (script: {path})")
     return 0
 
 
@@ -246,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "handler"):  # a stage's own command
             config = _load(args, check_paths=getattr(args, "check_paths", True)) if getattr(args, "needs_config", False) else None
             return args.handler(args, config)
-        handler = {"explain": cmd_explain, "server": cmd_server, "deploy": cmd_deploy, "config": cmd_config}[args.command]
+        handler = {"explain": cmd_explain, "server": cmd_server, "deploy": cmd_deploy, "config": cmd_config,
+                   "slurm": cmd_slurm}[args.command]
         return handler(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -257,18 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; completed work is kept and the next run resumes from it", file=sys.stderr)
         return 130
-    except BaseException as exc:
-        if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API
-            raise
-        print("cancelled; launched processes were stopped, completed work and checkpoints are kept "
-              "(the next run resumes from them)", file=sys.stderr)
-        return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
         if os.environ.get("LMFORGE_DEBUG"):
             raise
         print(f"error: {type(exc).__name__}: {exc} (the run log above has details; LMFORGE_DEBUG=1 shows "
               "the traceback)", file=sys.stderr)
         return 1
+    except BaseException as exc:
+        if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API
+            raise
+        print("cancelled; launched processes were stopped, completed work and checkpoints are kept "
+              "(the next run resumes from them)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

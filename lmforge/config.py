@@ -41,6 +41,31 @@ class RuntimeConfig(StrictModel):
     step_timeout_s: dict[str, float] = runtime_field(
         default_factory=dict, description="Wall-clock limit in seconds per step or stage name, e.g. "
                                           "{pretrain/train: 86400, curate: 3600}; a step over its limit is stopped.")
+    dispatch: Literal["local", "deployments"] = runtime_field(
+        "local", description="local: the pipeline runs every stage in its own process; deployments: each stage "
+                             "runs as its deployment (`lmforge deploy`), so GPU stages land on a GPU work pool's worker.")
+    deployment: str | None = runtime_field(
+        None, description="Name of the stage deployments to dispatch to (lmforge-<stage>/<name>); default: the preset name.")
+    task_runner: Literal["process", "dask"] = runtime_field(
+        "process", description="Where sharded units run: a local process pool, or a Dask cluster through "
+                               "prefect-dask's DaskTaskRunner (Prefect runs only; --local always uses processes).")
+    dask_address: str | None = runtime_field(
+        None, description="Scheduler address of the Dask cluster (tcp://host:8786); None: a local cluster of `workers` processes.")
+
+
+class ClusterConfig(StrictModel):
+    """A SLURM cluster for `lmforge slurm render|submit STAGE` (multi-node training)."""
+
+    nodes: int = runtime_field(1, description="Nodes of the job.", ge=1)
+    gpus_per_node: int = runtime_field(8, description="GPUs per node (--gpus-per-node, and slots in the hostfile).", ge=0)
+    cpus_per_task: int = runtime_field(16, description="CPUs per node for the launcher and its ranks.", ge=1)
+    time: str = runtime_field("24:00:00", description="Wall-clock limit of the job (HH:MM:SS or D-HH:MM:SS).")
+    partition: str | None = runtime_field(None, description="SLURM partition.")
+    account: str | None = runtime_field(None, description="SLURM account.")
+    requeue: bool = runtime_field(True, description="Requeue on preemption; the requeued job resumes from the last checkpoint.")
+    setup: list[str] = runtime_field(default_factory=list, description="Shell lines run on the first node before the stage "
+                                                                        "(module load, exports).")
+    extra_sbatch: list[str] = runtime_field(default_factory=list, description="More #SBATCH options, e.g. --qos=high.")
 
 
 class PipelineBase(StrictModel):
@@ -51,6 +76,7 @@ class PipelineBase(StrictModel):
     stages: list[str] = Field(default_factory=lambda: _stage_names(), json_schema_extra=RUNTIME_MARK,
                               description="Stages `lmforge run` runs (the lifecycle order applies).")
     runtime: RuntimeConfig = RuntimeConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @field_validator("stages")
     @classmethod

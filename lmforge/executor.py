@@ -8,15 +8,19 @@ and manifest rules.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import contextvars
 import functools
 import logging
 import multiprocessing
+import os
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import lmforge
 from lmforge import codeprint, launcher
@@ -41,6 +45,27 @@ class StepPlan:
     @property
     def cached(self) -> bool:
         return self.manifest is not None
+
+
+# who is computing: the orchestrator's run (flow run, work pool) when there is one; host and SLURM job always
+_made_by: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("lmforge_made_by", default={})
+
+
+@contextlib.contextmanager
+def made_by(**fields: Any) -> Iterator[None]:
+    """Record `fields` (e.g. the flow run computing the steps) in the manifests written inside."""
+    token = _made_by.set({**_made_by.get(), **{k: v for k, v in fields.items() if v is not None}})
+    try:
+        yield
+    finally:
+        _made_by.reset(token)
+
+
+def provenance() -> dict[str, Any]:
+    record = {"host": socket.gethostname(), "pid": os.getpid(), **_made_by.get()}
+    if os.environ.get("SLURM_JOB_ID"):
+        record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    return record
 
 
 @functools.lru_cache(maxsize=1)
@@ -219,6 +244,7 @@ def close_step(
         },
         "code_version": code_version(),
         "code": codeprint.fingerprint(plan.step),
+        "made_by": provenance(),
     }
     return store.finish(plan.directory, manifest, plan.step.bookkeeping, plan.step.digest_paths)
 
@@ -239,7 +265,7 @@ UnitRunner = Callable[[StepContext, list[str]], dict[str, dict[str, Any]]]
 
 
 def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]],
-                 run_units: UnitRunner) -> tuple[dict[str, Any], bool]:
+                 run_units: UnitRunner, on_open: Callable[[StepContext], None] | None = None) -> tuple[dict[str, Any], bool]:
     """Plan, and compute when needed; returns (manifest, cache_hit).
 
     `run_units(ctx, todo)` computes the units still to do (in a process pool, or as Prefect
@@ -257,6 +283,8 @@ def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str,
             return plan.manifest, True  # type: ignore[return-value]
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
+        if on_open is not None:
+            on_open(ctx)
         done, todo = split_units(ctx, store)
         if done:
             log.info("%s: resuming; %d of %d units already complete", step.name, len(done), len(done) + len(todo))

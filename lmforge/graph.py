@@ -90,6 +90,9 @@ class Step:
     code: tuple[str, ...] = ()
     libraries: tuple[str, ...] = ()
     timeout_s: float | None = None  # default wall-clock limit (runtime.step_timeout_s overrides)
+    # (done, total) of a running computation, read off its output folder (training steps, tasks
+    # evaluated); shown as a progress artifact. Sharded steps report units without it.
+    progress: Callable[[StepContext], tuple[float, float] | None] | None = None
 
     @property
     def stage(self) -> str:

@@ -42,16 +42,17 @@ pip_install() {  # pip_install VENV ARGS...: the CPU torch wheel from pip's find
 
 setup_quant_env() {
   [ "${LMFORGE_SKIP_QUANT_ENV:-0}" = 1 ] && return 0
-  local qvenv=.venv-quant qwant qstamp
-  qwant=$(sha256sum requirements/quant.lock | cut -d' ' -f1)
+  local qvenv=.venv-quant qwant qstamp qreq=requirements/quant.lock qinstall=(--no-deps -r requirements/quant.lock)
+  if [ "$mode" = --gpu ]; then qreq=requirements/quant-gpu.txt; qinstall=(-r requirements/quant-gpu.txt); fi
+  qwant=$(sha256sum "$qreq" | cut -d' ' -f1)
   qstamp="$qvenv/.lmforge-installed"
   if [ -f "$qstamp" ] && [ "$(cat "$qstamp")" = "$qwant" ]; then
     return 0
   fi
-  echo "installing requirements/quant.lock into $qvenv (llmcompressor; about 1.5 GB the first time)"
+  echo "installing $qreq into $qvenv (llmcompressor; about 1.5 GB the first time)"
   [ -x "$qvenv/bin/python" ] || "$PYTHON" -m venv "$qvenv"
   "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/quant.lock)"
-  pip_install "$qvenv" --no-deps -r requirements/quant.lock
+  pip_install "$qvenv" "${qinstall[@]}"
   "$qvenv/bin/python" -c "import llmcompressor, compressed_tensors, transformers; print('quantization environment OK')"
   echo "$qwant" > "$qstamp"
 }
@@ -68,7 +69,7 @@ want=$(cat "$requirements" pyproject.toml | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
-  [ "$mode" = cpu ] && setup_quant_env
+  setup_quant_env
   exit 0
 fi
 
@@ -100,5 +101,5 @@ assert hasattr(fasttext, "train_supervised"), "fasttext is the predict-only buil
 print("environment OK")
 PY
 echo "$want" > "$stamp"
-[ "$mode" = cpu ] && setup_quant_env
+setup_quant_env
 exit 0

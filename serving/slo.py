@@ -42,6 +42,29 @@ def prompts(workload: str, count: int, prefix_words: int, seed: int = 0) -> list
     return out
 
 
+def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_model_len: int | None = None) -> int:
+    """The longest system prompt (in words, at most `prefix_words`) whose prompts, with `max_tokens`
+    generated, fit the model's context: a small model's 256 tokens hold far less than a real one's."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    context = max_model_len or json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.model_max_length = 10**9  # measuring over-long prompts is the point: no warning about them
+    budget = context - max_tokens - 8
+    words = prefix_words
+    while words > 0:
+        longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for w in WORKLOADS
+                      for p in prompts(w, 8, words, seed=1))
+        if longest <= budget:
+            return words
+        words = int(words * budget / longest * 0.95)
+    raise ValueError(f"{model_dir}: a context of {context} tokens cannot hold an SLO prompt and {max_tokens} generated "
+                     "tokens; lower serve.slo.max_tokens")
+
+
 @dataclass
 class Sample:
     ttft_s: float

@@ -106,8 +106,9 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         if not cfg.slo.enabled:
             return
         key, _ = deploy.api_key(workspace)
+        words = slo.fit_prefix_words(model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len)
         rows.extend(slo.run(record["url"], key, record["served_name"], cfg.slo.concurrency, cfg.slo.requests_per_client,
-                            cfg.slo.max_tokens, cfg.slo.system_prompt_words))
+                            cfg.slo.max_tokens, words))
         atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
         broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
         if broken:

@@ -54,12 +54,53 @@ def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], status: dict
     create_markdown_artifact(key=f"{stage}-card", markdown="\n".join(lines), description=f"lmforge {stage} outputs")
 
 
-def publish_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> str:
-    lines = ["# lmforge lineage", "", "| step | key | reads | output digest | status |", "|---|---|---|---|---|"]
+def made_by(manifest: dict[str, Any], runs: dict[str, dict[str, Any]] | None = None) -> str:
+    """Which flow run (and work pool, host) computed an output, from the record in its manifest."""
+    record = manifest.get("made_by") or {}
+    run = record.get("flow_run_name") or ((runs or {}).get(manifest["stage"], {}).get("flow_run"))
+    parts = [f"run {run}" if run else "outside Prefect (--local)"]
+    if record.get("work_pool"):
+        parts.append(f"pool {record['work_pool']}")
+    parts.append(f"host {record.get('host', '?')}")
+    if record.get("slurm_job_id"):
+        parts.append(f"SLURM job {record['slurm_job_id']}")
+    return ", ".join(parts)
+
+
+def publish_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str],
+                    runs: dict[str, dict[str, Any]] | None = None) -> str:
+    """The chain of content addresses, who computed each output, and (as an image) the graph."""
+    lines = ["# lmforge lineage", "", "| step | key | reads | output digest | this run | computed by |",
+             "|---|---|---|---|---|---|"]
     for name, m in manifests.items():
         reads = ", ".join(f"{u}@{v['key'][:8]}" for u, v in m["inputs"].items()) or "raw inputs"
-        lines.append(f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} |")
+        lines.append(f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} | "
+                     f"{made_by(m, runs)} |")
+    if runs:
+        lines += ["", "## Stage runs (runtime.dispatch: deployments)", "", "| stage | child flow run | work pool | deployment |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['stage']} | {r['flow_run']} (`{r['flow_run_id']}`) | {r['work_pool']} | {r['deployment']} |"
+                  for r in runs.values()]
     markdown = "\n".join(lines)
     create_markdown_artifact(key="pipeline-lineage", markdown=markdown,
                              description="content addresses from raw text to model")
+    _publish_lineage_graph(manifests, status, runs)
     return markdown
+
+
+def _publish_lineage_graph(manifests: dict[str, dict[str, Any]], status: dict[str, str],
+                           runs: dict[str, dict[str, Any]] | None) -> None:
+    import logging
+
+    from tasks.lineage_graph import render_lineage
+
+    if not manifests:
+        return
+    workspace = Path(next(iter(manifests.values()))["dir"]).parents[2]
+    try:
+        png = render_lineage(manifests, status, {n: made_by(m, runs) for n, m in manifests.items()},
+                             workspace / ".lmforge" / "ui" / "lineage.png")
+    except Exception as exc:  # noqa: BLE001 - a picture is never a reason to fail a run
+        logging.getLogger("lmforge.tasks").warning("could not render the lineage graph: %s", exc)
+        return
+    publish(ArtifactSpec("pipeline-lineage-graph", "image", str(png), "lineage from raw inputs to the served model"))

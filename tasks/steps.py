@@ -30,10 +30,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.states import Completed, State
 
-from lmforge.executor import (capture_level, execute_step, graph, make_pool, replay_logs, run_unit_with_logs,
+from lmforge.executor import (capture_level, execute_step, graph, make_pool, replay_logs, run_unit, run_unit_with_logs,
                               step_timeout, unit_outcome)
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
+from tasks.progress import ProgressReporter
 from tasks.retry import should_retry
 
 log = logging.getLogger("lmforge.tasks")
@@ -59,7 +60,13 @@ def _discard_pool(workers: int) -> None:
 
 @task(name="unit", task_run_name="{step_name}[{unit}]", cache_policy=NO_CACHE,
       retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
-def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str) -> dict[str, Any]:
+def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str,
+                  inline: bool = False) -> dict[str, Any]:
+    if inline:  # on a Dask worker: this process is the worker; its domain loggers are wired here
+        from tasks.logs import connect_library_loggers
+
+        connect_library_loggers(ctx.config.runtime.log_level)
+        return run_unit(ctx, unit, verify)
     pool = shared_pool(workers)
     try:
         result, records = unit_outcome(pool.submit(run_unit_with_logs, ctx, unit, verify, capture_level(pool)))
@@ -70,13 +77,47 @@ def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, ver
     return result
 
 
-def _unit_tasks(config: Any):  # type: ignore[no-untyped-def]
+_dask_runners: dict[str, Any] = {}
+
+
+def dask_runner(address: str | None, workers: int) -> Any:
+    """One started DaskTaskRunner per cluster address for this process (a local cluster when None).
+
+    Dask rather than Ray: its workers are plain Python processes started from this environment
+    (no separate cluster runtime to install or version-match), a local cluster starts in seconds
+    on a laptop, and prefect-dask keeps every unit a Prefect task run, as the process pool does.
+    """
+    from prefect_dask import DaskTaskRunner
+
+    name = address or f"local:{workers}"
+    with _pool_lock:
+        if name not in _dask_runners:
+            kwargs = {"address": address} if address else {
+                "cluster_kwargs": {"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                                   "dashboard_address": None}}
+            runner = DaskTaskRunner(**kwargs)
+            runner.__enter__()
+            atexit.register(runner.__exit__, None, None, None)
+            _dask_runners[name] = runner
+        return _dask_runners[name]
+
+
+def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-untyped-def]
     def run_units(ctx: StepContext, todo: list[str]) -> dict[str, dict[str, Any]]:
-        futures = {u: run_unit_task.submit(ctx.step, u, ctx, config.runtime.workers, config.runtime.verify) for u in todo}
+        runtime = config.runtime
+        total = len(graph().get(ctx.step).units(ctx))
+        if runtime.task_runner == "dask":
+            runner = dask_runner(runtime.dask_address, runtime.workers)
+            futures = {u: runner.submit(run_unit_task, parameters={
+                "step_name": ctx.step, "unit": u, "ctx": ctx, "workers": runtime.workers, "verify": runtime.verify,
+                "inline": True}) for u in todo}
+        else:
+            futures = {u: run_unit_task.submit(ctx.step, u, ctx, runtime.workers, runtime.verify) for u in todo}
         # every unit must have finished before the lock is released: a retry of this step
         # must never compute a shard that a still-running sibling is writing
         for finished, _ in enumerate(as_completed(list(futures.values())), start=1):
             log.info("%s: %d/%d units done", ctx.step, finished, len(todo))
+            progress.update(total - len(todo) + finished, total)
         return {u: f.result() for u, f in futures.items()}
 
     return run_units
@@ -86,7 +127,18 @@ def _unit_tasks(config: Any):  # type: ignore[no-untyped-def]
       retries=2, retry_delay_seconds=2, retry_condition_fn=should_retry)
 def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> State:
     store = StageStore(config.workspace, config.runtime.verify)
-    manifest, hit = execute_step(graph().get(step_name), config, store, upstream, _unit_tasks(config))
+    step = graph().get(step_name)
+    progress = ProgressReporter(step_name)
+
+    def on_open(ctx: StepContext) -> None:
+        if step.progress is not None:
+            progress.watch(lambda: step.progress(ctx))  # type: ignore[misc]
+
+    try:
+        manifest, hit = execute_step(step, config, store, upstream, _unit_tasks(config, progress), on_open)
+    finally:
+        progress.stop(finished=False)
+    progress.stop(finished=True)
     if hit:
         return Completed(data=manifest, name="Cached", message=f"reused {manifest['dir']}")
     return Completed(data=manifest, message=f"computed in {manifest['timings']['seconds']:.1f}s")

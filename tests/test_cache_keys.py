@@ -14,8 +14,14 @@ from lmforge.executor import graph
 from lmforge.hashing import digest
 
 ALL_STEPS = ["curate/demo", "curate/ingest", "curate/minhash", "curate/langid", "curate/heuristics",
-             "curate/quality-model", "curate/quality", "curate/select", "curate/tokenizer", "curate/pack",
-             "pretrain/train"]
+             "curate/quality-model", "curate/quality", "curate/decontaminate", "curate/select", "curate/tokenizer",
+             "curate/pack", "pretrain/train", "align/data", "align/sft", "align/dpo", "evaluate/tasks",
+             "evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo", "evaluate/contamination",
+             "evaluate/pretrained-hf", "evaluate/pretrained-vllm", "evaluate/sft-hf", "evaluate/sft-vllm",
+             "evaluate/dpo-hf", "evaluate/dpo-vllm", "evaluate/report", "quantize/calibration", "quantize/w8a8-int8",
+             "quantize/w4a16", "quantize/w8a16", "quantize/gate", "serve/deploy"]
+EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
+QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
 
 
 def identities(overrides: list[str]) -> dict[str, str]:
@@ -48,6 +54,31 @@ ROWS = [
     ("pretrain.global_batch_size=32", {"pretrain/train"}),
     ("pretrain.guardrails.spike_zscore=4", {"pretrain/train"}),
     ("pretrain.checkpoint.every_steps=10", {"pretrain/train"}),
+    ("align.builtin.per_task=10", {"align/data"}),
+    ("align.heldout_fraction=0.2", {"align/data"}),
+    ("align.sft.lr=1e-4", {"align/sft"}),
+    ("align.method=lora", {"align/sft"}),
+    ("align.lora.r=8", set()),  # LoRA's shape matters only when a step uses LoRA
+    ("align.method=lora;align.lora.r=8", {"align/sft"}),
+    ("align.dpo.beta=0.3", {"align/dpo"}),
+    ("align.dpo.lora=true", {"align/dpo"}),
+    ("align.precision=bf16", {"align/sft", "align/dpo"}),
+    ("curate.decontaminate.tasks=[lmforge_humaneval]", {"curate/decontaminate"}),
+    ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks"}),
+    ("evaluate.limit={lmforge_continuation: 5}", EVAL_RUNS | {"quantize/gate"}),  # the gate measures the same way
+    ("evaluate.contamination.ngram=10", {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo",
+                                         "evaluate/contamination"}),
+    ("evaluate.contamination.max_fraction=0.5", {"evaluate/contamination"}),
+    ("quantize.calibration.num_samples=32", {"quantize/calibration"}),
+    ("quantize.calibration.smoothing_strength=0.5", {"quantize/w8a8-int8"}),  # SmoothQuant is W8A8's alone
+    ("quantize.group_size=64", {"quantize/w4a16"}),
+    ("quantize.calibration.enabled=false", QUANT),
+    ("quantize.model=sft", QUANT),
+    ("quantize.model=pretrained", QUANT | {"quantize/calibration"}),  # not a chat model: no chats to calibrate on
+    ("quantize.gate.max_drop=0.1", {"quantize/gate"}),
+    ("serve.model=sft", {"serve/deploy"}),
+    ("serve.engine.max_model_len=128", EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")}
+     | {"quantize/gate", "serve/deploy"}),
     # how work is run, not what it produces: no key changes
     ("runtime.workers=8", set()),
     ("runtime.verify=size", set()),
@@ -76,6 +107,61 @@ ROWS = [
     ("pretrain.peak_tflops=1.0", set()),
     ("pretrain.parity_tolerance=0.01", set()),
     ("pretrain.assumed_mfu=0.3", set()),
+    ("align.sft.micro_batch_size=4", set()),
+    ("align.dpo.micro_batch_size=2", set()),
+    ("align.sft.eval_every=5", set()),
+    ("align.dpo.eval_every=5", set()),
+    ("align.sft.log_every=5", set()),
+    ("align.dpo.log_every=5", set()),
+    ("align.distributed.launcher=torchrun", set()),
+    ("align.distributed.num_ranks=1", set()),
+    ("align.distributed.zero_stage=2", set()),
+    ("align.distributed.master_port=29998", set()),
+    ("align.distributed.launcher=deepspeed;align.distributed.hostfile=pyproject.toml", set()),
+    ("align.distributed.launcher=deepspeed;align.distributed.num_nodes=2;align.distributed.hostfile=pyproject.toml;"
+     "align.sft.micro_batch_size=4;align.dpo.micro_batch_size=2", set()),
+    ("align.lora.merge_parity_tolerance=0.01", set()),
+    ("align.eval_generations=10", set()),
+    ("align.distributed.node_launcher=slurm", set()),
+    ("pretrain.distributed.node_launcher=slurm", set()),
+    # which steps run, and how evaluation talks to its backends
+    ("evaluate.models=[dpo]", set()),
+    ("evaluate.backends=[hf]", set()),
+    ("evaluate.batch_size=2", set()),
+    ("evaluate.num_concurrent=1", set()),
+    ("evaluate.backend_tolerance={acc: 0.1}", set()),
+    ("quantize.python=/usr/bin/python3", set()),
+    ("quantize.schemes=[w4a16]", set()),
+    # where and how the server runs
+    ("serve.host=0.0.0.0", set()),
+    ("serve.port=8123", set()),
+    ("serve.require_api_key=true", set()),
+    ("serve.slo.ttft_p90_ms=100", set()),
+    ("serve.slo.tpot_p90_ms=10", set()),
+    ("serve.engine.max_num_seqs=8", set()),
+    ("serve.engine.max_num_batched_tokens=512", set()),
+    ("serve.engine.enable_prefix_caching=false", set()),
+    ("serve.engine.enable_chunked_prefill=false", set()),
+    ("serve.engine.tensor_parallel_size=2", set()),
+    ("serve.engine.gpu_memory_utilization=0.5", set()),
+    ("serve.engine.cpu_kv_cache_gib=2", set()),
+    ("serve.engine.enforce_eager=false", set()),
+    ("serve.engine.max_stop_strings=8", set()),
+    ("serve.engine.startup_timeout_s=60", set()),
+    # orchestration: where stages and units run, never what they produce
+    ("runtime.dispatch=deployments", set()),
+    ("runtime.deployment=other", set()),
+    ("runtime.task_runner=dask", set()),
+    ("runtime.dask_address=tcp://127.0.0.1:8786", set()),
+    ("cluster.nodes=4", set()),
+    ("cluster.gpus_per_node=4", set()),
+    ("cluster.cpus_per_task=8", set()),
+    ("cluster.time=01:00:00", set()),
+    ("cluster.partition=gpu", set()),
+    ("cluster.account=ml", set()),
+    ("cluster.requeue=false", set()),
+    ("cluster.setup=[module load cuda]", set()),
+    ("cluster.extra_sbatch=[--qos=high]", set()),
 ]
 
 
@@ -90,7 +176,7 @@ def test_every_runtime_field_is_pinned_above() -> None:
     from lmforge.config import PipelineConfig
     from lmforge.configbase import runtime_paths
 
-    pinned = {override.split("=")[0] for override, changed in ROWS if not changed}
+    pinned = {part.split("=")[0] for override, changed in ROWS if not changed for part in override.split(";")}
     structural = {"name", "workspace", "stages"} | {p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")}
     assert set(runtime_paths(PipelineConfig)) - structural - pinned == set()
 
@@ -102,14 +188,17 @@ def test_select_reads_only_enabled_attribute_steps() -> None:
 
 # companions a perturbation needs to stay valid (a threshold replaces the keep-fraction)
 COMPANIONS = {"curate.quality_classifier.threshold": ["curate.quality_classifier.keep_fraction=null"]}
+# fields that matter only in a context (LoRA's shape when a step uses LoRA): compared within it
+CONTEXT = {"align.lora.": ["align.method=lora"]}
 
 
-def _leaves(model: type, prefix: str = "") -> list[str]:
+def _leaves(model: type, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted path, annotation) of every leaf field that is not a runtime field."""
     from pydantic import BaseModel
 
     from lmforge.configbase import is_runtime_field
 
-    found = []
+    found: list[tuple[str, object]] = []
     for name, field in model.model_fields.items():
         if is_runtime_field(model, name):
             continue
@@ -117,13 +206,18 @@ def _leaves(model: type, prefix: str = "") -> list[str]:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             found += _leaves(annotation, f"{prefix}{name}.")
         else:
-            found.append(f"{prefix}{name}")
+            found.append((f"{prefix}{name}", annotation))
     return found
 
 
-def _candidates(value: object) -> list[str]:
+def _candidates(value: object, annotation: object = None) -> list[str]:
     """YAML values to try in place of `value`, in order; the config model keeps the valid ones."""
     import json
+    import typing
+
+    literals = [a for a in typing.get_args(annotation) if isinstance(a, str)]
+    if isinstance(value, str) and literals:
+        return [a for a in literals if a != value]
 
     if isinstance(value, bool):
         return [json.dumps(not value)]
@@ -132,9 +226,9 @@ def _candidates(value: object) -> list[str]:
     if isinstance(value, float):
         return [repr(value * 0.5), repr(round(value + 0.05, 6)), repr(value * 1.5), repr(value * 0.9)]
     if isinstance(value, str):
-        return ["fp32", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x"]
+        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x"]
     if value is None:
-        return ["0.5", "1", "x"]
+        return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
     if isinstance(value, list):
         return [json.dumps(value[:-1]), json.dumps(value + value[-1:])] if value else ['["pyproject.toml"]', '["x"]', "[1]"]
     if isinstance(value, dict):
@@ -146,17 +240,24 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
     """The other direction: no field outside the runtime set can change a result without changing a key."""
     from lmforge.config import pipeline_model
 
-    base_config = load_config("tiny-cpu", [], "/tmp/lmforge-keys-test", check_paths=False)
-    base = {step.name: digest([step.version, step.identity(base_config)]) for step in graph().steps}
+    def keys(overrides: list[str]) -> tuple[object, dict[str, str]]:
+        config = load_config("tiny-cpu", overrides, "/tmp/lmforge-keys-test", check_paths=False)
+        return config, {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
+
+    base_config, _ = keys([])
     sections = [name for name in pipeline_model().model_fields if name not in ("name", "workspace", "stages", "runtime")]
     unkeyed, untried = [], []
-    for path in [leaf for section in sections for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")]:
+    for path, annotation in [leaf for section in sections
+                             for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")]:
         value = base_config
         for part in path.split("."):
             value = getattr(value, part)
-        for candidate in _candidates(value):
+        context = [o for prefix, extra in CONTEXT.items() if path.startswith(prefix) for o in extra]
+        _, base = keys(context)
+        tried = []
+        for candidate in _candidates(value, annotation):
             try:
-                config = load_config("tiny-cpu", [f"{path}={candidate}", *COMPANIONS.get(path, [])],
+                config = load_config("tiny-cpu", [*context, f"{path}={candidate}", *COMPANIONS.get(path, [])],
                                      "/tmp/lmforge-keys-test", check_paths=False)
             except Exception:  # noqa: BLE001 - not a valid value for this field; try the next
                 continue
@@ -165,11 +266,11 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
                 after = getattr(after, part)
             if after == value:
                 continue
-            changed = {step.name for step in graph().steps if digest([step.version, step.identity(config)]) != base[step.name]}
-            if not changed:
-                unkeyed.append(f"{path}={candidate}")
-            break
+            tried.append(f"{path}={candidate}")
+            # a value may resolve to the same thing (precision auto -> fp32 on this machine): try the next
+            if any(digest([step.version, step.identity(config)]) != base[step.name] for step in graph().steps):
+                break
         else:
-            untried.append(path)
+            (unkeyed if tried else untried).append(tried[0] if tried else path)
     assert unkeyed == [], f"fields that change no step's key: {unkeyed}"
     assert untried == [], f"fields the test could not perturb: {untried}"

@@ -81,6 +81,9 @@ class DistributedConfig(StrictModel):
         "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
     hostfile: str | None = runtime_field(None, description="DeepSpeed hostfile for multi-node runs.")
     num_nodes: int = runtime_field(1, description="Nodes to use from the hostfile.", ge=1)
+    node_launcher: Literal["pdsh", "slurm", "openmpi"] = runtime_field(
+        "pdsh", description="How DeepSpeed starts the ranks of other nodes: pdsh (passwordless SSH), slurm (srun inside "
+                            "a SLURM job; `lmforge slurm` sets it) or openmpi.")
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
     zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field("auto", description="ZeRO stage; auto asks the planner.")
     offload: Literal["auto", "none", "optimizer", "optimizer+params"] = runtime_field(

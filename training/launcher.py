@@ -38,14 +38,14 @@ def free_port() -> int:
 
 
 def build_command(launcher: str, num_ranks: int, spec_path: Path, master_port: int,
-                  hostfile: str | None = None, num_nodes: int = 1) -> list[str]:
+                  hostfile: str | None = None, num_nodes: int = 1, node_launcher: str = "pdsh") -> list[str]:
     module = ["training.train_entry", "--spec", str(spec_path)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_ranks}",
                 f"--master_port={master_port}", "-m", *module]
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
     if hostfile:
-        command += ["--hostfile", hostfile, "--num_nodes", str(num_nodes)]
+        command += ["--hostfile", hostfile, "--num_nodes", str(num_nodes), "--launcher", node_launcher]
     return command + ["--num_gpus", str(num_ranks), "--module", *module]
 
 

@@ -95,3 +95,19 @@ class MetricsWriter:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+
+
+def last_logged_step(metrics_file: Path) -> int:
+    """The step of the last line of a metrics file (read from its end), 0 when there is none."""
+    if not metrics_file.exists():
+        return 0
+    with open(metrics_file, "rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, handle.tell() - 4096))
+        lines = handle.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0

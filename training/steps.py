@@ -21,6 +21,7 @@ from typing import Any
 
 from lmforge.configbase import pick
 from lmforge.errors import TrainingDiverged
+from training.metrics import METRICS_FILE, last_logged_step
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
 from lmforge.stage import TOKEN_SHARDS, TOKENIZER, hf_model
@@ -78,7 +79,8 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
     atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     command = build_command(cfg.distributed.launcher, plan.num_ranks, out_dir / "run_spec.json",
-                            cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes)
+                            cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes,
+                            cfg.distributed.node_launcher)
     atomic_write_json(out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
     returncode, output_tail = launch(command, out_dir)
     try:
@@ -141,6 +143,7 @@ PRETRAIN_STEPS = [
          identity=_identity, upstream=lambda c: (TOKEN_SHARDS, TOKENIZER), finalize=_train_finalize,
          enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
          provides={PRETRAINED: "hf"},
+         progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
          code=("training.loop", "training.model", "training.checkpoint", "training.export", "training.train_entry",
                "training.guardrails", "training.ds_config", "training.planner", "data_prep.reader"),
          libraries=("torch", "transformers", "deepspeed")),

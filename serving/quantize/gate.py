@@ -14,8 +14,10 @@ disk) is chosen; with none eligible, serving falls back to the unquantized model
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +44,18 @@ def evaluate_all(config: Any, workspace: Path, tasks: dict[str, Any], identity: 
     role, base_dir, base_digest = base
     reference = _per_task(evaluate_model(config, workspace, tasks, identity, base_dir, base_digest, "vllm", role,
                                          work_dir / "unquantized"))
+
+    def measure(scheme: str, model_dir: Path, model_digest: str) -> dict[str, tuple[str, float, dict[str, Any]]]:
+        return _per_task(evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, "vllm",
+                                        f"{role}-{scheme}", work_dir / scheme))
+
+    # the checkpoints are measured side by side (a server each), in this step's context: its lock and deadline
+    with ThreadPoolExecutor(max_workers=max(len(checkpoints), 1)) as pool:
+        futures = {scheme: pool.submit(contextvars.copy_context().run, measure, scheme, *where)
+                   for scheme, where in checkpoints.items()}
+        measured = {scheme: future.result() for scheme, future in futures.items()}
     comparisons = {}
-    for scheme, (model_dir, model_digest) in checkpoints.items():
-        results = _per_task(evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, "vllm",
-                                           f"{role}-{scheme}", work_dir / scheme))
+    for scheme, results in measured.items():
         rows = []
         for task, (metric, value, items) in results.items():
             _, base_value, base_items = reference[task]

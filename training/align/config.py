@@ -84,6 +84,8 @@ class AlignDistributedConfig(StrictModel):
     zero_stage: Literal[0, 2, 3] = runtime_field(0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP).")
     hostfile: str | None = runtime_field(None, description="Hostfile for multi-node runs (same format as pretraining).")
     num_nodes: int = runtime_field(1, description="Nodes.", ge=1)
+    node_launcher: Literal["pdsh", "slurm", "openmpi"] = runtime_field(
+        "pdsh", description="How DeepSpeed starts the ranks of other nodes (as pretrain.distributed.node_launcher).")
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
 
 

@@ -15,7 +15,7 @@ ENTRY = "training.align.entry"
 
 
 def build_command(launcher: str, num_ranks: int, spec_path: Path, master_port: int,
-                  hostfile: str | None = None, num_nodes: int = 1) -> list[str]:
+                  hostfile: str | None = None, num_nodes: int = 1, node_launcher: str = "pdsh") -> list[str]:
     module = [ENTRY, "--spec", str(spec_path)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_ranks}",
@@ -23,7 +23,7 @@ def build_command(launcher: str, num_ranks: int, spec_path: Path, master_port: i
     if launcher == "deepspeed":
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
         if hostfile:
-            command += ["--hostfile", hostfile, "--num_nodes", str(num_nodes)]
+            command += ["--hostfile", hostfile, "--num_nodes", str(num_nodes), "--launcher", node_launcher]
         return command + ["--num_gpus", str(num_ranks), "--module", *module]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_ranks),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

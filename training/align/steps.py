@@ -171,6 +171,15 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
             "attempt": _next_attempt(ctx.out_dir)}
 
 
+def _progress(kind: str):  # type: ignore[no-untyped-def]
+    def progress(ctx: StepContext) -> tuple[float, float]:
+        from training.metrics import last_logged_step
+
+        return last_logged_step(ctx.out_dir / "metrics.jsonl"), getattr(ctx.config.align, kind).max_steps
+
+    return progress
+
+
 def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
     def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         from training.align.launch import build_command
@@ -181,7 +190,7 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
         spec_path = ctx.out_dir / "run_spec.json"
         atomic_write_json(spec_path, spec)
         command = build_command(d.launcher, _ranks(ctx.config), spec_path, d.master_port or free_port(),
-                                d.hostfile, d.num_nodes)
+                                d.hostfile, d.num_nodes, d.node_launcher)
         attempt = spec["attempt"]
         atomic_write_json(ctx.out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
         returncode, tail = launch(command, ctx.out_dir)
@@ -216,9 +225,9 @@ ALIGN_STEPS = [
     Step(SFT, 1, "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
          identity=_train_identity("sft"), upstream=lambda c: (PRETRAINED, CHAT_DATA), finalize=_train_finalize("sft"),
          enabled=lambda c: c.align.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
-         provides={SFT_MODEL: "hf"}, code=CODE, libraries=LIBS),
+         provides={SFT_MODEL: "hf"}, progress=_progress("sft"), code=CODE, libraries=LIBS),
     Step(DPO, 1, "Direct preference optimisation with TRL against the frozen SFT model",
          identity=_train_identity("dpo"), upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA), finalize=_train_finalize("dpo"),
          enabled=lambda c: c.align.enabled and c.align.dpo.enabled, retries=3, bookkeeping=("checkpoints", "logs"),
-         digest_paths=("hf/",), provides={DPO_MODEL: "hf"}, code=CODE, libraries=LIBS),
+         digest_paths=("hf/",), provides={DPO_MODEL: "hf"}, progress=_progress("dpo"), code=CODE, libraries=LIBS),
 ]

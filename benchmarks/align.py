@@ -1,0 +1,150 @@
+"""Alignment throughput: SFT and DPO tokens/s through lmforge against TRL called directly.
+
+    .venv/bin/python benchmarks/align.py --workspace WS [--sft-steps 40] [--dpo-steps 30] [--repeats 2]
+
+WS is a workspace where `lmforge stage align` ran (it reads the pretrained and SFT models and
+the alignment data from it). Both paths train the same model on the same data with the same
+settings (tiny-cpu's batch sizes, learning rates, sequence length, fp32 on CPU), on 2 ranks
+started by `accelerate launch`:
+
+- lmforge: `training.align.entry` with the spec the align step writes (its callbacks log
+  metrics and checkpoint every `save_steps`; held-out generation is switched off here, since it
+  is evaluation, not training);
+- plain TRL: a short script a user would write, `SFTTrainer` / `DPOTrainer` with the same
+  arguments, no callbacks, no checkpoints.
+
+tokens/s is measured the same way for both: TRL's `num_tokens` counter between consecutive
+logged steps over the wall time between them, averaged from the second step on. The runs alternate (lmforge, TRL,
+lmforge, TRL...), and the best of `--repeats` is kept for each, so a slow moment of the machine
+does not decide the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PLAIN = r'''
+import json, sys, time
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+import trl
+
+spec = json.load(open(sys.argv[1]))
+cfg = spec["config"]
+tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
+model = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
+columns = ["messages"] if spec["kind"] == "sft" else ["prompt", "chosen", "rejected"]
+data = load_dataset("json", data_files=spec["train"], split="train").select_columns(columns)
+
+class Times(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs and "num_tokens" in logs:
+            with open(spec["out_dir"] + "/plain_metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.global_step, "num_tokens": logs["num_tokens"], "time": time.time()}) + "\n")
+
+common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, max_length=spec["max_length"], report_to=[],
+              per_device_train_batch_size=cfg["micro_batch_size"],
+              gradient_accumulation_steps=cfg["global_batch_size"] // (cfg["micro_batch_size"] * 2),
+              learning_rate=cfg["lr"], lr_scheduler_type=cfg["lr_scheduler"], max_steps=cfg["max_steps"],
+              warmup_steps=int(cfg["warmup_ratio"] * cfg["max_steps"]), logging_steps=1, save_strategy="no",
+              seed=cfg["seed"], dataloader_num_workers=0, ddp_find_unused_parameters=False)
+if spec["kind"] == "sft":
+    args = trl.SFTConfig(**common, assistant_only_loss=cfg["assistant_only_loss"], packing=cfg["packing"])
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Times()])
+else:
+    weight = cfg.get("sft_weight", 0.0)
+    losses = {"loss_type": [cfg["loss_type"], "sft"], "loss_weights": [1.0, weight]} if weight else {"loss_type": [cfg["loss_type"]]}
+    args = trl.DPOConfig(**common, beta=cfg["beta"], **losses)
+    reference = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
+    trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[Times()])
+trainer.train()
+'''
+
+
+def accelerate(module_or_script: list[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "--multi_gpu",
+            *module_or_script]
+
+
+def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
+    manifest = json.loads(next(workspace.glob(f"align/{kind}/*/manifest.json")).read_text())
+    spec = json.loads((Path(manifest["dir"]) / "run_spec.json").read_text())
+    spec["config"]["max_steps"] = steps
+    spec["config"]["save_steps"] = max(steps // 2, 1)  # lmforge checkpoints as it always does
+    spec.update(out_dir=str(out), eval_every=10**9, heldout_generation=[], attempt=1)
+    return spec
+
+
+def run_lmforge(spec: dict, port: int) -> float:
+    out = Path(spec["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_spec.json").write_text(json.dumps(spec))
+    subprocess.run(accelerate(["-m", "training.align.entry", "--spec", str(out / "run_spec.json")], port), check=True,
+                   cwd=ROOT, capture_output=True, env=_env())
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    # the entry logs tokens/s between consecutive logged steps (from TRL's num_tokens), as the plain run is measured
+    speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+    return sum(speeds[1:]) / len(speeds[1:])
+
+
+def run_plain(spec: dict, port: int, script: Path) -> float:
+    out = Path(spec["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec))
+    subprocess.run(accelerate([str(script), str(out / "spec.json")], port), check=True, cwd=ROOT, capture_output=True,
+                   env=_env())
+    rows = [json.loads(l) for l in (out / "plain_metrics.jsonl").read_text().splitlines()]
+    speeds = [(b["num_tokens"] - a["num_tokens"]) / (b["time"] - a["time"]) for a, b in zip(rows[1:], rows[2:])
+              if b["time"] > a["time"]]
+    return sum(speeds) / len(speeds)
+
+
+def _env() -> dict:
+    import os
+
+    from lmforge.launcher import QUIET_ENV
+
+    return {**os.environ, **QUIET_ENV, "PYTHONPATH": str(ROOT)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", required=True)
+    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--dpo-steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    workspace = Path(args.workspace)
+    from training.launcher import free_port
+
+    results = {}
+    with tempfile.TemporaryDirectory() as work:
+        script = Path(work) / "plain_trl.py"
+        script.write_text(PLAIN)
+        for kind, steps in (("sft", args.sft_steps), ("dpo", args.dpo_steps)):
+            mine, plain = [], []
+            for repeat in range(args.repeats):
+                started = time.time()
+                mine.append(run_lmforge(spec_for(kind, workspace, steps, Path(work) / f"{kind}-lmforge-{repeat}"), free_port()))
+                plain.append(run_plain(spec_for(kind, workspace, steps, Path(work) / f"{kind}-plain-{repeat}"), free_port(), script))
+                print(f"{kind} repeat {repeat + 1}: lmforge {mine[-1]:,.0f} tok/s, plain TRL {plain[-1]:,.0f} tok/s "
+                      f"({time.time() - started:.0f}s)", file=sys.stderr, flush=True)
+            results[kind] = (max(mine), max(plain))
+    print("| step | lmforge tokens/s | plain TRL tokens/s | ratio |\n|---|---|---|---|")
+    for kind, (mine, plain) in results.items():
+        print(f"| {kind.upper()} (2 CPU ranks, best of {args.repeats}) | {mine:,.0f} | {plain:,.0f} | **{mine / plain:.2f}x** |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""SLURM: an `sbatch` script that runs one stage across the job's nodes with lmforge's cache and resume rules.
+
+Prefect has no SLURM worker; a stage run through `sbatch` is still an lmforge run: the script
+builds DeepSpeed's hostfile from `SLURM_JOB_NODELIST` (`scontrol show hostnames`), starts
+`lmforge stage STAGE` on the first node with the job's nodes and `--launcher slurm` (DeepSpeed
+starts the other nodes' ranks with `srun`), and `exec`s it, so SLURM's SIGTERM before the time
+limit or on preemption reaches lmforge, which stops the ranks and keeps the last verified
+checkpoint. With `--requeue`, the requeued job runs the same command and resumes from it. The
+flow run is tagged `slurm-job-<id>` and every manifest it writes records the job id.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# the stages that run across nodes, and the config section holding their hostfile and node count
+MULTINODE = {"pretrain": "pretrain.distributed", "align": "align.distributed"}
+
+
+def hostfile_function() -> str:
+    """Shell: print one `host slots=N` line per node of the job (DeepSpeed's hostfile format)."""
+    return ('lmforge_hostfile() {  # $1: slots (GPUs) per node\n'
+            '  scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v slots="$1" \'NF { print $1 " slots=" slots }\'\n'
+            '}\n')
+
+
+def render(config: Any, stage: str, preset: str, overrides: list[str], workspace: str | None) -> str:
+    """The sbatch script for `stage` under the `cluster` section of `config`."""
+    c = config.cluster
+    if stage not in _stage_names():
+        raise ConfigError(f"slurm: no stage named {stage!r} (stages: {', '.join(_stage_names())})")
+    if c.nodes > 1 and stage not in MULTINODE:
+        raise ConfigError(f"slurm: {stage} runs on one node; cluster.nodes={c.nodes} is for "
+                          f"{' and '.join(MULTINODE)}")
+    ws = str(Path(workspace or config.workspace).resolve())
+    logs = f"{ws}/slurm"
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=lmforge-{stage}-{config.name}", f"#SBATCH --nodes={c.nodes}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={c.cpus_per_task}", f"#SBATCH --time={c.time}",
+             f"#SBATCH --output={logs}/%x-%j.out", "#SBATCH --signal=B:TERM@180"]
+    if c.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+    if c.partition:
+        lines.append(f"#SBATCH --partition={c.partition}")
+    if c.account:
+        lines.append(f"#SBATCH --account={c.account}")
+    lines.append("#SBATCH --requeue" if c.requeue else "#SBATCH --no-requeue")
+    lines += [f"#SBATCH {option}" for option in c.extra_sbatch]
+    lines += ["", "# Rendered by `lmforge slurm render`. SIGTERM (3 minutes before the time limit, or on preemption)",
+              "# reaches lmforge through exec: it stops the ranks; a requeued job resumes from the last checkpoint.",
+              "set -euo pipefail", f"mkdir -p {shlex.quote(logs)}", f"cd {shlex.quote(str(REPO_ROOT))}", *c.setup, "",
+              hostfile_function()]
+    command = [str(REPO_ROOT / ".venv" / "bin" / "lmforge"), "stage", stage, "--config", preset, "--workspace", ws]
+    for override in overrides:
+        command += ["--set", override]
+    if stage in MULTINODE:
+        section = MULTINODE[stage]
+        lines += [f'HOSTFILE={shlex.quote(logs)}/hostfile-"$SLURM_JOB_ID"',
+                  f'lmforge_hostfile {c.gpus_per_node or 1} > "$HOSTFILE"',
+                  'echo "nodes: $(tr \'\\n\' \' \' < "$HOSTFILE")"']
+        tail = (f' --set {section}.hostfile="$HOSTFILE" --set {section}.num_nodes="$SLURM_JOB_NUM_NODES"'
+                f" --set {section}.node_launcher=slurm --set {section}.launcher=deepspeed")
+        if c.gpus_per_node:
+            tail += f" --set {section}.num_ranks={c.gpus_per_node}"
+    else:
+        tail = ""
+    lines += ["exec " + " ".join(shlex.quote(p) for p in command) + tail, ""]
+    return "\n".join(lines)
+
+
+def _stage_names() -> list[str]:
+    from lmforge.registry import stage_names
+
+    return stage_names()
+
+
+def submit(script: str, directory: Path) -> tuple[Path, str]:
+    """Write the script under `directory` and `sbatch` it; (script path, sbatch's answer)."""
+    if shutil.which("sbatch") is None:
+        raise ConfigError("slurm submit: `sbatch` is not on PATH (run it on a SLURM login node, or use "
+                          "`lmforge slurm render` and submit the script yourself)")
+    import time
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"lmforge-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path.write_text(script)
+    done = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch {path} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return path, done.stdout.strip()
+
+
+def main_tags() -> list[str]:
+    """Prefect tags linking a flow run to the SLURM job it runs in (none outside SLURM)."""
+    import os
+
+    job = os.environ.get("SLURM_JOB_ID")
+    return [f"slurm-job-{job}"] if job else []
