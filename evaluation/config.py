@@ -72,4 +72,5 @@ class EvaluateConfig(StrictModel):
     backend_tolerance: dict[str, float] = runtime_field(
         default_factory=lambda: {"acc": 0.02, "acc_norm": 0.02, "exact_match": 0.05, "pass@1": 0.05,
                                  "word_perplexity": 0.01, "byte_perplexity": 0.01, "bits_per_byte": 0.01},
-        description="Largest hf-vs-vLLM difference reported as agreement (absolute; relative for perplexities).")
+        description="Largest hf-vs-vLLM difference reported as agreement (absolute, and at least two items' worth "
+                    "for item averages; relative for perplexities).")

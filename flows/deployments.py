@@ -46,8 +46,11 @@ def base_job_template(worker_type: str) -> dict[str, Any] | None:
 
 def deployment_specs(name: str, preset: str, overrides: list[str], workspace: str | None) -> list[dict[str, Any]]:
     """Every deployment as plain data: flow entrypoint, deployment name, pool, default parameters."""
+    # a pipeline dispatches to lmforge-<stage>/<runtime.deployment or the preset's name>: name them the same
+    wanted = [*overrides, f"runtime.deployment={name}"] if name != preset else list(overrides)
+
     def parameters() -> dict[str, Any]:
-        return {"preset": preset, "overrides": list(overrides), "workspace": workspace}
+        return {"preset": preset, "overrides": list(wanted), "workspace": workspace}
 
     specs = [{"flow": "lmforge-pipeline", "entrypoint": "flows/entrypoints.py:pipeline", "name": name,
               "work_pool": pool_of(None), "parameters": parameters(),
@@ -109,7 +112,9 @@ def apply_deployments(specs: list[dict[str, Any]]) -> list[str]:
         deployments.append(flow.to_deployment(name=spec["name"], work_pool_name=spec["work_pool"],
                                               parameters=spec["parameters"], description=spec["description"],
                                               tags=["lmforge", spec["work_pool"]]))
-    prefect.deploy(*deployments, build=False, push=False, print_next_steps_message=False, ignore_warnings=True)
+    for pool in sorted({spec["work_pool"] for spec in specs}):  # prefect.deploy takes one pool per call
+        prefect.deploy(*[d for d, spec in zip(deployments, specs) if spec["work_pool"] == pool], work_pool_name=pool,
+                       build=False, push=False, print_next_steps_message=False, ignore_warnings=True)
     return [f"{spec['flow']}/{spec['name']}" for spec in specs]
 
 

@@ -89,7 +89,8 @@ def gpu_slots(stage: Stage) -> Iterator[None]:
         yield
         return
     wanted = limit if stage.resources.gpus < 0 else min(max(stage.resources.gpus, 1), limit)
-    with concurrency(GPU_LIMIT, occupy=wanted, strict=False, lease_duration=600):
+    # a short lease (renewed while held): slots of a holder that was killed come back within a minute
+    with concurrency(GPU_LIMIT, occupy=wanted, strict=False, lease_duration=60):
         yield
 
 

@@ -145,10 +145,11 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         process.send_signal(signal.SIGTERM)
     try:
-        process.wait(timeout=grace + 15)
-    except subprocess.TimeoutExpired:  # the supervisor itself is stuck: take the group down hard
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace + 60)
+    except subprocess.TimeoutExpired:  # the supervisor itself is stuck: take it and its whole tree down hard
+        from lmforge.supervise import kill_from_outside
+
+        kill_from_outside(process.pid)
         process.wait()
 
 
@@ -265,7 +266,7 @@ def detached_alive(record: dict | None) -> bool:
     return b"lmforge.supervise" in cmdline and record["command"][-1].encode() in cmdline
 
 
-def stop_detached(pid_file: Path, wait_s: float = 40.0) -> bool:
+def stop_detached(pid_file: Path, wait_s: float = 90.0) -> bool:
     """Stop the service of `pid_file` by pid; False if it was not running. Idempotent."""
     record = read_pid_file(pid_file)
     if not detached_alive(record):
@@ -278,7 +279,8 @@ def stop_detached(pid_file: Path, wait_s: float = 40.0) -> bool:
     while detached_alive(record) and time.time() < deadline:
         time.sleep(0.2)
     if detached_alive(record):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        from lmforge.supervise import kill_from_outside
+
+        kill_from_outside(pid)
     pid_file.unlink(missing_ok=True)
     return True

@@ -49,8 +49,8 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _descendants() -> list[int]:
-    """Our living descendants (as subreaper, orphans of the tree are re-parented to us)."""
+def _descendants(root: int | None = None) -> list[int]:
+    """Living descendants of `root` (default: us; as subreaper, orphans of the tree are re-parented to us)."""
     children: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
@@ -66,7 +66,7 @@ def _descendants() -> list[int]:
             continue
         if fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(name))
-    found, todo = [], list(children.get(os.getpid(), []))
+    found, todo = [], list(children.get(os.getpid() if root is None else root, []))
     while todo:
         pid = todo.pop()
         found.append(pid)
@@ -109,6 +109,19 @@ def stop_tree(child: subprocess.Popen, grace: float) -> None:
     while _descendants() or child.poll() is None:
         _reap()
         time.sleep(0.05)
+
+
+def kill_from_outside(pid: int) -> None:
+    """SIGKILL a supervisor and its whole tree, for when the supervisor itself does not answer: the
+    command runs in a process group of its own, so killing the supervisor's group alone would
+    leave the command running as an orphan."""
+    tree = _descendants(pid)
+    for target in [pid, *tree]:
+        for kill in (os.killpg, os.kill):  # each process's group (the command's), then the process
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _say(message: str) -> None:

@@ -61,8 +61,10 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
         if longest <= budget:
             return words
         words = int(words * budget / longest * 0.95)
-    raise ValueError(f"{model_dir}: a context of {context} tokens cannot hold an SLO prompt and {max_tokens} generated "
-                     "tokens; lower serve.slo.max_tokens")
+    from lmforge.errors import ConfigError
+
+    raise ConfigError(f"serve.slo.max_tokens: {model_dir}'s context of {context} tokens cannot hold an SLO prompt and "
+                      f"{max_tokens} generated tokens; lower serve.slo.max_tokens")
 
 
 @dataclass

@@ -47,13 +47,15 @@ SMALL_EVAL = [
 
 # Quantization of the small model: groups of 32 (its width is 64), few short calibration samples.
 SMALL_QUANT = ["quantize.group_size=32", "quantize.calibration.num_samples=16", "quantize.calibration.max_seq_len=64"]
+# Serving it: its context is 64 tokens, so short answers and SLO requests.
+SMALL_SERVE = ["serve.smoke_max_tokens=24", "serve.slo.max_tokens=8", "serve.slo.concurrency=[1, 4]"]
 
 
 def small_config(workspace: Path, *extra: str):
     from lmforge.config import load_config
 
-    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *extra],
-                       str(workspace))
+    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE,
+                                    *extra], str(workspace))
 
 
 @pytest.fixture(scope="session")

@@ -126,7 +126,7 @@ def test_changing_dpo_beta_reruns_only_dpo(aligned: dict) -> None:
     workspace = Path(aligned["align/sft"]["dir"]).parents[2]
     lines = {e.step: e for e in explain(small_config(workspace, "align.dpo.beta=0.35"), ["align"])}
     assert lines["align/sft"].reuse and lines["align/data"].reuse and lines["pretrain/train"].reuse
-    assert not lines["align/dpo"].reuse and "align.dpo.beta changed 0.2 -> 0.35" in lines["align/dpo"].reasons
+    assert not lines["align/dpo"].reuse and "align.dpo.beta changed 0.1 -> 0.35" in lines["align/dpo"].reasons
 
 
 @pytest.mark.slow

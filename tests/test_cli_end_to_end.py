@@ -35,9 +35,10 @@ def statuses(output: str) -> dict[str, str]:
 
 def small() -> list[str]:
     """The session fixtures' settings, as --set arguments."""
-    from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN, SMALL_QUANT
+    from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN, SMALL_QUANT, SMALL_SERVE
 
-    return [a for o in [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT] for a in ("--set", o)]
+    return [a for o in [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE]
+            for a in ("--set", o)]
 
 
 @pytest.fixture(scope="module")

@@ -132,22 +132,41 @@ def _child_runs(parent_id) -> dict[str, object]:  # type: ignore[no-untyped-def]
     return {flows[r.flow_id]: r for r in runs}
 
 
-@pytest.fixture
-def two_pools(prefect_server, tmp_path: Path):  # type: ignore[no-untyped-def]
-    """lmforge-cpu and lmforge-gpu (a process pool standing in for GPUs), each with a real worker."""
-    from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
+@pytest.fixture(scope="module")
+def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real Prefect server (`lmforge server start`: its services expire the concurrency leases of
+    killed runs, which the test harness's ephemeral server does not), and lmforge-cpu and
+    lmforge-gpu (a process pool standing in for GPUs), each with a real worker; one workspace for
+    the module's tests, as a team's shared storage would be."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
+    from lmforge import server
+    from training.launcher import free_port
+
+    tmp_path = tmp_path_factory.mktemp("pools")
     workspace = tmp_path / "ws"
-    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "runtime.dispatch=deployments", "stages=[curate, pretrain]"]
-    ensure_pools("process")
-    ensure_gpu_limit(1)
-    apply_deployments(deployment_specs("orchestration-test", "tiny-cpu", overrides, str(workspace)))
-    workers = [_start_worker(pool, tmp_path / f"{pool}.log") for pool in ("lmforge-cpu", "lmforge-gpu")]
+    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "runtime.dispatch=deployments", "stages=[curate, pretrain]",
+                 "runtime.deployment=orchestration-test"]
+    saved_home = os.environ.get("LMFORGE_HOME")
+    os.environ["LMFORGE_HOME"] = str(tmp_path / "home")
+    url = server.start("127.0.0.1", free_port())
+    workers: list[subprocess.Popen] = []
     try:
-        yield workspace, overrides, tmp_path
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            ensure_pools("process")
+            ensure_gpu_limit(1)
+            apply_deployments(deployment_specs("orchestration-test", "tiny-cpu", overrides, str(workspace)))
+            workers = [_start_worker(pool, tmp_path / f"{pool}.log") for pool in ("lmforge-cpu", "lmforge-gpu")]
+            yield workspace, overrides, tmp_path
     finally:
         for worker in workers:
             _stop(worker)
+        server.stop()
+        if saved_home is None:
+            os.environ.pop("LMFORGE_HOME", None)
+        else:
+            os.environ["LMFORGE_HOME"] = saved_home
 
 
 @pytest.mark.slow
@@ -182,9 +201,11 @@ def test_a_failing_child_stage_fails_the_pipeline_naming_the_child_run(two_pools
 
     _, overrides, _ = two_pools
     run = run_deployment("lmforge-pipeline/orchestration-test", timeout=600,
-                         parameters={"overrides": [*overrides, "curate.length.min_chars=100000000"]})
-    assert run.state.is_failed()
-    child = _child_runs(run.id)["lmforge-curate"]
+                         parameters={"overrides": [*overrides, "curate.length.min_chars=400000"]})
+    assert run.state.is_failed(), run.state
+    children = _child_runs(run.id)
+    assert "lmforge-curate" in children, (run.state.message, children)
+    child = children["lmforge-curate"]
     message = run.state.message or ""
     assert f"'{child.name}' ({child.id})" in message and "selection kept no documents" in message, message
 
@@ -199,7 +220,7 @@ def test_a_killed_stage_process_is_dispatched_again_and_resumes(two_pools) -> No
     def kill_the_training_flow_run() -> None:  # SIGKILL the GPU worker's flow-run process once training has progress
         checked: dict[str, bool] = {}
         while not killed.is_set():
-            if list(workspace.glob("pretrain/train/*/checkpoints/step-*")):
+            if _has_checkpoint_of_a_200_step_run(workspace):
                 for proc in psutil.process_iter():
                     try:
                         run_id = proc.environ().get("PREFECT__FLOW_RUN_ID")
@@ -211,7 +232,10 @@ def test_a_killed_stage_process_is_dispatched_again_and_resumes(two_pools) -> No
                         return
             time.sleep(0.2)
 
-    killer = threading.Thread(target=kill_the_training_flow_run, daemon=True)
+    import contextvars
+
+    # the thread needs this context: the API URL is a context setting here
+    killer = threading.Thread(target=contextvars.copy_context().run, args=(kill_the_training_flow_run,), daemon=True)
     killer.start()
     run = run_deployment("lmforge-pipeline/orchestration-test", timeout=900,
                          parameters={"overrides": [*overrides, "pretrain.max_steps=200"]})
@@ -220,7 +244,18 @@ def test_a_killed_stage_process_is_dispatched_again_and_resumes(two_pools) -> No
     manifest = json.loads(next(p for p in workspace.glob("pretrain/train/*/manifest.json")
                                if json.loads(p.read_text())["counts"]["steps"] == 200).read_text())
     assert manifest["counts"]["attempts"] >= 2  # the second dispatch resumed from a checkpoint
-    assert "resuming from" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+
+
+def _has_checkpoint_of_a_200_step_run(workspace: Path) -> bool:
+    for spec in workspace.glob("pretrain/train/*/run_spec.json"):
+        try:
+            steps = json.loads(spec.read_text())["config"]["max_steps"]
+        except (json.JSONDecodeError, KeyError):
+            continue
+        if steps == 200 and list(spec.parent.glob("checkpoints/step-0000002*")):
+            return True
+    return False
 
 
 def _is_pretrain(flow_run_id: str) -> bool:
@@ -258,6 +293,7 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     from flows.pipeline import pipeline
 
@@ -265,14 +301,18 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[
     shutil.copytree(curated[0], workspace)
     seen: list[float] = []
     done = threading.Event()
+    import datetime
+
+    started = datetime.datetime.now(datetime.timezone.utc)
 
     def poll() -> None:
         while not done.is_set():
-            with get_client(sync_client=True) as client:
-                found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-pretrain-train"])))
-            values = [float(a.data) for a in found if a.type == "progress"]
-            if values and (not seen or values[-1] != seen[-1]):
-                seen.append(values[-1])
+            with get_client(sync_client=True) as client:  # the newest progress artifact of the key: this run's
+                found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-pretrain-train"])),
+                                              sort=ArtifactSort.CREATED_DESC, limit=1)
+            values = [float(a.data) for a in found if a.type == "progress" and a.created >= started]
+            if values and (not seen or values[0] != seen[-1]):
+                seen.append(values[0])
             time.sleep(1)
 
     watcher = threading.Thread(target=poll, daemon=True)

@@ -55,7 +55,7 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         assert "tiny-cpu" in asyncio.run(flow_run_names())
 
         # the same pipeline as a deployment, triggered the way users do: `prefect deployment run`
-        served = subprocess.Popen([*cli, "deploy", "--workspace", str(curated_copy), "--set", "stages=[curate]",
+        served = subprocess.Popen([*cli, "deploy", "--serve", "--workspace", str(curated_copy), "--set", "stages=[curate]",
                                    *overrides], env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
