@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given")
+    # a launcher may block SIGTERM in its threads (the CLI takes it in one thread of its own), and a
+    # blocked mask is inherited across exec: unblock it, for us and for the command we start
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)
     _become_subreaper()

@@ -26,9 +26,17 @@ import numpy as np
 WORKLOADS = ("shared-prefix", "distinct")
 
 
+_VOCABULARY: list[str] = []
+
+
 def _words(rng: np.random.Generator, count: int) -> str:
-    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    return " ".join("".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(count))
+    """`count` words drawn from the 2,000 most common English words (wordfreq): text shaped like a
+    user's, so a prompt's token count is what a real one of that many words would be."""
+    if not _VOCABULARY:
+        from wordfreq import top_n_list
+
+        _VOCABULARY.extend(top_n_list("en", 2000))
+    return " ".join(_VOCABULARY[i] for i in rng.integers(0, len(_VOCABULARY), size=count))
 
 
 def prompts(workload: str, count: int, prefix_words: int, seed: int = 0) -> list[str]:
@@ -54,13 +62,17 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.model_max_length = 10**9  # measuring over-long prompts is the point: no warning about them
     budget = context - max_tokens - 8
-    words = prefix_words
-    while words > 0:
-        longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for w in WORKLOADS
-                      for p in prompts(w, 8, words, seed=1))
-        if longest <= budget:
-            return words
-        words = int(words * budget / longest * 0.95)
+
+    def longest(words: int) -> int:
+        return max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for w in WORKLOADS
+                   for p in prompts(w, 8, words, seed=1))
+
+    if longest(0) <= budget:  # the longest system prompt that fits, by bisection
+        low, high = 0, prefix_words
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if longest(middle) <= budget else (low, middle - 1)
+        return low
     from lmforge.errors import ConfigError
 
     raise ConfigError(f"serve.slo.max_tokens: {model_dir}'s context of {context} tokens cannot hold an SLO prompt and "

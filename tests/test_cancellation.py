@@ -185,3 +185,30 @@ def test_a_killed_flow_process_takes_its_ranks_with_it_and_holds_the_lock_until_
             process.kill()
     assert seconds < 30
     _resumes(workspace, out_dir)
+
+
+def test_a_launcher_that_blocks_sigterm_still_stops_its_commands_gracefully(tmp_path: Path) -> None:
+    """The CLI blocks SIGTERM in its threads (one thread takes it), and a blocked mask survives exec:
+    the supervisor must unblock it, or every stop waits out its grace and SIGKILLs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        from pathlib import Path
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
+        from lmforge.launcher import start_detached, stop_detached
+        child = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('term'), sys.exit(0)));\\nwhile True: time.sleep(0.1)"
+        pid_file = Path({str(tmp_path / 'svc.pid')!r})
+        start_detached([sys.executable, "-c", child], Path({str(tmp_path / 'svc.log')!r}), pid_file)
+        time.sleep(2)
+        started = time.time()
+        assert stop_detached(pid_file)
+        print(round(time.time() - started, 2))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.strip()) < 10  # not the 20 s grace then SIGKILL
+    assert (tmp_path / "got").read_text() == "term"  # the command itself saw SIGTERM: a graceful stop
