@@ -259,11 +259,23 @@ def detached_alive(record: dict | None) -> bool:
     with contextlib.suppress(ChildProcessError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that exited: reap it
             return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"lmforge.supervise" in cmdline and record["command"][-1].encode() in cmdline
+    cmdline = process_arguments(pid)
+    return cmdline is not None and b"lmforge.supervise" in cmdline and record["command"][-1].encode() in cmdline
+
+
+def process_arguments(pid: int, settle_s: float = 2.0) -> list[bytes] | None:
+    """The arguments of a live process, None if there is none. Right after `Popen` returns, the new
+    process's /proc cmdline can still read empty for a moment (seen in about 1 of 5 starts here):
+    read again until it settles rather than call a starting server dead."""
+    deadline = time.time() + settle_s
+    while True:
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        if raw or time.time() > deadline:
+            return raw.split(b"\0")
+        time.sleep(0.01)
 
 
 def stop_detached(pid_file: Path, wait_s: float = 90.0) -> bool:

@@ -56,11 +56,12 @@ def _is_our_server(pid: int) -> bool:
     """The pid file can outlive the server and the pid be reused: only ever signal a Prefect server."""
     if not _alive(pid):
         return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:  # no /proc (macOS): fall back to trusting the pid file
+    from lmforge.launcher import process_arguments
+
+    if not Path("/proc/self").exists():  # no /proc (macOS): fall back to trusting the pid file
         return True
-    return b"prefect" in cmdline and b"server" in cmdline
+    cmdline = process_arguments(pid)
+    return cmdline is not None and b"prefect" in cmdline and b"server" in cmdline
 
 
 def _url_host(host: str) -> str:

@@ -212,3 +212,21 @@ def test_a_launcher_that_blocks_sigterm_still_stops_its_commands_gracefully(tmp_
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.strip()) < 10  # not the 20 s grace then SIGKILL
     assert (tmp_path / "got").read_text() == "term"  # the command itself saw SIGTERM: a graceful stop
+
+
+def test_a_detached_service_is_alive_the_moment_it_starts_and_stops_by_its_pid_file(tmp_path: Path) -> None:
+    """Right after Popen returns, /proc/PID/cmdline can read empty for a moment; the demo once called a
+    starting vLLM server dead on its first check and left it running unstopped. Every start must be seen
+    alive, and every stop must leave no process behind."""
+    from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
+
+    pids = []
+    for i in range(25):
+        pid_file = tmp_path / f"svc-{i}.pid"
+        pid = start_detached([sys.executable, "-c", "import time; time.sleep(60)", f"svc-{i}"], tmp_path / f"svc-{i}.log",
+                             pid_file)
+        pids.append(pid)
+        assert detached_alive(read_pid_file(pid_file)), f"start {i}: a starting service was called dead"
+        assert stop_detached(pid_file, wait_s=10)
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
