@@ -48,7 +48,7 @@ def main() -> None:
     os.environ["PREFECT_API_URL"] = args.api
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort
 
     ui = args.api.removesuffix("/api")
     out = Path(args.out)
@@ -57,13 +57,18 @@ def main() -> None:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["lmforge-pipeline"])),
                                      sort=FlowRunSort.START_TIME_DESC, limit=1)
         keys = args.artifact or DEFAULT_ARTIFACTS
-        artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))}
+        # each key's newest version: its own page shows the content (the key's page is a timeline of
+        # versions with the content folded away)
+        artifacts: dict = {}
+        for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)),
+                                       sort=ArtifactSort.CREATED_DESC):
+            artifacts.setdefault(a.key, a)
     if runs:
         shoot(f"{ui}/runs/flow-run/{runs[0].id}", out / "pipeline-run.png")
     shoot(f"{ui}/artifacts", out / "artifacts.png")
     for key in keys:
         if key in artifacts:
-            shoot(f"{ui}/artifacts/key/{key}", out / f"artifact-{key}.png")
+            shoot(f"{ui}/artifacts/artifact/{artifacts[key].id}", out / f"artifact-{key}.png")
         else:
             print(f"no artifact {key!r} on {args.api}", file=sys.stderr)
 
