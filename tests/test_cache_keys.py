@@ -7,6 +7,8 @@ output bytes change: that is content addressing, tested in test_curation_pipelin
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from lmforge.config import load_config
@@ -240,11 +242,12 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
     """The other direction: no field outside the runtime set can change a result without changing a key."""
     from lmforge.config import pipeline_model
 
-    def keys(overrides: list[str]) -> tuple[object, dict[str, str]]:
-        config = load_config("tiny-cpu", overrides, "/tmp/lmforge-keys-test", check_paths=False)
+    @functools.lru_cache(maxsize=None)  # most fields share the empty context: compute its keys once
+    def keys(overrides: tuple[str, ...]) -> tuple[object, dict[str, str]]:
+        config = load_config("tiny-cpu", list(overrides), "/tmp/lmforge-keys-test", check_paths=False)
         return config, {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
 
-    base_config, _ = keys([])
+    base_config, _ = keys(())
     sections = [name for name in pipeline_model().model_fields if name not in ("name", "workspace", "stages", "runtime")]
     unkeyed, untried = [], []
     for path, annotation in [leaf for section in sections
@@ -253,7 +256,7 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
         for part in path.split("."):
             value = getattr(value, part)
         context = [o for prefix, extra in CONTEXT.items() if path.startswith(prefix) for o in extra]
-        _, base = keys(context)
+        _, base = keys(tuple(context))
         tried = []
         for candidate in _candidates(value, annotation):
             try:
