@@ -3,11 +3,11 @@ curation units on a Dask cluster, progress artifacts that move, SLURM scripts, w
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
 import subprocess
-import contextvars
 import sys
 import threading
 import time
