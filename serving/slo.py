@@ -17,6 +17,7 @@ same length with nothing in common).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,17 +27,18 @@ import numpy as np
 WORKLOADS = ("shared-prefix", "distinct")
 
 
-_VOCABULARY: list[str] = []
+@functools.lru_cache(maxsize=1)
+def _vocabulary() -> tuple[str, ...]:
+    from wordfreq import top_n_list
+
+    return tuple(top_n_list("en", 2000))
 
 
 def _words(rng: np.random.Generator, count: int) -> str:
     """`count` words drawn from the 2,000 most common English words (wordfreq): text shaped like a
     user's, so a prompt's token count is what a real one of that many words would be."""
-    if not _VOCABULARY:
-        from wordfreq import top_n_list
-
-        _VOCABULARY.extend(top_n_list("en", 2000))
-    return " ".join(_VOCABULARY[i] for i in rng.integers(0, len(_VOCABULARY), size=count))
+    vocabulary = _vocabulary()
+    return " ".join(vocabulary[i] for i in rng.integers(0, len(vocabulary), size=count))
 
 
 def prompts(workload: str, count: int, prefix_words: int, seed: int = 0) -> list[str]:

@@ -51,12 +51,12 @@ def render_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str],
         sources = [where[u] for u in manifest["inputs"] if u in where] or ([raw] if not manifest["inputs"] else [])
         for sx, sy in sources:
             if sx == x:  # within a stage: an arc along the column's left edge, not through the boxes
-                ax.annotate("", xy=(x - 1.35, y), xytext=(sx - 1.35, sy),
-                            arrowprops={"arrowstyle": "->", "color": "#aaaaaa", "lw": 0.6,
-                                        "connectionstyle": f"arc3,rad={0.25 if sy > y else -0.25}"})
+                start = sx - 1.35
+                props = {"color": "#aaaaaa", "lw": 0.6, "connectionstyle": f"arc3,rad={0.25 if sy > y else -0.25}"}
             else:
-                ax.annotate("", xy=(x - 1.35, y), xytext=(sx + (1.35 if (sx, sy) != raw else 0.35), sy),
-                            arrowprops={"arrowstyle": "->", "color": "#888888", "lw": 0.7})
+                start = sx + (1.35 if (sx, sy) != raw else 0.35)
+                props = {"color": "#888888", "lw": 0.7}
+            ax.annotate("", xy=(x - 1.35, y), xytext=(start, sy), arrowprops={"arrowstyle": "->", **props})
     for name, manifest in manifests.items():
         x, y = where[name]
         state = status.get(name, "cached")
