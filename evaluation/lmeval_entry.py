@@ -1,6 +1,6 @@
 """One lm-eval process: every task of one model on one backend, each written as soon as it is done.
 
-    python -m evaluation.lmeval_entry --spec <out>/run_spec.json
+    python -m evaluation.lmeval_entry --spec <out>/lmeval_spec_<backend>.json   (via lmforge.launch.run_entry)
 
 Started through lmforge's launcher, so cancelling the stage stops it. For each task in the spec
 it calls `lm_eval.simple_evaluate` (never a loop of its own), with `log_samples`, and writes
@@ -17,7 +17,6 @@ so the hf backend is given max_length - 2 as well.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from lmforge.entry import main
 
 log = logging.getLogger("evaluation.lmeval")
 
@@ -107,20 +108,12 @@ def evaluate_task(spec: dict[str, Any], task: dict[str, Any], model: str, model_
              {k: v for k, v in summary["results"].items() if "," in k and "stderr" not in k}, summary["seconds"])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
-    for noisy in ("lm_eval", "httpx", "urllib3", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    spec = json.loads(Path(args.spec).read_text())
+def run_tasks(spec: dict[str, Any], rank: int) -> None:
     os.environ.setdefault("LMFORGE_SANDBOX_LIMITS", json.dumps(spec["sandbox"]))
     model, model_args = model_arguments(spec)
     for task in spec["tasks"]:
         evaluate_task(spec, task, model, model_args)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(run_tasks, quiet=("lm_eval", "httpx", "urllib3", "transformers")))

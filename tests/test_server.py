@@ -13,19 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.launch import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path) -> None:
     env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_API_URL", None)
-    port = str(_free_port())
+    port = str(free_port())
     cli = [sys.executable, "-m", "lmforge.cli"]
 
     def lmforge(*args: str) -> subprocess.CompletedProcess:
@@ -73,7 +69,7 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         finally:
             os.killpg(served.pid, signal.SIGTERM)
             served.wait(timeout=30)
-        exposed = lmforge("server", "start", "--host", "0.0.0.0", "--port", str(_free_port()))
+        exposed = lmforge("server", "start", "--host", "0.0.0.0", "--port", str(free_port()))
         assert exposed.returncode == 0  # already running: the existing local server is reused
     finally:
         stopped = lmforge("server", "stop")

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import load_config
-from lmforge.errors import ConfigError, DeterministicError, ParityError, TrainingDiverged, TrainingInterrupted, is_retryable
+from lmforge.errors import (ConfigError, DeterministicError, ParityError, RetryableError, TrainingDiverged,
+                            TrainingInterrupted, is_retryable)
 from training import checkpoint
 from training.config import GuardrailConfig, PretrainConfig
 from training.device import DeviceInfo
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
-from training.launcher import build_command, classify
+from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify
 from training.planner import count_parameters, plan_parallelism
 
 GIB = 1024**3
@@ -214,38 +215,81 @@ def test_rng_state_round_trips_through_json() -> None:
 
 
 def test_launch_commands() -> None:
-    command = build_command("deepspeed", 2, Path("/w/spec.json"), 29555)
+    entry = "training.train_entry"
+    command = build_command(entry, Path("/w/spec.json"), Launch("deepspeed", 2), 29555)
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "--num_gpus" in command and command[command.index("--num_gpus") + 1] == "2"
     assert command[-4:] == ["--module", "training.train_entry", "--spec", "/w/spec.json"]
-    multi = build_command("deepspeed", 8, Path("s"), 1, hostfile="/etc/hosts.ds", num_nodes=4)
+    multi = build_command(entry, Path("s"), Launch("deepspeed", 8, num_nodes=4, hostfile="/etc/hosts.ds"), 1)
     assert multi[multi.index("--hostfile") + 1] == "/etc/hosts.ds" and multi[multi.index("--num_nodes") + 1] == "4"
-    assert "--nproc_per_node=2" in build_command("torchrun", 2, Path("s"), 1)
+    assert "--nproc_per_node=2" in build_command(entry, Path("s"), Launch("torchrun", 2), 1)
+    accelerate = build_command("training.align.entry", Path("s"), Launch("accelerate", 2), 7)
+    assert "--multi_gpu" in accelerate and accelerate[-4:] == ["-m", "training.align.entry", "--spec", "s"]
+    assert "--multi_gpu" not in build_command("training.align.entry", Path("s"), Launch("accelerate", 1), 7)
+    plain = build_command("evaluation.lmeval_entry", Path("s"), Launch(python="/q/bin/python"), 7)
+    assert plain == ["/q/bin/python", "-m", "evaluation.lmeval_entry", "--spec", "s"]
+    with pytest.raises(ConfigError, match="starts one process"):
+        build_command("x", Path("s"), Launch("python", 2), 7)
 
 
 def test_exit_classification_separates_retryable_from_deterministic() -> None:
     ok = [{"rank": 0, "status": "ok"}, {"rank": 1, "status": "ok"}]
-    classify(0, ok, 2)
-    classify(250, ok, 2)  # a crash in interpreter teardown after every rank recorded success
+    classify(RANKS, 0, ok, 2)
+    classify(RANKS, 250, ok, 2)  # a crash in interpreter teardown after every rank recorded success
     with pytest.raises(TrainingInterrupted, match="1 rank\\(s\\) died without a record"):
-        classify(247, [{"rank": 0, "status": "crash", "message": "gloo: Connection reset by peer"}], 2)
+        classify(RANKS, 247, [{"rank": 0, "status": "crash", "message": "gloo: Connection reset by peer"}], 2)
     with pytest.raises(TrainingDiverged):
-        classify(3, [{"rank": 0, "status": "diverged", "message": "4 anomalies"}, {"rank": 1, "status": "diverged", "message": ""}], 2)
+        classify(RANKS, 3, [{"rank": 0, "status": "diverged", "message": "4 anomalies"},
+                            {"rank": 1, "status": "diverged", "message": ""}], 2)
     with pytest.raises(ParityError):
-        classify(4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
+        classify(RANKS, 4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
     with pytest.raises(ConfigError):
-        classify(2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
+        classify(RANKS, 2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
     # every rank alive and recorded, one crashed with a code error (not a dead peer): not retried
     with pytest.raises(DeterministicError, match="rank 1 crashed with IndexError: index 9"):
-        classify(1, [{"rank": 0, "status": "crash", "message": "gloo: Connection closed by peer"},
-                     {"rank": 1, "status": "crash", "message": "IndexError: index 9 is out of bounds"}], 2)
+        classify(RANKS, 1, [{"rank": 0, "status": "crash", "message": "gloo: Connection closed by peer"},
+                            {"rank": 1, "status": "crash", "message": "IndexError: index 9 is out of bounds"}], 2)
     with pytest.raises(TrainingInterrupted):  # communication or I/O failures on every rank: worth a retry
-        classify(1, [{"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
-                     {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"}], 2)
+        classify(RANKS, 1, [{"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
+                            {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"}], 2)
     # the launcher failed before any rank started (busy port, unreachable node, bad hostfile): a retry
     # costs seconds, and the message quotes the launcher's own last words
-    with pytest.raises(TrainingInterrupted, match="before any rank started; its last output: ssh: no route"):
-        classify(1, [], 2, started=0, output_tail="ssh: no route")
+    with pytest.raises(TrainingInterrupted, match="before any process started; its last output: ssh: no route"):
+        classify(RANKS, 1, [], 2, started=0, output_tail="ssh: no route")
+
+
+def test_single_process_policy() -> None:
+    """One process (lm-eval, the quantizer): killed by a signal or an outside error is worth a retry, a
+    programming error or a config error is not, and the message names the process, not a rank."""
+    classify(SINGLE, 0, [{"rank": 0, "status": "ok"}], 1)
+    with pytest.raises(RetryableError, match="lm-eval ended with exit code -9") as killed:
+        classify(SINGLE, -9, [], 1, started=1, what="lm-eval")
+    assert not isinstance(killed.value, TrainingInterrupted)
+    with pytest.raises(RetryableError, match="crashed with ConnectionError"):
+        classify(SINGLE, 1, [{"rank": 0, "status": "crash", "message": "ConnectionError: refused"}], 1)
+    with pytest.raises(DeterministicError, match="^the quantizer crashed with KeyError"):
+        classify(SINGLE, 1, [{"rank": 0, "status": "crash", "message": "KeyError: 'x'"}], 1, what="the quantizer")
+    with pytest.raises(ConfigError, match="^quantize.group_size 128 does not divide"):
+        classify(SINGLE, 2, [{"rank": 0, "status": "config_error",
+                              "message": "quantize.group_size 128 does not divide q_proj's 96 input columns"}], 1)
+
+
+def test_entry_main_records_outcomes(tmp_path: Path) -> None:
+    """Every entry module's shared `main` writes one exit record per process, whatever `work` did."""
+    from lmforge.entry import EXIT_CODES, main
+    from lmforge.launch import exit_records, processes_started
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out_dir": str(tmp_path), "attempt": 1, "attempt_dir": str(tmp_path / "a1")}))
+
+    def broken(spec: dict, rank: int) -> None:
+        raise ConfigError("align.sft.lr: must be positive")
+
+    assert main(broken, ["--spec", str(spec), "--local-rank", "0"]) == EXIT_CODES["config_error"]
+    assert processes_started(tmp_path / "a1") == 1
+    assert exit_records(tmp_path / "a1")[0]["message"] == "align.sft.lr: must be positive"
+    assert main(lambda s, r: None, ["--spec", str(spec)]) == 0
+    assert exit_records(tmp_path / "a1")[0]["status"] == "ok"
 
 
 def test_multinode_settings_are_checked_when_the_config_loads() -> None:

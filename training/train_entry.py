@@ -4,19 +4,19 @@
 
 It reads the run spec written by `training.steps`, trains with `training.loop.Trainer`,
 exports the Hugging Face model with a parity check, and records its outcome through
-`training.ranks.run_rank` so the launcher can tell retryable from deterministic failures.
+`lmforge.entry.main` so the launching step can tell retryable from deterministic failures.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from training.ranks import disable_shm_comm_op, run_rank
+from lmforge.entry import main
+from training.device_setup import disable_shm_comm_op
 
 def init_distributed() -> tuple[int, int]:
     import deepspeed
@@ -47,7 +47,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
     plan = Plan(**spec["plan"])
     out_dir, pack_dir = Path(spec["out_dir"]), Path(spec["pack_dir"])
     torch.use_deterministic_algorithms(True, warn_only=True)
-    trainer = Trainer(cfg, plan, pack_dir, out_dir, spec["special"], rank, world, spec.get("peak_tflops"))
+    trainer = Trainer(cfg, plan, pack_dir, out_dir, spec["special"], rank, world, spec.get("peak_tflops"),
+                      tuple(spec["debug"]["nan_at_batches"]))
     summary = trainer.run()
     state = consolidated_state(trainer.engine, plan.zero_stage)
     hf_dir = out_dir / "hf"
@@ -69,18 +70,10 @@ def run(spec: dict, rank: int, world: int) -> dict:
     return summary
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-
-    def work(spec: dict, rank: int) -> None:
-        rank, world = init_distributed()
-        run(spec, rank, world)
-
-    return run_rank(work, args.spec)
+def work(spec: dict, rank: int) -> None:
+    rank, world = init_distributed()
+    run(spec, rank, world)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(work))

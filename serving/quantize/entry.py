@@ -1,6 +1,6 @@
 """The quantizer process: one scheme, one model, one compressed-tensors checkpoint.
 
-    python -m serving.quantize.entry --spec <out>/quantize_spec.json
+    python -m serving.quantize.entry --spec <out>/quantize_spec.json   (via lmforge.launch.run_entry)
 
 Started through lmforge's launcher with explicit arguments, like training:
 
@@ -14,12 +14,12 @@ Started through lmforge's launcher with explicit arguments, like training:
 The checkpoint is written into `<out>/.partial-model` and renamed to `<out>/model` only when
 complete, so a killed run never leaves a checkpoint that looks finished. Only torch,
 transformers, compressed-tensors, datasets and llmcompressor are imported: nothing of lmforge's
-own beyond `serving.quantize.schemes`, so the same file runs in either environment.
+own beyond `serving.quantize.schemes` and the standard-library-only `lmforge.entry` and
+`lmforge.errors`, so the same file runs in either environment.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -28,6 +28,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from lmforge.entry import main
+from lmforge.errors import ConfigError
 from serving.quantize.schemes import IGNORED, SCHEMES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -61,7 +63,7 @@ def check_group_size(model: Any, spec: dict[str, Any]) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in IGNORED and module.in_features % size:
             fits = max(g for g in (8, 16, 32, 64, 128, 256) if module.in_features % g == 0 and g <= size)
-            raise SystemExit(f"quantize.group_size {size} does not divide {name}'s {module.in_features} input columns; "
+            raise ConfigError(f"quantize.group_size {size} does not divide {name}'s {module.in_features} input columns; "
                              f"use {fits} (or a divisor of every layer's width)")
 
 
@@ -148,11 +150,7 @@ def save(model: Any, spec: dict[str, Any], partial: Path) -> None:
     (partial / "training_args.bin").unlink(missing_ok=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
+def quantize(spec: dict[str, Any], rank: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,8 +177,7 @@ def main() -> int:
               "libraries": {n: _version(n) for n in ("compressed-tensors", "llmcompressor", "transformers", "torch")}}
     (out / "quantize_result.json").write_text(json.dumps(result, indent=1))
     print(f"{spec['scheme']} ({spec['method']}): quantized in {seconds:.1f}s -> {final}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(quantize))

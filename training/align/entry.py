@@ -10,12 +10,11 @@ checkpoint -- never from step 0 into a directory holding progress. Rank 0 then w
 (for LoRA: `adapter/` plus the merged model, checked against the PEFT model's logits), and
 measures the held-out split (`training.align.heldout`) for the model it started from and the
 one it made, so the step's summary can say what alignment changed. Outcomes are recorded by
-`training.ranks.run_rank` for the launcher's retry decision.
+`lmforge.entry.main` for the launching step's retry decision.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -25,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.ranks import disable_shm_comm_op, run_rank
+from lmforge.entry import main
+from training.device_setup import disable_shm_comm_op
 
 log = logging.getLogger("training.align")
 METRICS = "metrics.jsonl"
@@ -277,7 +277,7 @@ def finalize_export(spec: dict[str, Any], tokenizer: Any, hf: Path) -> None:
 
 def measure(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
     """Held-out figures for the model this step started from and the one it made."""
-    from training.align.data import read_jsonl
+    from lmforge.jsonl import read_jsonl
     from training.align.heldout import assistant_loss, exact_match, paired_bootstrap, preference_accuracy
 
     heldout = list(read_jsonl(Path(spec["heldout"])))
@@ -331,13 +331,5 @@ def overoptimisation(spec: dict[str, Any], summary: dict[str, Any]) -> list[str]
     return []
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
-    args = parser.parse_args()
-    return run_rank(train, args.spec)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(train))
