@@ -1,4 +1,5 @@
-"""The layout the architecture promises: domain packages stay free of Prefect."""
+"""The layout the architecture promises: domain packages stay free of Prefect, and each package
+imports only the packages the layering allows it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,105 @@ def test_domain_packages_never_import_prefect_or_the_wrappers() -> None:
     offenders = {path: names for path, names in offenders.items() if names}
     assert offenders == {}
     assert list((ROOT / "data_prep").rglob("*.py")) and list((ROOT / "training").rglob("*.py"))
+
+
+# -- package layering ----------------------------------------------------------------------------
+# Which project package may import which, besides itself, the standard library and third-party
+# packages. Stages import the core and hand each other products (paths and digests), not code:
+# what two stages share (the vLLM server, JSONL files, input readers, n-gram keys, HumanEval's
+# items, input fingerprints) lives in `lmforge`. A key covers a package or module and everything
+# under it; a file's allowance is the union of every key it falls under. An entry allows that
+# package or module and everything under it. tests/, benchmarks/ and scripts/ may import anything.
+ALLOWED: dict[str, set[str]] = {
+    "lmforge": {"configs"},  # the embedded presets: YAML files and their folder, no stage code
+    "lmforge.cli": {"flows"},  # removed when flows registers its commands
+    "configs": set(),
+    "data_prep": {"lmforge"},
+    "training": {"lmforge"},
+    "evaluation": {"lmforge"},
+    "serving": {"lmforge"},
+    # The quantization gate measures each checkpoint with the evaluation stage's metric runs, so
+    # both find each other's cached per-task results: a later stage may use these public modules
+    # of an earlier one (never its steps), and evaluation never imports serving.
+    "serving.quantize": {"evaluation.runs", "evaluation.stats", "evaluation.report"},
+    "tasks": {"lmforge"},
+    "flows": {"lmforge", "tasks"},
+}
+UNCHECKED = ("tests", "benchmarks", "scripts")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_project_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import anywhere in the tree, function-local ones included;
+    `from a import b` names `a.b` when b is a module of this repository."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((node.lineno, full if _is_project_module(full) else base))
+    return list(dict.fromkeys(found))  # `from a import b, c` is one line for one module
+
+
+def forbidden_imports(source: str, path: Path) -> list[str]:
+    """One line per import of `source` (the text of `path`) that the allow-list does not permit."""
+    module = _module_name(path)
+    own = module.split(".")[0]
+    allowed = {own}.union(*(names for key, names in ALLOWED.items() if module == key or module.startswith(key + ".")))
+    lines = []
+    for line, name in _imported_names(ast.parse(source), module, path.name == "__init__.py"):
+        top = name.split(".")[0]
+        if top not in ALLOWED or any(name == a or name.startswith(a + ".") for a in allowed):
+            continue  # standard library, third party, or permitted
+        lines.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return lines
+
+
+def _packages() -> set[str]:
+    return {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() or
+            (p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py")))}
+
+
+def test_every_package_has_a_place_in_the_allow_list() -> None:
+    assert _packages() == {key for key in ALLOWED if "." not in key} | set(UNCHECKED)
+
+
+def test_packages_import_only_what_the_allow_list_permits() -> None:
+    offenders = [line for package in ALLOWED if "." not in package for path in sorted((ROOT / package).rglob("*.py"))
+                 for line in forbidden_imports(path.read_text(), path)]
+    assert not offenders, "imports against the layering:\n" + "\n".join(offenders)
+
+
+def test_the_layering_check_reports_a_planted_import() -> None:
+    """The check can fail: imports a stage may not make, at module level and inside a function."""
+    planted = ("from lmforge.hashing import digest\n"
+               "import numpy\n"
+               "def run():\n"
+               "    from evaluation.runs import evaluate_model\n"
+               "    import serving.deploy\n")
+    assert forbidden_imports(planted, ROOT / "data_prep" / "planted.py") == [
+        "data_prep/planted.py:4 imports evaluation.runs", "data_prep/planted.py:5 imports serving.deploy"]
+    # the gate may use evaluation's metric runs, not its steps, and the serve stage may use neither
+    gate = "from evaluation import runs, steps\nfrom . import schemes\n"
+    assert forbidden_imports(gate, ROOT / "serving" / "quantize" / "planted.py") == [
+        "serving/quantize/planted.py:1 imports evaluation.steps"]
+    assert forbidden_imports(gate, ROOT / "serving" / "planted.py") == [
+        "serving/planted.py:1 imports evaluation.runs", "serving/planted.py:1 imports evaluation.steps"]
+    assert forbidden_imports("from flows.pipeline import pipeline\n", ROOT / "lmforge" / "executor.py") == [
+        "lmforge/executor.py:1 imports flows.pipeline"]

