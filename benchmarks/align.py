@@ -72,9 +72,11 @@ trainer.train()
 
 
 def accelerate(module_or_script: list[str], port: int) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "--multi_gpu",
-            *module_or_script]
+    """The exact command lmforge's launch helper builds for 2 ranks, with the module or script swapped in."""
+    from lmforge.launch import Launch, build_command
+
+    command = build_command("training.align.entry", Path("spec.json"), Launch("accelerate", 2), port)
+    return command[:command.index("-m", 3)] + module_or_script
 
 
 def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
@@ -82,7 +84,8 @@ def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
     spec = json.loads((Path(manifest["dir"]) / "run_spec.json").read_text())
     spec["config"]["max_steps"] = steps
     spec["config"]["save_steps"] = max(steps // 2, 1)  # lmforge checkpoints as it always does
-    spec.update(out_dir=str(out), eval_every=10**9, heldout_generation=[], attempt=1)
+    spec.update(out_dir=str(out), eval_every=10**9, heldout_generation=[], attempt=1,
+                attempt_dir=str(out / "logs" / "attempt-1"))
     return spec
 
 
@@ -126,7 +129,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     workspace = Path(args.workspace)
-    from training.launcher import free_port
+    from lmforge.launch import free_port
 
     results = {}
     with tempfile.TemporaryDirectory() as work:

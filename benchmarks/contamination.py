@@ -30,7 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from evaluation.contamination import Index, Settings, build_index, check_item, words  # noqa: E402
+from evaluation.contamination import Index, Settings, build_index, check_item  # noqa: E402
+from lmforge.textkeys import words  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -49,7 +49,7 @@ class PlainLoop:
     def __init__(self, cfg, plan, trainer) -> None:  # type: ignore[no-untyped-def]
         import torch
 
-        from data_prep.reader import BatchSchedule
+        from training.reader import BatchSchedule
         from training.model import build_model
 
         self.cfg, self.plan, self.trainer = cfg, plan, trainer

@@ -25,7 +25,7 @@ from serving.quantize.report import bf16_bytes_and_params, weight_bytes  # noqa:
 
 
 def serve_speed(model_dir: Path, concurrency: list[int], per_client: int, max_tokens: int) -> dict[int, dict]:
-    from serving.engine import EngineConfig, TemporaryServer
+    from lmforge.vllm_server import EngineConfig, TemporaryServer
 
     with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, EngineConfig(), Path(work), "bench") as server:
         words = slo.fit_prefix_words(model_dir, max_tokens, 120)

@@ -92,7 +92,7 @@ def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens
 
 def vllm_rows(model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int,
               prefix_words: int) -> list[dict]:
-    from serving.engine import EngineConfig, TemporaryServer
+    from lmforge.vllm_server import EngineConfig, TemporaryServer
 
     cfg = EngineConfig(enable_prefix_caching=prefix_caching)
     with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, cfg, Path(work), "bench") as server:

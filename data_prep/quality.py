@@ -8,7 +8,6 @@ per-document attribute; selection applies a threshold or a keep-fraction.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from data_prep.config import QualityClassifierConfig
+from lmforge.jsonl import read_jsonl
 
 POSITIVE, NEGATIVE = "__label__hq", "__label__lq"
 _WS = re.compile(r"\s+")
@@ -51,12 +51,10 @@ def read_reference(paths: list[str]) -> Iterator[str]:
 
             yield from (t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t)
         elif path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as handle:
-                for line in handle:
-                    if line.strip():
-                        text = json.loads(line).get("text")
-                        if isinstance(text, str) and text.strip():
-                            yield text
+            for row in read_jsonl(Path(path)):
+                text = row.get("text")
+                if isinstance(text, str) and text.strip():
+                    yield text
         else:
             yield Path(path).read_text(encoding="utf-8")
 

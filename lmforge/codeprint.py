@@ -40,7 +40,7 @@ def _label(path: Path) -> str:
 
 
 def step_modules(step: Any) -> list[str]:
-    functions = [step.identity, step.finalize, step.run_unit, step.units]
+    functions = [step.derive, step.finalize, step.run_unit, step.units]
     found = {f.__module__ for f in functions if f is not None and getattr(f, "__module__", None)}
     found.discard("lmforge.graph")  # the default no-op callables
     return sorted(found | set(step.code))

@@ -102,6 +102,13 @@ def pipeline_model() -> type[PipelineBase]:
         stage.name: (stage.config_model, Field(default_factory=stage.config_model, description=stage.description))
         for stage in stages()
     }
+    debug = create_model("DebugConfig", __base__=StrictModel, __module__=__name__,  # type: ignore[call-overload]
+                         __doc__="Fault injection for tests and drills, one section per stage.",
+                         **{stage.name: (stage.debug_model, Field(default_factory=stage.debug_model))
+                            for stage in stages() if stage.debug_model is not None})
+    sections["debug"] = (debug, Field(default_factory=debug, json_schema_extra=RUNTIME_MARK,
+                                      description="Fault injection for tests and drills (debug.<stage>.*); no part of "
+                                                  "a normal run's cache key, and a step run with one set is keyed apart."))
     return create_model("PipelineConfig", __base__=PipelineBase, __module__=__name__,  # type: ignore[call-overload]
                         __doc__="The whole pipeline; each stage section has its own typed model.", **sections)
 
@@ -110,6 +117,8 @@ def __getattr__(name: str) -> Any:
     # `PipelineConfig` is built from the registry when first asked for (pickle asks for it too)
     if name == "PipelineConfig":
         return pipeline_model()
+    if name == "DebugConfig":
+        return pipeline_model().model_fields["debug"].annotation
     raise AttributeError(name)
 
 

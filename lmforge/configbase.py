@@ -7,9 +7,12 @@ cache identity of a stage is the config with those fields removed (`identity_dic
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from lmforge.errors import UndeclaredConfigRead
 
 RUNTIME_MARK = {"lmforge_runtime": True}
 
@@ -67,12 +70,16 @@ def runtime_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     return found
 
 
-def pick(config: BaseModel, *paths: str) -> dict[str, Any]:
+def pick(config: BaseModel | ConfigView, *paths: str) -> dict[str, Any]:
     """Identity of the named config sections/fields, nested under their dotted paths.
 
     `pick(cfg, "curate.near_dedup", "curate.docs_per_shard")` ->
     {"curate": {"near_dedup": {...}, "docs_per_shard": 1000}}; runtime fields are dropped.
     """
+    if isinstance(config, ConfigView):  # a step picking from its own view: only what it declared
+        for path in paths:
+            config.require(path)
+        config = config._model
     out: dict[str, Any] = {}
     for path in paths:
         parts = path.split(".")
@@ -86,3 +93,94 @@ def pick(config: BaseModel, *paths: str) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[parts[-1]] = _identity_value(getattr(parent, parts[-1]))
     return out
+
+
+def has_section(config: BaseModel | ConfigView, name: str) -> bool:
+    """Whether the pipeline has a top-level section `name` (a stage that may not be installed)."""
+    model = config._model if isinstance(config, ConfigView) else config
+    return name in type(model).model_fields
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` merged into a copy of `base`, nested dicts merged key by key (top wins)."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _covered(path: str, reads: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in reads)
+
+
+class ConfigView:
+    """The configuration as one step sees it: only the fields it declared in `reads` (which are
+    exactly the fields in its cache key) and runtime fields (never in a key).
+
+    Reading anything else raises `UndeclaredConfigRead`, so a field that changes a step's result
+    without changing its key cannot happen: the step either declares it or cannot read it. Values
+    under a declared path come back as they are (typed models, lists); sections on the way to a
+    on the way to (or beside) a declared path come back as views, checked field by field.
+    """
+
+    __slots__ = ("_model", "_prefix", "_reads", "_step")
+
+    def __init__(self, model: BaseModel, reads: tuple[str, ...], step: str, prefix: str = "") -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_reads", tuple(reads))
+        object.__setattr__(self, "_step", step)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        model, prefix, reads = self._model, self._prefix, self._reads
+        path = f"{prefix}{name}"
+        if name not in type(model).model_fields:
+            return self._derived(name, path)
+        value = getattr(model, name)
+        if is_runtime_field(type(model), name) or _covered(path, reads):
+            return value
+        if isinstance(value, BaseModel):  # a section: its fields are checked as they are read
+            return ConfigView(value, reads, self._step, path + ".")
+        raise UndeclaredConfigRead(f"step {self._step} reads {path} but does not declare it in its `reads` "
+                                   "(every field a step reads is part of its cache key)")
+
+    def _derived(self, name: str, path: str) -> Any:
+        """A property or method a config model defines (`num_perm` from bands x rows): run against
+        this view, so the fields it reads are checked too. pydantic's own (model_dump) are refused."""
+        for cls in type(self._model).__mro__:
+            if cls is BaseModel or cls is StrictModel:
+                break
+            member = cls.__dict__.get(name)
+            if isinstance(member, property) and member.fget is not None:
+                return member.fget(self)
+            if isinstance(member, types.FunctionType):
+                return types.MethodType(member, self)
+        raise UndeclaredConfigRead(f"step {self._step}: {path} is not a config field (a view of the "
+                                   "configuration offers its declared fields only)")
+
+    def require(self, path: str) -> None:
+        """Raise unless the full dotted `path` is declared (or a runtime field)."""
+        full = f"{self._prefix}{path}"
+        if not _covered(full, self._reads):
+            node: Any = self
+            for part in path.split("."):
+                node = getattr(node, part)  # raises on the first undeclared, non-runtime part
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"step {self._step}: the configuration is read-only inside a step")
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self._model, self._reads, self._step, self._prefix
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, value in zip(("_model", "_reads", "_step", "_prefix"), state):
+            object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._step}: {', '.join(self._reads) or 'nothing'})"
+

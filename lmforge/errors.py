@@ -17,6 +17,13 @@ class ConfigError(LmforgeError):
     """A configuration problem: unknown key, wrong type, missing file."""
 
 
+class UndeclaredConfigRead(LmforgeError):
+    """A step read a config field it did not declare in its `reads` (a programming error).
+
+    Not an AttributeError on purpose: `getattr(view, name, default)` must not turn it into a
+    silent default."""
+
+
 class DataError(LmforgeError):
     """Input data that cannot be processed at all (not per-record problems, which are quarantined)."""
 

@@ -124,7 +124,7 @@ def open_step(plan: StepPlan, config: Any, store: StageStore, upstream: dict[str
         store.invalidate(plan.directory)
     plan.directory.mkdir(parents=True, exist_ok=True)
     needed = {name: upstream[name] for name in plan.upstream_names}
-    return StepContext(plan.step.name, plan.key, plan.directory, config, needed, store.root,
+    return StepContext(plan.step.name, plan.key, plan.directory, plan.step.view(config), needed, store.root,
                        identity=plan.components["config"], products=graph().products(plan.step, config))
 
 
@@ -246,7 +246,9 @@ def close_step(
         "code": codeprint.fingerprint(plan.step),
         "made_by": provenance(),
     }
-    return store.finish(plan.directory, manifest, plan.step.bookkeeping, plan.step.digest_paths)
+    # logs/ (launch attempts, per-rank logs) is never an output, whichever step launched something
+    bookkeeping = tuple(dict.fromkeys(("logs", *plan.step.bookkeeping)))
+    return store.finish(plan.directory, manifest, bookkeeping, plan.step.digest_paths)
 
 
 def capture_level(pool: cf.Executor) -> int | None:

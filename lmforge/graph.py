@@ -5,7 +5,8 @@ A step is one cacheable unit of work with a name like `curate/minhash`; a stage
 digest of four things, and nothing else:
 
 - its name and hand-bumped `version` (bump when the code's semantics change),
-- `identity(config)`: the config fields that change its results,
+- `identity(config)`: the config fields it declares it reads (`Step.reads`), the only ones it
+  can read, plus values derived from them,
 - the output digests of its upstream steps (content, not keys, so an upstream rerun that
   produces identical bytes does not invalidate anything downstream).
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
+from lmforge.configbase import ConfigView, deep_merge, pick
 from lmforge.errors import ConfigError
 from lmforge.hashing import canonical_json, digest
 from lmforge.stage import Maybe, Product
@@ -38,7 +40,7 @@ class StepContext:
     step: str
     key: str
     out_dir: Path
-    config: Any
+    config: ConfigView  # only what the step declared it reads (see `Step.reads`)
     upstream: dict[str, dict[str, Any]]
     workspace: Path
     identity: dict[str, Any] = field(default_factory=dict)  # the config part of the key, as recorded
@@ -60,6 +62,21 @@ class StepContext:
         return self.upstream[self.products[str(product)][0]]
 
 
+Reads = Union[tuple[str, ...], Callable[[Any], tuple[str, ...]]]
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+def _nothing(config: Any) -> tuple[Any, ...]:
+    return ()
+
+
+def _no_units(ctx: Any) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Step:
     """One cacheable step.
@@ -67,21 +84,30 @@ class Step:
     `units(ctx)` lists independent work units (shards); `run_unit(ctx, unit)` computes one
     and returns (files it wrote, relative to out_dir; a small JSON result). `finalize(ctx,
     results)` does the global part and returns {"counts":..., "metrics":..., "extra":...}.
+
+    `reads` names the config fields the step reads, dotted (`"align.sft"`, `"serve.engine.dtype"`;
+    a callable of the config when that depends on other settings). They are its cache key's config
+    part, and inside the step `ctx.config` offers nothing else (runtime fields aside, which change
+    how it runs, never what it makes): a field read but not hashed cannot happen. `derive` adds
+    values computed from what it reads or from outside the config (a resolved precision, input
+    files' fingerprints, library versions). A step runs when its stage's section is `enabled`
+    and its own `when(config)` holds.
     """
 
     name: str
     version: int
     description: str
-    identity: Callable[[Any], dict[str, Any]]
     finalize: Callable[[StepContext, dict[str, dict[str, Any]]], dict[str, Any]]
+    reads: Reads = ()
+    derive: Callable[[ConfigView], dict[str, Any]] | None = None
     # what it reads: steps of its own stage by name, other stages' results as typed products
-    upstream: Callable[[Any], tuple[Union[str, Product, Maybe], ...]] = lambda config: ()
+    upstream: Callable[[Any], tuple[Union[str, Product, Maybe], ...]] = _nothing
     provides: dict[Product, str] = field(default_factory=dict)  # product -> path inside the output ("" = all)
-    units: Callable[[StepContext], list[str]] = lambda ctx: []
+    units: Callable[[StepContext], list[str]] = _no_units
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
-    enabled: Callable[[Any], bool] = lambda config: True
+    when: Callable[[Any], bool] = _always
     retries: int = 2
-    # top-level folders kept out of the manifest's file list (self-verifying state, logs)
+    # top-level folders kept out of the manifest's file list (self-verifying state; logs/ always is)
     bookkeeping: tuple[str, ...] = ()
     # output path prefixes that make up the digest downstream keys see (None: all outputs)
     digest_paths: tuple[str, ...] | None = None
@@ -94,6 +120,22 @@ class Step:
     # evaluated); shown as a progress artifact. Sharded steps report units without it.
     progress: Callable[[StepContext], tuple[float, float] | None] | None = None
 
+    def declared_reads(self, config: Any) -> tuple[str, ...]:
+        return tuple(self.reads(config)) if callable(self.reads) else tuple(self.reads)
+
+    def view(self, config: Any) -> ConfigView:
+        """The configuration as this step may read it."""
+        return ConfigView(config, self.declared_reads(config), self.name)
+
+    def identity(self, config: Any) -> dict[str, Any]:
+        """The config part of the key: every declared read, plus what `derive` adds."""
+        ident = pick(config, *self.declared_reads(config))
+        return deep_merge(ident, self.derive(self.view(config))) if self.derive is not None else ident
+
+    def enabled(self, config: Any) -> bool:
+        section = getattr(config, self.stage, None)
+        return bool(getattr(section, "enabled", True)) and self.when(config)
+
     @property
     def stage(self) -> str:
         return self.name.split("/", 1)[0]
@@ -105,15 +147,31 @@ def config_identity(step: Step, config: Any) -> dict[str, Any]:
     return json.loads(canonical_json(step.identity(config)))
 
 
+def debug_settings(step: Step, config: Any) -> dict[str, Any] | None:
+    """The stage's `debug:` settings (fault injection) when any is set, else None."""
+    section = getattr(getattr(config, "debug", None), step.stage, None)
+    if section is None or section == type(section)():
+        return None
+    return json.loads(canonical_json(section.model_dump(mode="json")))
+
+
 def key_components(step: Step, config: Any, upstream_names: tuple[str, ...],
                    upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Everything the key is made of, kept in the manifest so `explain` can diff it later."""
-    return {
+    """Everything the key is made of, kept in the manifest so `explain` can diff it later.
+
+    `debug:` settings are no part of a normal run's key; a step run with a fault injected is
+    keyed apart, so what it makes is never reused by a run without the fault.
+    """
+    components = {
         "step": step.name,
         "version": step.version,
         "config": config_identity(step, config),
         "upstream": {name: upstream[name]["digest"] for name in upstream_names},
     }
+    debug = debug_settings(step, config)
+    if debug is not None:
+        components["debug"] = debug
+    return components
 
 
 def step_key(components: dict[str, Any]) -> str:

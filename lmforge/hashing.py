@@ -92,3 +92,15 @@ class FingerprintCache:
 
     def save(self) -> None:
         atomic_write_json(self.path, self._entries)
+
+
+_FINGERPRINTS: dict[str, FingerprintCache] = {}
+
+
+def fingerprints(workspace: str | Path) -> FingerprintCache:
+    """The workspace's input-file fingerprints, shared within a process (curation's and alignment's
+    inputs alike); saved by the step that reads them."""
+    path = Path(workspace).resolve() / ".cache" / "fingerprints.json"
+    if str(path) not in _FINGERPRINTS:
+        _FINGERPRINTS[str(path)] = FingerprintCache(path)
+    return _FINGERPRINTS[str(path)]

@@ -126,3 +126,5 @@ class Stage:
     # (config, manifests) after the stage's steps ran, cached or not: bring live state (a running
     # server) in line with the cached outputs; returns what it did, for the log
     reconcile: Callable[[Any, dict[str, dict[str, Any]]], list[str]] | None = None
+    # fault injection for tests and drills, as `debug.<stage>:` (a step run with one set is keyed apart)
+    debug_model: type | None = None

@@ -1,2 +1,4 @@
-"""Serving domain: vLLM's OpenAI-compatible server (`engine`), used by evaluation, the quantization
-gate and the serving stage, so a model is judged the way it will be served."""
+"""Serving domain: deploying the lineage's model behind vLLM's OpenAI-compatible server (`deploy`),
+its SLO check (`slo`), and the quantization stage (`serving.quantize`). The server itself
+(`lmforge.vllm_server`) is in the core: evaluation and the quantization gate start it too, so a
+model is judged the way it will be served."""

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from serving.engine import EngineConfig
+from lmforge.vllm_server import EngineConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -29,8 +29,8 @@ from typing import Any
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
 from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
+from lmforge.vllm_server import NOISE, ServerFailed, plain_chat_template, request, server_command, server_env, wait_ready
 from serving.config import ServeConfig
-from serving.engine import NOISE, ServerFailed, plain_chat_template, request, server_command, server_env, wait_ready
 
 log = logging.getLogger(__name__)
 KEY_ENV = "LMFORGE_API_KEY"
@@ -95,7 +95,7 @@ def _tail(log_file: Path, lines: int = 8) -> list[str]:
 def _port(wanted: int | None, host: str) -> int:
     import socket
 
-    from training.launcher import free_port
+    from lmforge.launch import free_port
 
     if wanted:
         with socket.socket() as s:

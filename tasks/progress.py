@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import threading
 from pathlib import Path
 from typing import Any
+
+from lmforge.jsonl import read_jsonl
 
 log = logging.getLogger("lmforge.tasks")
 POLL_S = 3.0
@@ -100,7 +101,7 @@ def render_curves(metrics_file: Path, panels: list[tuple[str, list[tuple[str, st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = list(read_jsonl(metrics_file))
     if not rows:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)

@@ -142,7 +142,7 @@ def test_lora_merge_is_checked_against_the_peft_model_and_a_bad_merge_is_caught(
     assert manifest["metrics"]["merge_parity_max_abs_logit_diff"] < 1e-3 and manifest["extra"]["lora"]
     assert manifest["metrics"]["heldout_loss_after"] < manifest["metrics"]["heldout_loss_before"]
     with pytest.raises(ParityError, match="merged LoRA model's logits differ") as info:
-        run_pipeline_locally(small_config(workspace, *lora, "align.fault.corrupt_merge=true"), ["align"])
+        run_pipeline_locally(small_config(workspace, *lora, "debug.align.corrupt_merge=true"), ["align"])
     assert not is_retryable(info.value)
 
 

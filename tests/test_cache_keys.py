@@ -66,20 +66,23 @@ ROWS = [
     ("align.dpo.lora=true", {"align/dpo"}),
     ("align.precision=bf16", {"align/sft", "align/dpo"}),
     ("curate.decontaminate.tasks=[lmforge_humaneval]", {"curate/decontaminate"}),
-    ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks"}),
+    ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks", "quantize/gate"}),  # the gate runs evaluate.tasks
     ("evaluate.limit={lmforge_continuation: 5}", EVAL_RUNS | {"quantize/gate"}),  # the gate measures the same way
     ("evaluate.contamination.ngram=10", {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo",
                                          "evaluate/contamination"}),
-    ("evaluate.contamination.max_fraction=0.5", {"evaluate/contamination"}),
+    ("evaluate.contamination.max_fraction=0.5", {"evaluate/contamination", "evaluate/report"}),  # the verdict says it
     ("quantize.calibration.num_samples=32", {"quantize/calibration"}),
     ("quantize.calibration.smoothing_strength=0.5", {"quantize/w8a8-int8"}),  # SmoothQuant is W8A8's alone
     ("quantize.group_size=64", {"quantize/w4a16"}),
     ("quantize.calibration.enabled=false", QUANT),
     ("quantize.model=sft", QUANT),
-    ("quantize.model=pretrained", QUANT | {"quantize/calibration"}),  # not a chat model: no chats to calibrate on
+    # not a chat model: no chats to calibrate on (calibration's key changes through its upstream: chats drop out)
+    ("quantize.model=pretrained", QUANT),
     ("quantize.gate.max_drop=0.1", {"quantize/gate"}),
     ("serve.model=sft", {"serve/deploy"}),
-    ("serve.engine.max_model_len=128", EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")}
+    # the hf backend reads the served context length too (its windows match what will be served)
+    ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/deploy"}),
+    ("serve.engine.dtype=float32", EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")}
      | {"quantize/gate", "serve/deploy"}),
     # how work is run, not what it produces: no key changes
     ("runtime.workers=8", set()),
@@ -179,7 +182,8 @@ def test_every_runtime_field_is_pinned_above() -> None:
     from lmforge.configbase import runtime_paths
 
     pinned = {part.split("=")[0] for override, changed in ROWS if not changed for part in override.split(";")}
-    structural = {"name", "workspace", "stages"} | {p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")}
+    # debug: fault injection, keyed apart only when set (test_debug_settings_key_a_step_apart)
+    structural = {"name", "workspace", "stages", "debug"} | {p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")}
     assert set(runtime_paths(PipelineConfig)) - structural - pinned == set()
 
 
@@ -248,7 +252,8 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
         return config, {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
 
     base_config, _ = keys(())
-    sections = [name for name in pipeline_model().model_fields if name not in ("name", "workspace", "stages", "runtime")]
+    sections = [name for name in pipeline_model().model_fields
+                if name not in ("name", "workspace", "stages", "runtime", "debug")]
     unkeyed, untried = [], []
     for path, annotation in [leaf for section in sections
                              for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")]:
@@ -277,3 +282,37 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
             (unkeyed if tried else untried).append(tried[0] if tried else path)
     assert unkeyed == [], f"fields that change no step's key: {unkeyed}"
     assert untried == [], f"fields the test could not perturb: {untried}"
+
+
+def test_debug_settings_key_a_step_apart() -> None:
+    """Fault injection is no part of a normal run's key, and a step run with one set never shares a
+    key with a normal run (what it makes may be broken on purpose)."""
+    from lmforge.graph import key_components, step_key
+
+    plain = load_config("tiny-cpu")
+    faulty = load_config("tiny-cpu", ["debug.quantize.break_scale_factor=40"])
+    step = graph().get("quantize/w4a16")
+    assert step.identity(plain) == step.identity(faulty)
+    assert "debug" not in key_components(step, plain, (), {})
+    assert key_components(step, faulty, (), {})["debug"] == {"break_scale_factor": 40.0}
+    assert step_key(key_components(step, plain, (), {})) != step_key(key_components(step, faulty, (), {}))
+    other = graph().get("pretrain/train")  # another stage's debug settings leave it alone
+    assert key_components(other, plain, (), {}) == key_components(other, faulty, (), {})
+
+
+def test_a_step_reads_only_what_its_key_holds() -> None:
+    """Inside a step the configuration offers only its declared reads (and runtime fields): a field
+    read but not hashed fails loudly instead of silently reusing a stale output."""
+    from lmforge.errors import UndeclaredConfigRead
+
+    config = load_config("tiny-cpu")
+    view = graph().get("align/dpo").view(config)
+    assert view.align.dpo.beta == config.align.dpo.beta
+    assert view.align.distributed.num_ranks == config.align.distributed.num_ranks  # runtime: how, not what
+    assert view.runtime.workers == config.runtime.workers
+    with pytest.raises(UndeclaredConfigRead, match="align/dpo reads align.sft.lr"):
+        view.align.sft.lr  # noqa: B018 - the read itself is what is tested
+    with pytest.raises(UndeclaredConfigRead, match="reads pretrain.max_steps"):
+        getattr(view.pretrain, "max_steps", None)  # not an AttributeError: no silent default
+    with pytest.raises(UndeclaredConfigRead, match="not a config field"):
+        view.align.model_dump()  # a whole section only where the whole section is declared

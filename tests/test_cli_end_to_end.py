@@ -163,7 +163,7 @@ def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
     import shutil
     import threading
 
-    from serving.engine import request
+    from lmforge.vllm_server import request
 
     before, key = served(workspace)
     broken = tmp_path / "broken"

@@ -23,8 +23,10 @@ def _edit(text: str, rate: float, rng: random.Random) -> str:
 
 def test_planted_contamination_is_found_and_clean_items_are_not(tmp_path: Path) -> None:
     """Exact and lightly edited copies of eval items in a training source: recall >= 0.95, clean <= 1%."""
-    from evaluation.build import humaneval_items, item_texts
     from pydoc_data.topics import topics
+
+    from evaluation.build import item_texts
+    from lmforge.humaneval import humaneval_items
 
     rng = random.Random(0)
     humaneval = item_texts("lmforge_humaneval", humaneval_items())
@@ -78,7 +80,8 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
     from lm_eval.api.registry import register_model
     from lm_eval.tasks import TaskManager
 
-    from evaluation.build import build, humaneval_items
+    from evaluation.build import build
+    from lmforge.humaneval import humaneval_items
 
     problems = {p["prompt"]: p for p in humaneval_items()[: len(HOSTILE) + 2]}
     hostile = dict(zip(list(problems)[2:], HOSTILE.values()))

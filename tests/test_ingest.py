@@ -164,7 +164,7 @@ def test_corrupt_parquet_is_quarantined_not_a_crash(tmp_path: Path) -> None:
 def test_folders_stand_for_the_data_files_inside_and_datasetdicts_are_read(tmp_path: Path) -> None:
     import datasets
 
-    from data_prep.ingest import expand_inputs, read_input
+    from lmforge.inputs import expand_inputs, read_input
     from lmforge.errors import ConfigError
 
     corpus = tmp_path / "corpus"
@@ -203,7 +203,7 @@ def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_path: Path) -> None:
-    from data_prep.ingest import read_input
+    from lmforge.inputs import read_input
     from lmforge.errors import DataError, SourceUnavailable, is_retryable
 
     with pytest.raises(SourceUnavailable, match="hf:nosuch/dataset: cannot load") as hub:
@@ -220,7 +220,7 @@ def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_
 def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    from data_prep.steps import _ingest_identity
+    from lmforge.executor import graph
     from lmforge.config import load_config
     from lmforge.errors import SourceUnavailable, is_retryable
 
@@ -232,10 +232,10 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     config = load_config("tiny-cpu", ["curate.inputs=[hf:org/corpus, hf:org/pinned@v1.0]"], str(tmp_path), check_paths=False)
-    first = _ingest_identity(config)["input_files"]
+    first = graph().get("curate/ingest").identity(config)["input_files"]
     assert first == {"hf:org/corpus": "hf:org/corpus@aaaa", "hf:org/pinned@v1.0": "hf:org/pinned@v1.0"}
     commit["sha"] = "bbbb"  # the dataset was updated on the hub: a new key
-    assert _ingest_identity(config)["input_files"]["hf:org/corpus"] == "hf:org/corpus@bbbb"
+    assert graph().get("curate/ingest").identity(config)["input_files"]["hf:org/corpus"] == "hf:org/corpus@bbbb"
 
     class Offline:
         def dataset_info(self, name: str, timeout: float) -> object:
@@ -243,24 +243,25 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
     with pytest.raises(SourceUnavailable, match="pin one as hf:org/corpus@REVISION") as info:
-        _ingest_identity(config)
+        graph().get("curate/ingest").identity(config)
     assert is_retryable(info.value)
 
 
 def test_a_glob_is_expanded_once_and_the_expansion_is_what_is_read(tmp_path: Path) -> None:
-    from data_prep.steps import _input_paths, _ingest_identity
+    from data_prep.steps import _input_paths
+    from lmforge.executor import graph
     from lmforge.config import load_config
     from lmforge.graph import StepContext
 
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
     config = load_config("tiny-cpu", [f"curate.inputs=[{tmp_path}/*.jsonl]"], str(tmp_path / "ws"))
-    identity = _ingest_identity(config)
+    identity = graph().get("curate/ingest").identity(config)
     assert list(identity["input_files"]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     (tmp_path / "c.jsonl").write_text(json.dumps(GOOD[1]) + "\n")  # arrives while the step runs
     ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws", identity=identity)
     assert _input_paths(ctx) == list(identity["input_files"])
-    assert str(tmp_path / "c.jsonl") in _ingest_identity(config)["input_files"]  # the next run's key has it
+    assert str(tmp_path / "c.jsonl") in graph().get("curate/ingest").identity(config)["input_files"]  # the next run's key has it
 
 
 def test_fix_encoding_repairs_mojibake_with_ftfy(tmp_path: Path) -> None:

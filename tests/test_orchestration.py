@@ -148,7 +148,7 @@ def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
 
     from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
     from lmforge import server
-    from training.launcher import free_port
+    from lmforge.launch import free_port
 
     tmp_path = tmp_path_factory.mktemp("pools")
     workspace = tmp_path / "ws"

@@ -107,7 +107,7 @@ def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
 def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52]", "pretrain.max_steps=60")
+    config = small_config(workspace, "debug.pretrain.nan_at_batches=[52]", "pretrain.max_steps=60")
     manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
     anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
     assert len(anomalies) == 1
@@ -143,7 +143,7 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, d
 
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "pretrain.fault.nan_at_batches=[52,53,54]", "pretrain.max_steps=60",
+    config = small_config(workspace, "debug.pretrain.nan_at_batches=[52,53,54]", "pretrain.max_steps=60",
                           "pretrain.guardrails.max_consecutive_spikes=3")
     with pytest.raises(TrainingDiverged, match="3 anomalies in a row") as info:
         run_pipeline_locally(config, ["pretrain"])
@@ -250,7 +250,7 @@ def test_divergence_under_prefect_still_publishes_the_anomaly_report(
 
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "pretrain.fault.nan_at_batches=[52,53]", "pretrain.max_steps=60",
+    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "debug.pretrain.nan_at_batches=[52,53]", "pretrain.max_steps=60",
                  "pretrain.guardrails.max_consecutive_spikes=2"]
     with pytest.raises(TrainingDiverged, match="2 anomalies in a row"):
         pipeline(preset="tiny-cpu", overrides=overrides, workspace=str(workspace), stages=["pretrain"])

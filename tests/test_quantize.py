@@ -102,7 +102,7 @@ def test_a_broken_checkpoint_is_ineligible_and_serving_falls_back(quantized: dic
 
     workspace = tmp_path / "ws"
     shutil.copytree(Path(quantized["quantize/gate"]["dir"]).parents[2], workspace)
-    broken = small_config(workspace, "quantize.schemes=[w4a16]", "quantize.fault.break_scale_factor=40")
+    broken = small_config(workspace, "quantize.schemes=[w4a16]", "debug.quantize.break_scale_factor=40")
     manifests = run_pipeline_locally(broken, ["evaluate", "quantize"])  # evaluation: all cache hits
     verdict = json.loads((Path(manifests["quantize/gate"]["dir"]) / "verdict.json").read_text())
     outcome = verdict["schemes"]["w4a16"]

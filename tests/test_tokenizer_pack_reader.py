@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.reader import BatchSchedule, TokenWindows
+from training.reader import BatchSchedule, TokenWindows
 
 
 def _dirs(curated: tuple[Path, dict]) -> tuple[Path, Path, Path]:

@@ -104,7 +104,7 @@ class DistributedConfig(StrictModel):
 
 
 class FaultInjectionConfig(StrictModel):
-    """Test hooks that make failures reproducible."""
+    """Test hooks that make failures reproducible (`debug.pretrain:`; never in a normal run's key)."""
 
     nan_at_batches: list[int] = Field(default_factory=list, description="Global micro-batch indices whose loss is made NaN.")
 
@@ -120,7 +120,6 @@ class PretrainConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = bf16 where the hardware has it (recent GPUs; CPUs with AVX512-BF16/AMX), else fp32.")
     checkpoint: CheckpointConfig = CheckpointConfig()
     guardrails: GuardrailConfig = GuardrailConfig()
-    fault: FaultInjectionConfig = FaultInjectionConfig()
     distributed: DistributedConfig = DistributedConfig()
     eval_every: int = runtime_field(50, description="Validation interval in steps.", ge=1)
     eval_batches: int = runtime_field(8, description="Validation micro-batches per evaluation.", ge=1)

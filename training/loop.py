@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_prep.reader import BatchSchedule, TokenWindows
 from lmforge.errors import DeterministicError, TrainingDiverged
 from lmforge.hashing import atomic_write_json
 from training import checkpoint
@@ -27,6 +26,7 @@ from training.guardrails import SpikeDetector
 from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb, peak_memory_mb
 from training.model import build_model
 from training.planner import Plan
+from training.reader import BatchSchedule, TokenWindows
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,10 @@ class Trainer:
     """Owns the engine, data schedule, guardrails and checkpoints of one rank."""
 
     def __init__(self, cfg: PretrainConfig, plan: Plan, pack_dir: Path, out_dir: Path, special: dict[str, int],
-                 rank: int, world: int, peak_tflops: float | None):
+                 rank: int, world: int, peak_tflops: float | None, nan_at_batches: tuple[int, ...] = ()):
         import torch
+
+        self.nan_at_batches = set(nan_at_batches)  # debug.pretrain: a reproducible divergence
 
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         self.out_dir, self.special = out_dir, special
@@ -179,7 +181,7 @@ class Trainer:
             start, windows = self.schedule.next()
             indices.append(start)
             loss = self.micro_loss(windows, self.train_data)
-            if self.schedule.index_of(start) in self.cfg.fault.nan_at_batches:
+            if self.schedule.index_of(start) in self.nan_at_batches:
                 loss = loss * float("nan")  # test hook: a batch that produces NaN
             losses.append(self._mean_over_ranks(loss))
             if not math.isfinite(losses[-1]):

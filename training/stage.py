@@ -8,7 +8,7 @@ from typing import Any
 
 from lmforge.errors import ConfigError, TrainingDiverged
 from lmforge.stage import ArtifactSpec, Resources, Stage
-from training.config import PretrainConfig
+from training.config import FaultInjectionConfig, PretrainConfig
 
 
 def _steps() -> list[Any]:
@@ -72,6 +72,7 @@ STAGE = Stage(
     name="pretrain",
     description="Pretraining: a Llama trained from scratch with DeepSpeed, exported to Hugging Face format.",
     config_model=PretrainConfig,
+    debug_model=FaultInjectionConfig,
     steps=_steps,
     after=("curate",),
     artifacts=_artifacts,

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lmforge.configbase import pick
+from lmforge.configbase import ConfigView
 from lmforge.errors import TrainingDiverged
 from training.metrics import METRICS_FILE, last_logged_step
 from lmforge.graph import Step, StepContext
@@ -53,13 +53,9 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
-def _next_attempt(out_dir: Path) -> int:
-    return len(list((out_dir / "logs").glob("attempt-*"))) + 1 if (out_dir / "logs").exists() else 1
-
-
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from lmforge.launch import RANKS, Launch, run_entry
     from training.device import detect_device, peak_tflops
-    from training.launcher import build_command, classify, exit_records, free_port, launch, ranks_started
     from training.planner import devices_used, format_plan, plan_parallelism, resolve_precision
 
     cfg, out_dir = ctx.config.pretrain, ctx.out_dir
@@ -70,22 +66,18 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     plan = plan_parallelism(cfg, vocab_size, device, peak_tflops=per_device)  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
-    attempt = _next_attempt(out_dir)
-    spec = {"config": cfg.model_dump(mode="json"), "plan": dataclasses.asdict(plan), "out_dir": str(out_dir),
-            "pack_dir": str(pack_dir), "tokenizer_dir": str(tokenizer_dir), "special": special, "attempt": attempt,
-            "peak_tflops": per_device * devices_used(plan.world_size, device)}
-    atomic_write_json(out_dir / "run_spec.json", spec)
     from training.ds_config import build_ds_config
 
     atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
-    command = build_command(cfg.distributed.launcher, plan.num_ranks, out_dir / "run_spec.json",
-                            cfg.distributed.master_port or free_port(), cfg.distributed.hostfile, cfg.distributed.num_nodes,
-                            cfg.distributed.node_launcher)
-    atomic_write_json(out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
-    returncode, output_tail = launch(command, out_dir)
+    d = cfg.distributed
+    launch = Launch(d.launcher, plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
+    spec = {"config": cfg.model_dump(mode="json"), "plan": dataclasses.asdict(plan), "pack_dir": str(pack_dir),
+            "tokenizer_dir": str(tokenizer_dir), "special": special,
+            "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
+            "peak_tflops": per_device * devices_used(plan.world_size, device)}
     try:
-        classify(returncode, exit_records(out_dir, attempt), plan.world_size,
-                 ranks_started(out_dir, attempt), output_tail)
+        attempt = run_entry("training.train_entry", spec, out_dir, launch=launch, policy=RANKS,
+                            logger=logging.getLogger("training.launcher"))
     except TrainingDiverged as exc:
         exc.anomalies = anomaly_rows(_read_anomalies(out_dir))  # published by the flow even though the step failed
         raise
@@ -93,7 +85,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     anomalies = _read_anomalies(out_dir)
     unigram = ctx.manifest(TOKEN_SHARDS)["metrics"].get("unigram_entropy_nats")
     return {"counts": {"steps": summary["final_step"], "tokens": summary["tokens"], "anomalies": len(anomalies),
-                       "attempts": attempt, "params": summary["params"]},
+                       "attempts": attempt.number, "params": summary["params"]},
             "metrics": {**{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
                         "unigram_entropy_nats": unigram},
             "extra": {"anomalies": anomaly_rows(anomalies),
@@ -122,29 +114,25 @@ def anomaly_rows(anomalies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _identity(config: Any) -> dict[str, Any]:
-    """The pretrain config's identity, with `precision: auto` resolved on this machine.
+def _resolved_precision(config: ConfigView) -> dict[str, Any]:
+    """`precision: auto` resolved on this machine: auto gives bf16 on hardware that has it and fp32
+    elsewhere, different models, so different keys."""
+    if config.pretrain.precision != "auto":
+        return {}
+    from training.device import detect_device
+    from training.planner import resolve_precision
 
-    auto gives bf16 on hardware that has it and fp32 elsewhere: different models, so
-    different keys.
-    """
-    ident = pick(config, "pretrain")
-    if config.pretrain.precision == "auto":
-        from training.device import detect_device
-        from training.planner import resolve_precision
-
-        ident["pretrain"]["precision"] = f"auto:{resolve_precision('auto', detect_device())}"
-    return ident
+    return {"pretrain": {"precision": f"auto:{resolve_precision('auto', detect_device())}"}}
 
 
 PRETRAIN_STEPS = [
     # version 2: windows span shard boundaries (no shard tail or short shard is skipped)
     Step(TRAIN, 2, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
-         identity=_identity, upstream=lambda c: (TOKEN_SHARDS, TOKENIZER), finalize=_train_finalize,
-         enabled=lambda c: c.pretrain.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
+         reads=("pretrain",), derive=_resolved_precision, upstream=lambda c: (TOKEN_SHARDS, TOKENIZER),
+         finalize=_train_finalize, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
          provides={PRETRAINED: "hf"},
          progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
          code=("training.loop", "training.model", "training.checkpoint", "training.export", "training.train_entry",
-               "training.guardrails", "training.ds_config", "training.planner", "data_prep.reader"),
+               "training.guardrails", "training.ds_config", "training.planner", "training.device_setup", "training.reader"),
          libraries=("torch", "transformers", "deepspeed")),
 ]

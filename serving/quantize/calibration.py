@@ -9,11 +9,12 @@ not reshuffle the rest. `calibration.jsonl` keeps each sample's source, id and t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
 import xxhash
+
+from lmforge.jsonl import read_jsonl
 
 
 def _rank(seed: int, source: str, record_id: str) -> int:
@@ -40,11 +41,8 @@ def documents(kept_dir: Path, max_chars: int) -> Iterator[tuple[str, str]]:
 
 
 def chats(train_jsonl: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    with open(train_jsonl, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                record = json.loads(line)
-                yield record["id"], record["messages"]
+    for record in read_jsonl(train_jsonl):
+        yield record["id"], record["messages"]
 
 
 def draw(kept_dir: Path, chat_file: Path | None, tokenizer_dir: Path, num_samples: int, sft_fraction: float,

@@ -59,7 +59,7 @@ class GateConfig(StrictModel):
 
 
 class QuantizeFaultConfig(StrictModel):
-    """Test hooks that make failures reproducible."""
+    """Test hooks that make failures reproducible (`debug.quantize:`; never in a normal run's key)."""
 
     break_scale_factor: float | None = Field(None, gt=0, description="Multiply the MLP down-projections' weight "
                                                                      "scales by this after quantizing (a broken checkpoint).")
@@ -76,7 +76,6 @@ class QuantizeConfig(StrictModel):
                                                   "layer's width; vLLM's CPU kernel needs widths in multiples of 32).")
     calibration: CalibrationConfig = CalibrationConfig()
     gate: GateConfig = GateConfig()
-    fault: QuantizeFaultConfig = QuantizeFaultConfig()
     python: str | None = runtime_field(
         None, description="Python of the quantization environment (llmcompressor) for calibrated schemes; "
                           "default: .venv-quant/bin/python beside the project (scripts/setup.sh makes it).")

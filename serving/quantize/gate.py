@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report, stats
+from lmforge.configbase import ConfigView
 from serving.quantize.config import NOT_SIGNIFICANTLY_WORSE
 
 
@@ -36,7 +37,7 @@ def _per_task(directories: dict[str, Path]) -> dict[str, tuple[str, float, dict[
     return out
 
 
-def evaluate_all(config: Any, workspace: Path, tasks: dict[str, Any], identity: dict[str, Any], work_dir: Path,
+def evaluate_all(config: ConfigView, workspace: Path, tasks: dict[str, Any], identity: dict[str, Any], work_dir: Path,
                  base: tuple[str, Path, str], checkpoints: dict[str, tuple[Path, str]]) -> dict[str, list[dict[str, Any]]]:
     """Evaluate the unquantized model and each checkpoint on vLLM; {scheme: per-task comparison rows}."""
     from evaluation.runs import evaluate_model

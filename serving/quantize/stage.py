@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.stage import ArtifactSpec, Resources, Stage
-from serving.quantize.config import QuantizeConfig
+from serving.quantize.config import QuantizeConfig, QuantizeFaultConfig
 
 
 def _steps() -> list[Any]:
@@ -59,6 +59,7 @@ STAGE = Stage(
     name="quantize",
     description="Quantization: INT8 and 4-bit compressed-tensors checkpoints, calibrated on the lineage, gated on vLLM evals.",
     config_model=QuantizeConfig,
+    debug_model=QuantizeFaultConfig,
     steps=_steps,
     after=("evaluate",),
     artifacts=_artifacts,

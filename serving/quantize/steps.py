@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from lmforge.configbase import pick
-from lmforge.errors import ConfigError, DeterministicError, RetryableError
+from lmforge.configbase import ConfigView
+from lmforge.errors import ConfigError
 from lmforge.graph import Step, StepContext
-from lmforge.hashing import atomic_write_json, atomic_write_text
+from lmforge.hashing import atomic_write_json
+from lmforge.jsonl import write_jsonl
 from lmforge.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from serving.quantize.schemes import SCHEMES
 
@@ -49,6 +50,12 @@ def model_role(config: Any) -> str:
                       "(is the stage that makes it switched off?)")
 
 
+def quantized_role(ctx: StepContext) -> str:
+    """The role of the model a running step quantizes: the hf-model product it reads (chosen by
+    `model_role` when the graph was resolved)."""
+    return next(p.split(":", 1)[1] for p in ctx.products if p.startswith("hf-model:"))
+
+
 def quantized(scheme: str) -> Product:
     return Product("quantized-model", scheme)
 
@@ -63,21 +70,23 @@ def _uses_chats(config: Any) -> bool:
     return model_role(config) in ("sft", "dpo") and config.quantize.calibration.sft_fraction > 0
 
 
-def _calibration_identity(config: Any) -> dict[str, Any]:
-    ident = pick(config, "quantize.calibration.num_samples", "quantize.calibration.seed",
-                 "quantize.calibration.max_chars", "quantize.calibration.sft_fraction")
-    ident["chat_model"] = _uses_chats(config)
-    return ident
+CALIBRATION_READS = ("quantize.calibration.num_samples", "quantize.calibration.seed", "quantize.calibration.max_chars",
+                     "quantize.calibration.sft_fraction")
+
+
+def _calibration_upstream(config: Any) -> tuple[Any, ...]:
+    """Chats join the calibration set only for a chat model (they are in its key when they do)."""
+    return (DOCUMENTS, TOKENIZER, *((Maybe(CHAT_DATA),) if _uses_chats(config) else ()))
 
 
 def _calibration_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving.quantize.calibration import draw
 
     cfg = ctx.config.quantize.calibration
-    chats = ctx.path(CHAT_DATA) / "train.jsonl" if ctx.has(CHAT_DATA) and _uses_chats(ctx.config) else None
+    chats = ctx.path(CHAT_DATA) / "train.jsonl" if ctx.has(CHAT_DATA) else None
     samples = draw(ctx.path(DOCUMENTS), chats, ctx.path(TOKENIZER), cfg.num_samples, cfg.sft_fraction,
                    cfg.seed, cfg.max_chars)
-    atomic_write_text(ctx.out_dir / "calibration.jsonl", "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    write_jsonl(ctx.out_dir / "calibration.jsonl", samples)
     by_source: dict[str, int] = {}
     for sample in samples:
         by_source[sample["source"]] = by_source.get(sample["source"], 0) + 1
@@ -87,7 +96,7 @@ def _calibration_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]
 
 # -- one checkpoint per scheme ---------------------------------------------------------------------
 
-def quantizer_python(config: Any) -> str:
+def quantizer_python(config: ConfigView) -> str:
     """The quantization environment's Python (llmcompressor), for calibrated schemes."""
     path = Path(config.quantize.python) if config.quantize.python else REPO_ROOT / ".venv-quant" / "bin" / "python"
     if not path.exists():
@@ -105,26 +114,32 @@ def _pinned(distribution: str) -> str:
     return "unpinned"
 
 
-def _scheme_identity(scheme: str):  # type: ignore[no-untyped-def]
-    def identity(config: Any) -> dict[str, Any]:
+def _scheme_reads(scheme: str) -> Callable[[Any], tuple[str, ...]]:
+    def reads(config: Any) -> tuple[str, ...]:
+        fields = ["quantize.model", "quantize.calibration.enabled"]
+        if SCHEMES[scheme].grouped:
+            fields.append("quantize.group_size")
+        if config.quantize.calibration.enabled:
+            fields += ["quantize.calibration.max_seq_len", "quantize.calibration.dampening_frac",
+                       "quantize.calibration.seed"]
+            if SCHEMES[scheme].activation_bits == 8:
+                fields.append("quantize.calibration.smoothing_strength")
+        return tuple(fields)
+
+    return reads
+
+
+def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
+    def method(config: ConfigView) -> dict[str, Any]:
         from lmforge.codeprint import library_version
 
-        q = config.quantize
-        fields = ["quantize.fault"] + (["quantize.group_size"] if SCHEMES[scheme].grouped else [])
-        ident = pick(config, *fields)
-        ident["scheme"] = scheme
-        ident["model"] = model_role(config)
-        if q.calibration.enabled:
-            ident["method"] = "gptq+smoothquant" if SCHEMES[scheme].activation_bits == 8 else "gptq"
-            ident["settings"] = pick(config, "quantize.calibration.max_seq_len", "quantize.calibration.dampening_frac",
-                                     *(["quantize.calibration.smoothing_strength"] if SCHEMES[scheme].activation_bits == 8 else []))
-            ident["quantizer"] = {"llmcompressor": _pinned("llmcompressor"), "compressed-tensors": _pinned("compressed-tensors")}
-        else:
-            ident["method"] = "rtn"
-            ident["quantizer"] = {"compressed-tensors": library_version("compressed-tensors")}
-        return ident
+        if config.quantize.calibration.enabled:
+            return {"scheme": scheme, "method": "gptq+smoothquant" if SCHEMES[scheme].activation_bits == 8 else "gptq",
+                    "quantizer": {"llmcompressor": _pinned("llmcompressor"),
+                                  "compressed-tensors": _pinned("compressed-tensors")}}
+        return {"scheme": scheme, "method": "rtn", "quantizer": {"compressed-tensors": library_version("compressed-tensors")}}
 
-    return identity
+    return method
 
 
 def _scheme_upstream(config: Any) -> tuple[Any, ...]:
@@ -139,31 +154,25 @@ def _on_gpu() -> bool:
 
 
 def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
-    """Run the quantizer process; returns its result record."""
+    """Run the quantizer process; returns its result record.
+
+    Quantization is short: a retry after a kill starts it again from scratch."""
     import sys
 
-    from lmforge import launcher
+    from lmforge.launch import SINGLE, Launch, run_entry
 
     q = ctx.config.quantize
     calibrated = q.calibration.enabled
     spec = {"scheme": scheme, "method": "gptq" if calibrated else "rtn", "group_size": q.group_size,
-            "model_dir": str(model_dir), "out_dir": str(ctx.out_dir), "seed": q.calibration.seed,
+            "model_dir": str(model_dir), "seed": q.calibration.seed,
             "max_seq_len": q.calibration.max_seq_len, "smoothing_strength": q.calibration.smoothing_strength,
-            "dampening_frac": q.calibration.dampening_frac, "break_scale_factor": q.fault.break_scale_factor,
+            "dampening_frac": q.calibration.dampening_frac, "break_scale_factor": ctx.config.debug.quantize.break_scale_factor,
             "calibration_file": str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl") if calibrated else None}
-    spec_path = ctx.out_dir / "quantize_spec.json"
-    atomic_write_json(spec_path, spec)
     python = quantizer_python(ctx.config) if calibrated else sys.executable
-    code, tail = launcher.run([python, "-m", "serving.quantize.entry", "--spec", str(spec_path)],
-                              logging.getLogger("serving.quantize.entry"), tail_lines=6, what=f"the {scheme} quantizer",
-                              noise=("it/s]", "Setting accelerator to CPU"))
-    if code == 0:
-        return json.loads((ctx.out_dir / "quantize_result.json").read_text())
-    if "quantize.group_size" in tail:
-        raise ConfigError(tail.split(" | ")[-1])
-    if code >= 128:  # killed by a signal: quantization is short, the retry starts it again from scratch
-        raise RetryableError(f"the {scheme} quantizer was killed (exit code {code}); last output: {tail}")
-    raise DeterministicError(f"the {scheme} quantizer failed (exit code {code}): {tail}")
+    run_entry("serving.quantize.entry", spec, ctx.out_dir, launch=Launch(python=python), policy=SINGLE,
+              spec_name="quantize_spec.json", logger=logging.getLogger("serving.quantize.entry"), tail_lines=6,
+              what=f"the {scheme} quantizer")
+    return json.loads((ctx.out_dir / "quantize_result.json").read_text())
 
 
 def _scheme_step(scheme: str) -> Step:
@@ -173,7 +182,7 @@ def _scheme_step(scheme: str) -> Step:
 
         if not _on_gpu() and (refusal := cpu_refusal([scheme])):
             raise ConfigError(refusal)
-        role = model_role(ctx.config)
+        role = quantized_role(ctx)
         model_dir = ctx.path(hf_model(role))
         result = _quantize(ctx, scheme, model_dir)
         report = {"scheme": scheme, "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size),
@@ -192,8 +201,8 @@ def _scheme_step(scheme: str) -> Step:
                           "method": result["method"]}}
 
     return Step(step_name(scheme), 1, f"{scheme}: {SCHEMES[scheme].describe(128)}, compressed-tensors format",
-                identity=_scheme_identity(scheme), upstream=_scheme_upstream, finalize=finalize,
-                enabled=lambda c: c.quantize.enabled and scheme in c.quantize.schemes,
+                reads=_scheme_reads(scheme), derive=_scheme_method(scheme), upstream=_scheme_upstream,
+                finalize=finalize, when=lambda c: scheme in c.quantize.schemes,
                 provides={quantized(scheme): "model"}, digest_paths=("model/",), retries=1,
                 code=("serving.quantize.entry", "serving.quantize.schemes", "serving.quantize.report"),
                 libraries=("compressed-tensors", "transformers", "torch"))
@@ -204,12 +213,19 @@ SCHEME_STEPS = [_scheme_step(name) for name in SCHEMES]
 
 # -- the gate ----------------------------------------------------------------------------------------
 
-def _gate_identity(config: Any) -> dict[str, Any]:
+def _gate_reads(config: Any) -> tuple[str, ...]:
+    from evaluation.runs import run_reads
+
+    if not config.quantize.gate.enabled:
+        return ("quantize.gate",)
+    return ("quantize.gate", "evaluate.tasks", *run_reads(config, "vllm"))
+
+
+def _gate_run(config: ConfigView) -> dict[str, Any]:
+    """The metric runs' identity, computed as the evaluation stage does: each finds the other's results."""
     from evaluation.runs import run_identity
 
-    ident = pick(config, "quantize.gate")
-    ident["run"] = run_identity(config, "vllm") if config.quantize.gate.enabled else None
-    return ident
+    return {"run": run_identity(config, "vllm") if config.quantize.gate.enabled else None}
 
 
 def _gate_upstream(config: Any) -> tuple[Any, ...]:
@@ -222,7 +238,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving.quantize.gate import decide, evaluate_all
 
     cfg = ctx.config.quantize
-    role = model_role(ctx.config)
+    role = quantized_role(ctx)
     checkpoints = {ctx.upstream[name]["extra"]["scheme"]: ctx.upstream[name] for name in ctx.upstream
                    if name.startswith("quantize/") and name != CALIBRATION}
     reports = {s: {**json.loads((Path(m["dir"]) / "report.json").read_text()), "model_dir": m["extra"]["model_dir"]}
@@ -255,13 +271,13 @@ def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
 
 QUANTIZE_STEPS = [
     Step(CALIBRATION, 1, "Calibration samples drawn by seed from the curated documents and the SFT data",
-         identity=_calibration_identity, upstream=lambda c: (DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA)),
-         finalize=_calibration_finalize, enabled=lambda c: c.quantize.enabled and c.quantize.calibration.enabled,
+         reads=CALIBRATION_READS, upstream=_calibration_upstream,
+         finalize=_calibration_finalize, when=lambda c: c.quantize.calibration.enabled,
          code=("serving.quantize.calibration",), libraries=("transformers",)),
     *SCHEME_STEPS,
     Step(GATE, 1, "Every checkpoint evaluated on vLLM against the unquantized model; the smallest that passes ships",
-         identity=_gate_identity, upstream=_gate_upstream, finalize=_gate_finalize,
-         enabled=lambda c: c.quantize.enabled and bool(c.quantize.schemes), provides={QUANT_VERDICT: ""},
+         reads=_gate_reads, derive=_gate_run, upstream=_gate_upstream, finalize=_gate_finalize,
+         when=lambda c: bool(c.quantize.schemes), provides={QUANT_VERDICT: ""},
          progress=lambda ctx: _gate_progress(ctx),
          code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats"), libraries=("lm-eval",)),
 ]

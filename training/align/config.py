@@ -90,7 +90,7 @@ class AlignDistributedConfig(StrictModel):
 
 
 class AlignFaultConfig(StrictModel):
-    """Test hooks that make failures reproducible."""
+    """Test hooks that make failures reproducible (`debug.align:`; never in a normal run's key)."""
 
     corrupt_merge: bool = Field(False, description="Damage the merged LoRA model before its parity check.")
 
@@ -104,7 +104,6 @@ class AlignConfig(StrictModel):
     sft: SftConfig = SftConfig()
     dpo: DpoConfig = DpoConfig()
     distributed: AlignDistributedConfig = AlignDistributedConfig()
-    fault: AlignFaultConfig = AlignFaultConfig()
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 where the hardware has it, else fp32.")
     eval_generations: int = runtime_field(
         120, description="Held-out verifiable items generated from during training to track exact match.", ge=0)

@@ -1,7 +1,7 @@
 """Alignment data: chat records for SFT, preference pairs for DPO, from the user or built in.
 
-User data (`align.sft.inputs`, `align.dpo.inputs`) goes through curation's ingest rules:
-every input form curation reads, and a malformed record (bad JSON, missing fields, a message
+User data (`align.sft.inputs`, `align.dpo.inputs`) is read as curation reads its inputs
+(`lmforge.inputs`): every form curation reads, and a malformed record (bad JSON, missing fields, a message
 with an unknown role, an empty assistant turn, chosen equal to rejected) is quarantined with
 file, line and reason, counted, and never crashes the step.
 
@@ -26,7 +26,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import xxhash
 import yaml
@@ -254,8 +254,8 @@ def validate_preference(data: Any) -> dict[str, Any]:
 
 def read_user_records(paths: list[str], validate: Callable[[Any], dict[str, Any]],
                       label: Callable[[str], str] = str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """(good records, quarantine records, records read) of every input, with curation's readers."""
-    from data_prep.ingest import quarantine_record, read_input
+    """(good records, quarantine records, records read) of every input, with the readers curation uses."""
+    from lmforge.inputs import quarantine_record, read_input
 
     good, bad, total = [], [], 0
     for path in paths:
@@ -290,19 +290,6 @@ def split(records: list[dict[str, Any]], fraction: float, seed: int) -> tuple[li
         seen.add(record["id"])
         (heldout if is_heldout(record.get("split_key", record["id"]), fraction, seed) else train).append(record)
     return train, heldout
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    from lmforge.hashing import atomic_write_text
-
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-
-
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
 
 
 def spread_over_tasks(records: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.stage import ArtifactSpec, Resources, Stage
-from training.align.config import AlignConfig
+from training.align.config import AlignConfig, AlignFaultConfig
 
 
 def _steps() -> list[Any]:
@@ -59,6 +59,7 @@ STAGE = Stage(
     name="align",
     description="Alignment: SFT (full or LoRA) and DPO with TRL on N ranks, from the user's or built-in data.",
     config_model=AlignConfig,
+    debug_model=AlignFaultConfig,
     steps=_steps,
     after=("pretrain",),
     artifacts=_artifacts,

@@ -5,7 +5,7 @@
                -> preference-data ------------------------------------------> align/dpo -> hf-model:dpo
 
 `align/sft` and `align/dpo` launch TRL on N ranks (accelerate, torchrun, or the deepspeed
-launcher for several nodes) through lmforge's one launcher; a killed rank is retried and
+launcher for several nodes) through lmforge's one launch helper (`lmforge.launch.run_entry`); a killed rank is retried and
 resumes from the newest complete Trainer checkpoint. Their output digests cover `hf/` only,
 so downstream stages follow the weights, not the logs.
 """
@@ -16,12 +16,11 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from lmforge.configbase import pick
+from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
 from lmforge.graph import Step, StepContext
-from lmforge.hashing import atomic_write_json
 from lmforge.stage import Product, hf_model
 
 log = logging.getLogger(__name__)
@@ -34,19 +33,21 @@ HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jso
 # -- data ---------------------------------------------------------------------------------------------
 
 def _input_files(paths: list[str], workspace: str) -> dict[str, str]:
-    from data_prep.ingest import expand_inputs
-    from data_prep.steps import fingerprints
+    from lmforge.hashing import fingerprints
+    from lmforge.inputs import expand_inputs
 
     cache = fingerprints(workspace)
     return {p: cache.path_fingerprint(p) for p in expand_inputs(paths)}
 
 
-def _data_identity(config: Any) -> dict[str, Any]:
+DATA_READS = ("align.heldout_fraction", "align.builtin", "align.sft.inputs", "align.dpo.inputs")
+
+
+def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
+    """The content of the user's files (paths alone would miss an edited file)."""
     a = config.align
-    ident = pick(config, "align.heldout_fraction", "align.builtin")
-    ident["sft_inputs"] = _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin"
-    ident["dpo_inputs"] = _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin"
-    return ident
+    return {"sft_inputs": _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin",
+            "dpo_inputs": _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin"}
 
 
 def _label(ctx: StepContext):  # type: ignore[no-untyped-def]
@@ -59,6 +60,7 @@ def _label(ctx: StepContext):  # type: ignore[no-untyped-def]
 
 
 def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from lmforge.jsonl import write_jsonl
     from training.align import data
 
     a = ctx.config.align
@@ -84,8 +86,8 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         train, heldout = data.split(records, a.heldout_fraction, a.builtin.seed)
         if not train:
             raise ConfigError(f"align.{kind}.inputs: no usable records to train on ({len(quarantine)} quarantined)")
-        data.write_jsonl(ctx.out_dir / kind / "train.jsonl", train)
-        data.write_jsonl(ctx.out_dir / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES), heldout)
+        write_jsonl(ctx.out_dir / kind / "train.jsonl", train)
+        write_jsonl(ctx.out_dir / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES), heldout)
         read = total if total is not None else len(records)
         counts[kind] = {"input": read, "train": len(train), "heldout": len(heldout),
                         "quarantined": sum(1 for q in quarantine if q["dataset"] == kind),
@@ -95,13 +97,13 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 + counts[kind]["duplicates"]:
             raise AssertionError(f"align {kind} data lost records: {counts[kind]}")
     if quarantine:
-        data.write_jsonl(ctx.out_dir / "quarantine.jsonl", quarantine)
+        write_jsonl(ctx.out_dir / "quarantine.jsonl", quarantine)
     return {"counts": counts}
 
 
 # -- training -----------------------------------------------------------------------------------------
 
-def _precision(config: Any) -> str:
+def _precision(config: ConfigView) -> str:
     from training.device import detect_device
 
     if config.align.precision != "auto":
@@ -111,25 +113,28 @@ def _precision(config: Any) -> str:
     return "bf16" if device.kind == "cuda" and device.bf16 else "fp32"
 
 
-def _train_identity(kind: str):  # type: ignore[no-untyped-def]
-    def identity(config: Any) -> dict[str, Any]:
-        section = "align.sft" if kind == "sft" else "align.dpo"
-        fields = [f for f in type(getattr(config.align, kind)).model_fields if f not in ("inputs", "enabled")]
-        ident = pick(config, *[f"{section}.{f}" for f in fields])
-        if kind == "sft":
-            ident["align"]["method"] = config.align.method
-            if config.align.method == "lora":
-                ident["align"]["lora"] = pick(config, "align.lora")["align"]["lora"]
-        elif config.align.dpo.lora:
-            ident["align"]["lora"] = pick(config, "align.lora")["align"]["lora"]
-        ident["precision"] = _precision(config)
-        ident["fault"] = pick(config, "align.fault")["align"]["fault"]
-        return ident
+def _training_fields(kind: str) -> list[str]:
+    """The fields of `align.<kind>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
+    from training.align.config import DpoConfig, SftConfig
 
-    return identity
+    model = SftConfig if kind == "sft" else DpoConfig
+    return [f"align.{kind}.{f}" for f in model.model_fields if f not in ("inputs", "enabled")]
 
 
-def _ranks(config: Any) -> int:
+def _train_reads(kind: str) -> Callable[[Any], tuple[str, ...]]:
+    def reads(config: Any) -> tuple[str, ...]:
+        lora = config.align.method == "lora" if kind == "sft" else config.align.dpo.lora
+        return (*_training_fields(kind), *(("align.method",) if kind == "sft" else ()),
+                *(("align.lora",) if lora else ()), "align.precision")
+
+    return reads
+
+
+def _resolved_precision(config: ConfigView) -> dict[str, Any]:
+    return {"precision": _precision(config)}
+
+
+def _ranks(config: ConfigView) -> int:
     from training.device import detect_device
 
     ranks = config.align.distributed.num_ranks
@@ -143,12 +148,9 @@ def _context(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
 
 
-def _next_attempt(out_dir: Path) -> int:
-    return len(list((out_dir / "logs").glob("attempt-*"))) + 1 if (out_dir / "logs").exists() else 1
-
-
 def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
-    from training.align.data import read_jsonl, spread_over_tasks
+    from lmforge.jsonl import read_jsonl
+    from training.align.data import spread_over_tasks
 
     a = ctx.config.align
     cfg = getattr(a, kind)
@@ -163,12 +165,13 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
         raise ConfigError(f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
                           f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}")
     lora = a.method == "lora" if kind == "sft" else a.dpo.lora
-    return {"kind": kind, "config": cfg.model_dump(mode="json"), "base_dir": str(base), "out_dir": str(ctx.out_dir),
+    fields = [f.rsplit(".", 1)[1] for f in _training_fields(kind)]
+    settings = {f: getattr(cfg, f) for f in fields}
+    return {"kind": kind, "config": json.loads(json.dumps(settings)), "base_dir": str(base), "out_dir": str(ctx.out_dir),
             "train": str(data_dir / "train.jsonl"), "heldout": str(heldout), "heldout_generation": verifiable,
             "max_length": min(cfg.max_seq_len or context, context), "precision": _precision(ctx.config),
             "zero_stage": a.distributed.zero_stage, "lora": a.lora.model_dump(mode="json") if lora else None,
-            "fault": a.fault.model_dump(mode="json"), "eval_every": cfg.eval_every, "world_size": world,
-            "attempt": _next_attempt(ctx.out_dir)}
+            "fault": ctx.config.debug.align.model_dump(mode="json"), "eval_every": cfg.eval_every}
 
 
 def _progress(kind: str):  # type: ignore[no-untyped-def]
@@ -182,20 +185,13 @@ def _progress(kind: str):  # type: ignore[no-untyped-def]
 
 def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
     def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-        from training.align.launch import build_command
-        from training.launcher import classify, exit_records, free_port, launch, ranks_started
+        from lmforge.launch import RANKS, Launch, run_entry
 
         d = ctx.config.align.distributed
-        spec = _spec(ctx, kind)
-        spec_path = ctx.out_dir / "run_spec.json"
-        atomic_write_json(spec_path, spec)
-        command = build_command(d.launcher, _ranks(ctx.config), spec_path, d.master_port or free_port(),
-                                d.hostfile, d.num_nodes, d.node_launcher)
-        attempt = spec["attempt"]
-        atomic_write_json(ctx.out_dir / "logs" / f"attempt-{attempt}" / "launch.json", {"command": command})
-        returncode, tail = launch(command, ctx.out_dir)
-        classify(returncode, exit_records(ctx.out_dir, attempt), spec["world_size"],
-                 ranks_started(ctx.out_dir, attempt), tail)
+        launch = Launch(d.launcher, _ranks(ctx.config), d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
+        attempt = run_entry("training.align.entry", _spec(ctx, kind), ctx.out_dir, launch=launch, policy=RANKS,
+                            logger=logging.getLogger("training.launcher"))
+        spec = attempt.spec
         summary = json.loads((ctx.out_dir / "summary.json").read_text())
         rows = [json.loads(line) for line in (ctx.out_dir / "metrics.jsonl").read_text().splitlines()]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
@@ -205,7 +201,7 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
         metrics.update({f"final_{k}": v for k, v in last.items()})
         for warning in summary["warnings"]:
             log.warning("%s: %s", ctx.step, warning)
-        return {"counts": {"steps": summary["final_step"], "attempts": attempt, "heldout_items": summary["heldout_items"]},
+        return {"counts": {"steps": summary["final_step"], "attempts": attempt.number, "heldout_items": summary["heldout_items"]},
                 "metrics": metrics,
                 "extra": {"warnings": summary["warnings"], "hf_dir": str(ctx.out_dir / "hf"),
                           "examples": summary.get("examples_after", []), "world_size": spec["world_size"],
@@ -214,20 +210,21 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
     return finalize
 
 
-CODE = ("training.align.entry", "training.align.heldout", "training.align.launch", "training.ranks", "training.export")
+CODE = ("training.align.entry", "training.align.heldout", "training.device_setup", "training.export")
 LIBS = ("trl", "transformers", "peft", "torch", "accelerate")
 
 ALIGN_STEPS = [
     # version 4: SFT and DPO records of one question are held out together
     Step(DATA, 4, "Chat and preference data: the user's (quarantined where malformed) or built in; train/held-out split",
-         identity=_data_identity, finalize=_data_finalize, enabled=lambda c: c.align.enabled,
-         provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"}, code=("training.align.data",), libraries=("wordfreq",)),
+         reads=DATA_READS, derive=_input_fingerprints, finalize=_data_finalize,
+         provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"}, code=("training.align.data", "lmforge.inputs"),
+         libraries=("wordfreq",)),
     Step(SFT, 1, "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
-         identity=_train_identity("sft"), upstream=lambda c: (PRETRAINED, CHAT_DATA), finalize=_train_finalize("sft"),
-         enabled=lambda c: c.align.enabled, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
+         reads=_train_reads("sft"), derive=_resolved_precision, upstream=lambda c: (PRETRAINED, CHAT_DATA),
+         finalize=_train_finalize("sft"), retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
          provides={SFT_MODEL: "hf"}, progress=_progress("sft"), code=CODE, libraries=LIBS),
     Step(DPO, 1, "Direct preference optimisation with TRL against the frozen SFT model",
-         identity=_train_identity("dpo"), upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA), finalize=_train_finalize("dpo"),
-         enabled=lambda c: c.align.enabled and c.align.dpo.enabled, retries=3, bookkeeping=("checkpoints", "logs"),
+         reads=_train_reads("dpo"), derive=_resolved_precision, upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA),
+         finalize=_train_finalize("dpo"), when=lambda c: c.align.dpo.enabled, retries=3, bookkeeping=("checkpoints", "logs"),
          digest_paths=("hf/",), provides={DPO_MODEL: "hf"}, progress=_progress("dpo"), code=CODE, libraries=LIBS),
 ]
