@@ -163,11 +163,17 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
 
     q = ctx.config.quantize
     calibrated = q.calibration.enabled
-    spec = {"scheme": scheme, "method": "gptq" if calibrated else "rtn", "group_size": q.group_size,
-            "model_dir": str(model_dir), "seed": q.calibration.seed,
-            "max_seq_len": q.calibration.max_seq_len, "smoothing_strength": q.calibration.smoothing_strength,
-            "dampening_frac": q.calibration.dampening_frac, "break_scale_factor": ctx.config.debug.quantize.break_scale_factor,
-            "calibration_file": str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl") if calibrated else None}
+    # the spec holds exactly what this scheme reads (its declared reads): a field it does not use is not passed
+    spec: dict[str, Any] = {"scheme": scheme, "method": "gptq" if calibrated else "rtn", "model_dir": str(model_dir),
+                            "seed": 0, "break_scale_factor": ctx.config.debug.quantize.break_scale_factor}
+    if SCHEMES[scheme].grouped:
+        spec["group_size"] = q.group_size
+    if calibrated:
+        spec.update(seed=q.calibration.seed, max_seq_len=q.calibration.max_seq_len,
+                    dampening_frac=q.calibration.dampening_frac,
+                    calibration_file=str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl"))
+        if SCHEMES[scheme].activation_bits == 8:
+            spec["smoothing_strength"] = q.calibration.smoothing_strength
     python = quantizer_python(ctx.config) if calibrated else sys.executable
     run_entry("serving.quantize.entry", spec, ctx.out_dir, launch=Launch(python=python), policy=SINGLE,
               spec_name="quantize_spec.json", logger=logging.getLogger("serving.quantize.entry"), tail_lines=6,
@@ -185,7 +191,7 @@ def _scheme_step(scheme: str) -> Step:
         role = quantized_role(ctx)
         model_dir = ctx.path(hf_model(role))
         result = _quantize(ctx, scheme, model_dir)
-        report = {"scheme": scheme, "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size),
+        report = {"scheme": scheme, "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size if SCHEMES[scheme].grouped else 0),
                   "model": role, **result, **measure(model_dir, ctx.out_dir / "model")}
         if ctx.config.quantize.calibration.enabled:
             report["calibration"] = {"step": CALIBRATION, "key": ctx.upstream[CALIBRATION]["key"],
