@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -58,6 +57,7 @@ class _StageCommands:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lmforge.console import add_verbose_flag
     from lmforge.registry import stage_names, stages
 
     parser = argparse.ArgumentParser(prog="lmforge", description=__doc__.split("\n\n")[0],
@@ -66,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the full pipeline (every stage in the config's `stages`)")
     _common(run)
     run.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
+    add_verbose_flag(run)
     stage = sub.add_parser("stage", help="run one stage and what it needs upstream")
     stage.add_argument("name", choices=stage_names())
     _common(stage)
     stage.add_argument("--local", action="store_true", help="run without Prefect (same caching, no UI)")
+    add_verbose_flag(stage)
     explain = sub.add_parser("explain", help="say whether each step would be reused, and why not")
     explain.add_argument("stage", choices=[*stage_names(), "all"])
     _common(explain)
@@ -144,26 +146,32 @@ def _print_summary(steps: dict[str, dict[str, Any]], manifests: dict[str, dict[s
 
 
 def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
+    from lmforge.console import terminal
+
     config = _load(args)
     started = time.time()
     if args.local:
         from lmforge.executor import run_pipeline_locally
 
-        logging.basicConfig(level=config.runtime.log_level, format="%(asctime)s %(name)s %(message)s")
         os.environ["LMFORGE_LOG_LEVEL"] = config.runtime.log_level  # for the training ranks
-        manifests = run_pipeline_locally(config, stages or config.stages)
+        with terminal(args.verbose, level=config.runtime.log_level):  # one line per step, progress, warnings
+            manifests = run_pipeline_locally(config, stages or config.stages)
         steps = {n: {"key": m["key"], "dir": m["dir"],
                      "status": "cached" if m["timings"]["finished_at"] < started else "computed"}
                  for n, m in manifests.items()}
         _print_summary(steps, manifests, config.workspace, time.time() - started, None)
         return 0
-    api_url = _use_server_if_running()
+    from lmforge import server
+
+    api_url = server.connect_for_run()  # a temporary server, if needed, boots while Prefect is imported
     from prefect import tags
 
     from flows.pipeline import pipeline
     from lmforge.slurm import main_tags
 
-    with tags(*main_tags()):  # a run inside a SLURM job is tagged with its job id in the UI
+    server.wait_for_api()
+    # a run inside a SLURM job is tagged with its job id in the UI; the terminal shows one line per step
+    with tags(*main_tags()), terminal(args.verbose, until_exit=True):
         result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
     _print_summary(result["steps"], result["manifests"], result["workspace"], time.time() - started, api_url)
     return 0
@@ -323,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
         if os.environ.get("LMFORGE_DEBUG"):
             raise
-        print(f"error: {type(exc).__name__}: {exc} (the run log above has details; LMFORGE_DEBUG=1 shows "
-              "the traceback)", file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {exc} (the failed step's logs/step.log and the Prefect run log have "
+              "details; -v shows them here, LMFORGE_DEBUG=1 the traceback)", file=sys.stderr)
         return 1
     except BaseException as exc:
         if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API

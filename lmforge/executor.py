@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import lmforge
-from lmforge import codeprint, launcher
+from lmforge import codeprint, console, launcher, steplog
 from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
 from lmforge.store import StageStore
 
@@ -272,8 +272,24 @@ def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str,
 
     `run_units(ctx, todo)` computes the units still to do (in a process pool, or as Prefect
     tasks) and returns their results. The computation holds the step's lock; the processes
-    it launches hold it too, until they are gone (`lmforge.launcher`).
+    it launches hold it too, until they are gone (`lmforge.launcher`). What is logged while it
+    computes goes to the output's `logs/step.log` too; a terminal the CLI shows gets the step's
+    progress and one line when it ends (`lmforge.console`).
     """
+    with console.step_on_screen(step.name) as shown:
+        def opened(ctx: StepContext) -> None:
+            progress = step.progress
+            shown.computing(ctx.out_dir, (lambda: progress(ctx)) if progress is not None else None)
+            if on_open is not None:
+                on_open(ctx)
+
+        manifest, hit = _plan_and_compute(step, config, store, upstream, run_units, opened)
+        shown.ended("cached" if hit else "computed", manifest["dir"])
+    return manifest, hit
+
+
+def _plan_and_compute(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]],
+                      run_units: UnitRunner, on_open: Callable[[StepContext], None]) -> tuple[dict[str, Any], bool]:
     plan = plan_step(step, config, store, upstream)
     if plan.cached:
         report_reuse(plan)
@@ -285,14 +301,14 @@ def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str,
             return plan.manifest, True  # type: ignore[return-value]
         started = time.time()
         ctx = open_step(plan, config, store, upstream)
-        if on_open is not None:
+        with steplog.recording(step.name, plan.directory):
             on_open(ctx)
-        done, todo = split_units(ctx, store)
-        if done:
-            log.info("%s: resuming; %d of %d units already complete", step.name, len(done), len(done) + len(todo))
-        with launcher.step_scope(step.name, lock_fd, step_timeout(step, config)):
-            results = {**done, **run_units(ctx, todo)}
-            manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
+            done, todo = split_units(ctx, store)
+            if done:
+                log.info("%s: resuming; %d of %d units already complete", step.name, len(done), len(done) + len(todo))
+            with launcher.step_scope(step.name, lock_fd, step_timeout(step, config)):
+                results = {**done, **run_units(ctx, todo)}
+                manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
     log.info("%s: computed in %.1fs -> %s", step.name, manifest["timings"]["seconds"], manifest["dir"])
     return manifest, False
 
@@ -307,6 +323,7 @@ def pool_unit_runner(pool: cf.Executor, store: StageStore) -> UnitRunner:
             results[futures[future]], records = unit_outcome(future)
             replay_logs(records)
             log.info("%s: %d/%d units done", ctx.step, finished, len(todo))
+            console.step_progress(ctx.step, finished, len(todo))
         return results
 
     return run_units

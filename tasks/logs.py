@@ -1,7 +1,9 @@
 """Make `logging.getLogger(__name__)` in the domain packages reach the Prefect UI and the console.
 
 Each domain logger gets Prefect's API handler (records emitted inside a flow or task run
-are shipped to the run's log) and a console handler (progress on the terminal). Prefect
+are shipped to the run's log, every record at `runtime.log_level`) and a console handler: every
+record on stderr, except while the CLI shows a run (`lmforge.console.terminal`), which then
+decides what reaches the terminal (warnings and errors; everything with -v). Prefect
 configures its own loggers lazily, so copying `prefect.extra`'s handlers at import time
 (what PREFECT_LOGGING_EXTRA_LOGGERS does) would find none; explicit handlers work
 whenever this runs, in the CLI, in tests and in deployment runners alike.
@@ -10,8 +12,8 @@ whenever this runs, in the CLI, in tests and in deployment runners alike.
 from __future__ import annotations
 
 import logging
-import sys
 
+from lmforge.console import ConsoleHandler
 from lmforge.executor import domain_loggers
 
 CONSOLE_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
@@ -54,8 +56,7 @@ def connect_library_loggers(level: str = "INFO") -> None:
 
     api = APILogHandler()
     api.addFilter(_InRunOnly())
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(CONSOLE_FORMAT, "%H:%M:%S"))
+    console = ConsoleHandler(fmt=CONSOLE_FORMAT, datefmt="%H:%M:%S")
     for name in domain_loggers():
         logger = logging.getLogger(name)
         if any(isinstance(h, APILogHandler) for h in logger.handlers):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import concurrent.futures.process
+import functools
 import logging
 import threading
 from typing import Any
@@ -30,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.states import Completed, State
 
+from lmforge.console import step_progress
 from lmforge.executor import (capture_level, execute_step, graph, make_pool, replay_logs, run_unit, run_unit_with_logs,
                               step_timeout, unit_outcome)
 from lmforge.graph import StepContext
@@ -118,6 +120,7 @@ def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-unt
         for finished, _ in enumerate(as_completed(list(futures.values())), start=1):
             log.info("%s: %d/%d units done", ctx.step, finished, len(todo))
             progress.update(total - len(todo) + finished, total)
+            step_progress(ctx.step, total - len(todo) + finished, total)
         return {u: f.result() for u, f in futures.items()}
 
     return run_units
@@ -150,4 +153,10 @@ def step_task(step_name: str, config: Any):  # type: ignore[no-untyped-def]
     limit = step_timeout(step, config)
     # Prefect's limit is the backstop for in-process work; launched commands meet the launcher's
     # deadline first (a minute earlier), which stops their whole process tree
-    return run_step.with_options(retries=step.retries, timeout_seconds=limit + 60 if limit else None)
+    return _run_step_with(step.retries, limit + 60 if limit else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _run_step_with(retries: int, timeout_seconds: float | None):  # type: ignore[no-untyped-def]
+    """One task object per option set: `with_options` builds a new one, reading the task's source, each time."""
+    return run_step.with_options(retries=retries, timeout_seconds=timeout_seconds)
