@@ -23,10 +23,9 @@ from prefect import flow, get_run_logger
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
 from flows.dispatch import run_stage_deployment
-from flows.stage import stage_flow, upstream_stages
+from flows.stage import run_subflow, upstream_stages
 from lmforge.config import load_config
 from lmforge.registry import stages as lifecycle
-from lmforge.store import forget_verified
 from tasks.artifacts import publish_lineage
 from tasks.logs import set_library_log_level
 
@@ -50,7 +49,6 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, works
     """
     config = load_config(preset, overrides or [], workspace)
     set_library_log_level(config.runtime.log_level)
-    forget_verified()  # a new run: every output it reuses is verified (once) again
     if stages:
         config.stages = stages
     params = {"preset": preset, "overrides": overrides or [], "workspace": workspace}
@@ -64,7 +62,7 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, works
                 outcome = run_stage_deployment(stage, config, params, manifests)
                 runs[stage] = outcome["run"]
             else:
-                outcome = stage_flow(stage)(**params, manifests=manifests)
+                outcome = run_subflow(stage, config, params, manifests)
             manifests.update(outcome["manifests"])
             status.update(outcome["status"])
     finally:

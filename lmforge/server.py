@@ -5,6 +5,9 @@ The server binds to 127.0.0.1 unless told otherwise, keeps its database under
 `lmforge run` sends runs to it so they stay browsable in the UI; without it Prefect
 starts a temporary server for the duration of the run.
 
+Without a managed server, `lmforge run` gets a temporary API for the run from `connect_for_run`
+rather than letting Prefect start one when the first flow begins (see `TemporaryServer`).
+
 Why not just `prefect server start --background` / `prefect server stop`: in Prefect 3.7 the
 background server's output goes to pipes of the CLI process that started it, which exits at
 once, so its logs are lost (and writes to a closed pipe); it does not wait until the API
@@ -16,14 +19,19 @@ prefect server stop` works on it as well.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 from lmforge.errors import ConfigError
 
@@ -97,7 +105,7 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
     database = f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"
     env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_DATABASE_CONNECTION_URL": database, "PREFECT_API_DATABASE_CONNECTION_URL": database}
-    with open(directory / "server.log", "ab") as log:  # the child keeps its own copy of the handle
+    with open(directory / "server.log", "ab") as log, sigterm_deliverable():  # the child keeps its own copy of the handle
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -140,3 +148,96 @@ def status() -> str:
         health = "healthy" if healthy(state["api_url"]) else "starting or unhealthy"
         return f"running (pid {state['pid']}, {health}): UI {state['ui_url']}  API {state['api_url']}"
     return "not running (start it with: lmforge server start)"
+
+
+@contextlib.contextmanager
+def sigterm_deliverable() -> Iterator[None]:
+    """Processes started inside receive SIGTERM.
+
+    The CLI blocks SIGTERM in its threads (one thread of its own takes it), and a child inherits
+    the blocked mask across exec: a server started with it ignores `stop`'s SIGTERM until SIGKILL.
+    """
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class TemporaryServer:
+    """Prefect's temporary API server for one run, started before Prefect is imported.
+
+    It is the server Prefect starts by itself when no API is configured (the same uvicorn command,
+    environment and database), started differently. Prefect's own costs a cached `lmforge run`
+    about 13 s on 2 cores: it imports the server's code into the client (~3 s), starts the server
+    only when the first flow begins (~5 s with nothing else to do meanwhile), and at exit waits 5 s
+    for a server that inherited the CLI's blocked SIGTERM, then kills it. This one starts as soon as
+    the CLI knows it needs an API, so it boots while the CLI imports, and it stops on SIGTERM.
+    """
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # type: ignore[union-attr, arg-type]
+        # no block types registered on start: a run stores no blocks, and checking whether the registry
+        # changed imports every installed Prefect integration (prefect-dask pulls in distributed: ~1 s)
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
+               "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
+        with sigterm_deliverable():
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
+                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "error", "--lifespan", "on"], env=env)
+        atexit.register(self.stop)
+
+    def wait(self, wait_s: float = 120.0) -> None:
+        """Return once the API answers (Prefect's own gives up after 20 s, too soon on a busy machine)."""
+        deadline = time.time() + wait_s
+        while not healthy(self.api_url, timeout=1.0):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the temporary Prefect server on port {self.port} exited with "
+                                   f"{self.process.returncode} (its output is above)")
+            if time.time() > deadline:
+                raise RuntimeError(f"the temporary Prefect server did not answer within {wait_s:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_temporary: TemporaryServer | None = None
+
+
+def connect_for_run() -> str | None:
+    """Give this process a Prefect API before Prefect is imported; call `wait_for_api` before the first flow.
+
+    An inherited PREFECT_API_URL or the managed server (`lmforge server start`) is used as is and
+    returned (there is a UI to browse); otherwise a temporary server is started for the run, and
+    None is returned.
+    """
+    global _temporary
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    url = running_api_url()
+    if url is None:
+        _temporary = TemporaryServer()
+        os.environ["PREFECT_API_URL"] = _temporary.api_url
+        return None
+    os.environ["PREFECT_API_URL"] = url
+    return url
+
+
+def wait_for_api() -> None:
+    """Return once the temporary server started by `connect_for_run` answers (at once for any other API)."""
+    if _temporary is not None:
+        _temporary.wait()

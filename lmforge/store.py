@@ -8,9 +8,14 @@ files, so an interrupted step resumes with the units it had not finished.
 
 Bookkeeping files start with a dot and are never part of a step's outputs.
 
-Each output is hashed once per run, not once per look: a verified output is remembered
-with the size, modification time and inode of its manifest and every file, and is only
-hashed again when one of those changes (or when `forget_verified` starts a new run).
+With `runtime.verify: checksum` a file's SHA-256 is computed once, not on every run: beside
+the manifest, `.verified.json` records each file's stat stamp (size, mtime_ns, ctime_ns,
+inode, device) with the digest it was verified against, and a file is hashed again whenever
+any of those changed -- a write, a truncation, a copy, a replacement, even one that restores
+the old mtime (ctime cannot be set back). This is the stat cache of git's index, DVC and
+make. A file modified in the last seconds before it was stamped is not trusted ("racily
+clean", as git calls it): it is hashed again next time. Deleting an output's
+`.verified.json` makes the next run hash all of its files again.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import fcntl
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -52,11 +56,44 @@ def list_outputs(directory: Path, exclude: tuple[str, ...] = ()) -> list[str]:
     return found
 
 
-def describe_files(directory: Path, rel_paths: list[str]) -> dict[str, dict[str, Any]]:
-    return {
-        rel: {"size": (directory / rel).stat().st_size, "sha256": file_sha256(directory / rel)}
-        for rel in rel_paths
-    }
+VERIFIED = ".verified.json"
+RACY_NS = 2_000_000_000  # a file modified this close to its stamp may still change within the same timestamp tick
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _read_stamps(directory: Path) -> dict[str, list[Any]]:
+    try:
+        stamps = json.loads((directory / VERIFIED).read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return stamps if isinstance(stamps, dict) else {}
+
+
+def _write_stamps(directory: Path, stamps: dict[str, list[Any]]) -> None:
+    try:
+        atomic_write_json(directory / VERIFIED, stamps)
+    except OSError as exc:  # a read-only workspace: verification still holds, it is only not remembered
+        log.debug("could not record verified files in %s: %s", directory, exc)
+
+
+def _trusted(st: os.stat_result, now_ns: int) -> bool:
+    """False for a file changed so recently that a later write could keep its stamp ("racily clean")."""
+    return now_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_NS
+
+
+def describe_files(directory: Path, rel_paths: list[str], stamps: dict[str, list[Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of each file; `stamps` (when given) receives the stat stamps of those it may trust later."""
+    described = {}
+    now = time.time_ns()
+    for rel in rel_paths:
+        st = (directory / rel).stat()  # before hashing: a write during the hash changes the stamp
+        described[rel] = {"size": st.st_size, "sha256": file_sha256(directory / rel)}
+        if stamps is not None and _trusted(st, now):
+            stamps[rel] = [*_stamp(st), described[rel]["sha256"]]
+    return described
 
 
 def outputs_digest(outputs: dict[str, dict[str, Any]], prefixes: tuple[str, ...] | None = None) -> str:
@@ -70,23 +107,29 @@ def outputs_digest(outputs: dict[str, dict[str, Any]], prefixes: tuple[str, ...]
     return digest(sorted(chosen), length=32)
 
 
-_verified: dict[str, tuple[Any, ...]] = {}  # output dir -> stat signature at its last verification
-_verified_lock = threading.Lock()
-
-
-def _signature(directory: Path, rel_paths: list[str]) -> tuple[Any, ...] | None:
-    """(size, mtime, inode) of the manifest and every listed file; None if one is missing."""
-    try:
-        stats = [os.stat(directory / rel) for rel in [MANIFEST, *rel_paths]]
-    except OSError:
-        return None
-    return tuple((st.st_size, st.st_mtime_ns, st.st_ino) for st in stats)
-
-
-def forget_verified() -> None:
-    """Start a new run: every output is hashed again the next time it is checked."""
-    with _verified_lock:
-        _verified.clear()
+def verify_outputs(directory: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """`verify_files` in checksum mode, hashing only files whose stat stamp changed since they were verified."""
+    known = _read_stamps(directory)
+    fresh: dict[str, list[Any]] = {}
+    now = time.time_ns()
+    for rel, meta in files.items():
+        path = directory / rel
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return f"missing file {rel}"
+        if st.st_size != meta["size"]:
+            return f"size of {rel} changed ({meta['size']} -> {st.st_size} bytes)"
+        stamp = [*_stamp(st), meta["sha256"]]
+        if known.get(rel) != stamp:
+            if file_sha256(path) != meta["sha256"]:
+                return f"checksum of {rel} does not match"
+            if not _trusted(st, now):
+                continue
+        fresh[rel] = stamp
+    if fresh != known:
+        _write_stamps(directory, fresh)
+    return None
 
 
 def verify_files(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> str | None:
@@ -132,37 +175,31 @@ class StageStore:
         if manifest is None:
             return None, "output directory exists but has no manifest (partial run)"
         files = manifest.get("outputs", {})
-        signature = _signature(directory, list(files))
-        with _verified_lock:
-            known = signature is not None and _verified.get(str(directory)) == signature
-        if not known:
+        if self.verify_mode == "checksum":
+            problem = verify_outputs(directory, files)
+        else:
             problem = verify_files(directory, files, self.verify_mode)
-            if problem:
-                return None, f"output is damaged: {problem}"
-            if signature is not None:
-                with _verified_lock:
-                    _verified[str(directory)] = signature
+        if problem:
+            return None, f"output is damaged: {problem}"
         manifest["dir"] = str(directory)  # where it is now, even if the workspace was moved
         return manifest, "complete and verified"
 
     def finish(self, directory: Path, manifest: dict[str, Any], exclude: tuple[str, ...] = (),
                digest_prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Checksum every output (the one hashing of this run), add the digest, write the manifest last."""
-        outputs = describe_files(directory, list_outputs(directory, exclude))
+        stamps: dict[str, list[Any]] = {}
+        outputs = describe_files(directory, list_outputs(directory, exclude), stamps)
         manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs, digest_prefixes)}
+        _write_stamps(directory, stamps)  # before the manifest, which makes the output complete
         atomic_write_json(directory / MANIFEST, manifest)
-        signature = _signature(directory, list(outputs))
-        if signature is not None:
-            with _verified_lock:
-                _verified[str(directory)] = signature
         return manifest
 
     def invalidate(self, directory: Path) -> None:
         """Remove the manifest of a damaged output so it can never be mistaken for complete."""
-        with _verified_lock:
-            _verified.pop(str(directory), None)
         with contextlib.suppress(FileNotFoundError):
             (directory / MANIFEST).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (directory / VERIFIED).unlink()
 
     # -- per-unit completion markers (resume mid-step) --------------------------------------
 

@@ -9,6 +9,7 @@ the last product.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +98,23 @@ def _publish_lineage_graph(manifests: dict[str, dict[str, Any]], status: dict[st
     if not manifests:
         return
     workspace = Path(next(iter(manifests.values()))["dir"]).parents[2]
+    computed_by = {n: made_by(m, runs) for n, m in manifests.items()}
+    png = lineage_png(workspace / ".lmforge" / "ui", manifests, status, computed_by)
     try:
-        png = render_lineage(manifests, status, {n: made_by(m, runs) for n, m in manifests.items()},
-                             workspace / ".lmforge" / "ui" / "lineage.png")
+        if not png.exists():  # a rerun that reused every output draws the same picture: drawn once
+            tmp = png.with_name(f".tmp-{os.getpid()}-{png.name}")  # still .png: matplotlib picks the format by it
+            os.replace(render_lineage(manifests, status, computed_by, tmp), png)
     except Exception as exc:  # noqa: BLE001 - a picture is never a reason to fail a run
         logging.getLogger("lmforge.tasks").warning("could not render the lineage graph: %s", exc)
         return
     publish(ArtifactSpec("pipeline-lineage-graph", "image", str(png), "lineage from raw inputs to the served model"))
+
+
+def lineage_png(ui: Path, manifests: dict[str, dict[str, Any]], status: dict[str, str], computed_by: dict[str, str]) -> Path:
+    """The lineage picture's file, named by a digest of everything drawn in it and of the code drawing it."""
+    from lmforge.hashing import digest, file_sha256
+    from tasks import lineage_graph
+
+    drawn = {name: [m["stage"], m["key"], list(m["inputs"]), status.get(name), computed_by.get(name),
+                    {k: m.get("extra", {}).get(k) for k in ("served_name", "url")}] for name, m in manifests.items()}
+    return ui / f"lineage-{digest([drawn, file_sha256(lineage_graph.__file__)], length=16)}.png"

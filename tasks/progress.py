@@ -117,10 +117,32 @@ def render_curves(metrics_file: Path, panels: list[tuple[str, list[tuple[str, st
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    save_png(fig, out, dpi=80)
     plt.close(fig)
     return out
+
+
+def save_png(fig: Any, out: Path, dpi: int) -> None:
+    """Write whole or not at all: a picture found at `out` is reused by later runs."""
+    import os
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    fig.savefig(tmp, dpi=dpi, format="png")
+    os.replace(tmp, out)
+
+
+def curves_png(ui: Path, step: str, manifest: dict[str, Any], panels: Any, title: str) -> tuple[Path, bool]:
+    """Where the curves of a step output are drawn, and whether they are drawn there already.
+
+    The name is a digest of what the picture is drawn from (the checksummed metrics.jsonl, the
+    panels, the title), so a cached step's curves are drawn once, not on every run.
+    """
+    from lmforge.hashing import digest
+
+    source = manifest.get("outputs", {}).get("metrics.jsonl", {}).get("sha256")
+    png = ui / f"{step.replace('/', '-')}-{manifest['key']}-{digest([source, panels, title], length=12)}.png"
+    return png, source is not None and png.exists()
 
 
 def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
@@ -135,10 +157,12 @@ def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
         directory = Path(manifest["dir"])
         if not (directory / "metrics.jsonl").exists():
             continue
+        title = f"{step} @ {manifest['key'][:8]}"
+        # beside the workspace's other UI files, not inside the finished (checksummed) output
+        png, drawn = curves_png(directory.parents[2] / ".lmforge" / "ui", step, manifest, panels, title)
         try:
-            # beside the workspace's other UI files, not inside the finished (checksummed) output
-            ui = directory.parents[2] / ".lmforge" / "ui" / f"{step.replace('/', '-')}-{manifest['key']}.png"
-            png = render_curves(directory / "metrics.jsonl", panels, f"{step} @ {manifest['key'][:8]}", ui)
+            if not drawn:
+                png = render_curves(directory / "metrics.jsonl", panels, title, png)
         except Exception as exc:  # noqa: BLE001 - a picture is never a reason to fail a stage
             log.warning("could not render the curves of %s: %s", step, exc)
             continue

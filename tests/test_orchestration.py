@@ -352,8 +352,8 @@ def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path,
     png = render_lineage(manifests, status, {n: "run test, host h" for n in manifests}, tmp_path / "lineage.png")
     height, width, _ = matplotlib.image.imread(png).shape
     assert width > 600 and height > 300
-    where = layout(manifests)
-    assert where["curate/demo"][0] == where["curate/pack"][0]  # one column per stage
+    columns = layout(manifests)
+    assert columns.box("curate/demo")[0] == columns.box("curate/pack")[0]  # one column per stage
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": 7 - s / 10, "grad_norm": 1.0, "mfu": 0.5, "tokens_per_s": 100,
                                            **({"val_loss": 6.5 - s / 10} if s % 5 == 0 else {})}) + "\n"

@@ -103,3 +103,56 @@ def test_latest_points_at_last_used_output(tmp_path: Path) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
     store.record_use("demo/step", manifest)
     assert store.latest("demo/step")["key"] == "k1"
+
+
+def _count_hashes(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    import lmforge.store
+
+    hashed: list[str] = []
+    real = lmforge.store.file_sha256
+    monkeypatch.setattr(lmforge.store, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    return hashed
+
+
+def test_verified_files_are_not_hashed_again_until_they_change(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    import lmforge.store
+
+    monkeypatch.setattr(lmforge.store, "RACY_NS", 50_000_000)  # files older than 50 ms are trusted
+    store = StageStore(tmp_path)
+    directory = _complete(store)
+    time.sleep(0.1)
+    hashed = _count_hashes(monkeypatch)
+    assert store.check("demo/step", "k1")[0] is not None
+    assert sorted(hashed) == ["a.txt", "b.bin"]  # stamped by finish() too early to trust: hashed once more
+    hashed.clear()
+    assert StageStore(tmp_path).check("demo/step", "k1")[0] is not None  # a new store, as in a later run
+    assert hashed == []
+    before = os.stat(directory / "a.txt")
+    (directory / "a.txt").write_text("alphA")  # same size, and the old mtime put back: only ctime tells
+    os.utime(directory / "a.txt", ns=(before.st_atime_ns, before.st_mtime_ns))
+    manifest, reason = store.check("demo/step", "k1")
+    assert manifest is None and "checksum of a.txt" in reason and hashed == ["a.txt"]
+
+
+def test_a_file_changed_just_before_its_check_is_hashed_again(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = StageStore(tmp_path)
+    _complete(store)
+    hashed = _count_hashes(monkeypatch)
+    for _ in range(2):  # written within RACY_NS: a later write in the same timestamp tick could keep its stamp
+        assert store.check("demo/step", "k1")[0] is not None
+    assert sorted(hashed) == ["a.txt", "a.txt", "b.bin", "b.bin"]
+
+
+def test_invalidate_forgets_what_was_verified(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import lmforge.store
+
+    monkeypatch.setattr(lmforge.store, "RACY_NS", 0)
+    store = StageStore(tmp_path)
+    directory = _complete(store)
+    assert store.check("demo/step", "k1")[0] is not None
+    assert (directory / lmforge.store.VERIFIED).exists()
+    assert lmforge.store.VERIFIED not in json.loads((directory / MANIFEST).read_text())["outputs"]
+    store.invalidate(directory)
+    assert not (directory / lmforge.store.VERIFIED).exists()
