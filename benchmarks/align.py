@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PLAIN = r'''
+PLAIN = r"""
 import json, sys, time
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -62,13 +62,15 @@ if spec["kind"] == "sft":
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Times()])
 else:
     weight = cfg.get("sft_weight", 0.0)
-    losses = {"loss_type": [cfg["loss_type"], "sft"], "loss_weights": [1.0, weight]} if weight else {"loss_type": [cfg["loss_type"]]}
+    losses = {"loss_type": [cfg["loss_type"]]}
+    if weight:
+        losses = {"loss_type": [cfg["loss_type"], "sft"], "loss_weights": [1.0, weight]}
     args = trl.DPOConfig(**common, beta=cfg["beta"], **losses)
     reference = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
     trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer,
                              callbacks=[Times()])
 trainer.train()
-'''
+"""
 
 
 def accelerate(module_or_script: list[str], port: int) -> list[str]:
@@ -76,7 +78,7 @@ def accelerate(module_or_script: list[str], port: int) -> list[str]:
     from lmforge.launch import Launch, build_command
 
     command = build_command("training.align.entry", Path("spec.json"), Launch("accelerate", 2), port)
-    return command[:command.index("-m", 3)] + module_or_script
+    return command[: command.index("-m", 3)] + module_or_script
 
 
 def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
@@ -84,8 +86,13 @@ def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
     spec = json.loads((Path(manifest["dir"]) / "run_spec.json").read_text())
     spec["config"]["max_steps"] = steps
     spec["config"]["save_steps"] = max(steps // 2, 1)  # lmforge checkpoints as it always does
-    spec.update(out_dir=str(out), eval_every=10**9, heldout_generation=[], attempt=1,
-                attempt_dir=str(out / "logs" / "attempt-1"))
+    spec.update(
+        out_dir=str(out),
+        eval_every=10**9,
+        heldout_generation=[],
+        attempt=1,
+        attempt_dir=str(out / "logs" / "attempt-1"),
+    )
     return spec
 
 
@@ -93,9 +100,14 @@ def run_lmforge(spec: dict, port: int) -> float:
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_spec.json").write_text(json.dumps(spec))
-    subprocess.run(accelerate(["-m", "training.align.entry", "--spec", str(out / "run_spec.json")], port), check=True,
-                   cwd=ROOT, capture_output=True, env=_env())
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    subprocess.run(
+        accelerate(["-m", "training.align.entry", "--spec", str(out / "run_spec.json")], port),
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env=_env(),
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # the entry logs tokens/s between consecutive logged steps (from TRL's num_tokens), as the plain run is measured
     speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
     return sum(speeds[1:]) / len(speeds[1:])
@@ -105,11 +117,15 @@ def run_plain(spec: dict, port: int, script: Path) -> float:
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(accelerate([str(script), str(out / "spec.json")], port), check=True, cwd=ROOT, capture_output=True,
-                   env=_env())
-    rows = [json.loads(l) for l in (out / "plain_metrics.jsonl").read_text().splitlines()]
-    speeds = [(b["num_tokens"] - a["num_tokens"]) / (b["time"] - a["time"]) for a, b in zip(rows[1:], rows[2:])
-              if b["time"] > a["time"]]
+    subprocess.run(
+        accelerate([str(script), str(out / "spec.json")], port), check=True, cwd=ROOT, capture_output=True, env=_env()
+    )
+    rows = [json.loads(line) for line in (out / "plain_metrics.jsonl").read_text().splitlines()]
+    speeds = [
+        (b["num_tokens"] - a["num_tokens"]) / (b["time"] - a["time"])
+        for a, b in zip(rows[1:], rows[2:])
+        if b["time"] > a["time"]
+    ]
     return sum(speeds) / len(speeds)
 
 
@@ -139,14 +155,26 @@ def main() -> None:
             mine, plain = [], []
             for repeat in range(args.repeats):
                 started = time.time()
-                mine.append(run_lmforge(spec_for(kind, workspace, steps, Path(work) / f"{kind}-lmforge-{repeat}"), free_port()))
-                plain.append(run_plain(spec_for(kind, workspace, steps, Path(work) / f"{kind}-plain-{repeat}"), free_port(), script))
-                print(f"{kind} repeat {repeat + 1}: lmforge {mine[-1]:,.0f} tok/s, plain TRL {plain[-1]:,.0f} tok/s "
-                      f"({time.time() - started:.0f}s)", file=sys.stderr, flush=True)
+                mine.append(
+                    run_lmforge(spec_for(kind, workspace, steps, Path(work) / f"{kind}-lmforge-{repeat}"), free_port())
+                )
+                plain.append(
+                    run_plain(
+                        spec_for(kind, workspace, steps, Path(work) / f"{kind}-plain-{repeat}"), free_port(), script
+                    )
+                )
+                print(
+                    f"{kind} repeat {repeat + 1}: lmforge {mine[-1]:,.0f} tok/s, plain TRL {plain[-1]:,.0f} tok/s "
+                    f"({time.time() - started:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             results[kind] = (max(mine), max(plain))
     print("| step | lmforge tokens/s | plain TRL tokens/s | ratio |\n|---|---|---|---|")
     for kind, (mine, plain) in results.items():
-        print(f"| {kind.upper()} (2 CPU ranks, best of {args.repeats}) | {mine:,.0f} | {plain:,.0f} | **{mine / plain:.2f}x** |")
+        print(
+            f"| {kind.upper()} (2 CPU ranks, best of {args.repeats}) | {mine:,.0f} | {plain:,.0f} | **{mine / plain:.2f}x** |"
+        )
 
 
 if __name__ == "__main__":

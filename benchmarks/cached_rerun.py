@@ -58,8 +58,11 @@ def computed_steps(stdout: str) -> tuple[int, int]:
 
 
 def populate(args: argparse.Namespace, env: dict[str, str]) -> None:
-    print(f"populating {args.workspace}: one full `lmforge run` computes every step "
-          "(about 15-25 minutes on 2 cores; its log streams below) ...", flush=True)
+    print(
+        f"populating {args.workspace}: one full `lmforge run` computes every step "
+        "(about 15-25 minutes on 2 cores; its log streams below) ...",
+        flush=True,
+    )
     started = time.perf_counter()
     command = lmforge("run", "--workspace", args.workspace, *[f"--set={s}" for s in args.set])
     if subprocess.run(command, cwd=ROOT, env=env).returncode != 0:
@@ -82,8 +85,10 @@ def measure(modes: list[str], args: argparse.Namespace, env: dict[str, str]) -> 
             seconds, stdout = run(mode, args, env)
             steps, computed = computed_steps(stdout)
             if computed:
-                sys.exit(f"{mode}: {computed} of {steps} steps were computed: not a cached rerun (did the "
-                         "workspace, the config or the code change during the benchmark?)")
+                sys.exit(
+                    f"{mode}: {computed} of {steps} steps were computed: not a cached rerun (did the "
+                    "workspace, the config or the code change during the benchmark?)"
+                )
             times[mode].append(seconds)
             print(f"  {repeat}/{args.repeats}  {mode:8} {seconds:6.2f} s  ({steps} steps, all cache hits)", flush=True)
     return times
@@ -94,16 +99,21 @@ def main() -> None:
     parser.add_argument("--workspace", default=str(ROOT / "workspace-bench"), help="default: workspace-bench/")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    parser.add_argument("--with-server", action="store_true",
-                        help="also measure with a managed Prefect server running (`lmforge server start`)")
+    parser.add_argument(
+        "--with-server",
+        action="store_true",
+        help="also measure with a managed Prefect server running (`lmforge server start`)",
+    )
     parser.add_argument("--stop-serving", action="store_true", help="stop the served model at the end")
     args = parser.parse_args()
     args.workspace = str(Path(args.workspace).resolve())
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # each run finds its own API
     running = subprocess.run(lmforge("server", "status"), cwd=ROOT, env=env, capture_output=True, text=True).stdout
     if running.startswith("running"):
-        sys.exit("a managed Prefect server is running (`lmforge server stop` first): `lmforge run` would use it, "
-                 "and the figures would not be those of a plain `lmforge run` (see --with-server)")
+        sys.exit(
+            "a managed Prefect server is running (`lmforge server stop` first): `lmforge run` would use it, "
+            "and the figures would not be those of a plain `lmforge run` (see --with-server)"
+        )
     if not populated(Path(args.workspace)):
         populate(args, env)
 
@@ -125,8 +135,11 @@ def main() -> None:
     if "server" in medians:
         print(f"  ratio server running / --local   {medians['server'] / medians['local']:6.2f}x")
     if args.stop_serving:
-        subprocess.run(lmforge("serve", "stop", "--workspace", args.workspace, *[f"--set={s}" for s in args.set]),
-                       cwd=ROOT, env=env)
+        subprocess.run(
+            lmforge("serve", "stop", "--workspace", args.workspace, *[f"--set={s}" for s in args.set]),
+            cwd=ROOT,
+            env=env,
+        )
 
 
 if __name__ == "__main__":

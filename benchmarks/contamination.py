@@ -48,7 +48,7 @@ def generate(count: int, mean_words: int, seed: int = 0) -> list[str]:
     ranks = np.minimum(rng.zipf(1.2, size=int(lengths.sum())) - 1, len(vocabulary) - 1)
     tokens = vocabulary[ranks]
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    return [" ".join(tokens[bounds[i]:bounds[i + 1]]) for i in range(count)]
+    return [" ".join(tokens[bounds[i] : bounds[i + 1]]) for i in range(count)]
 
 
 def items_from(docs: list[str], count: int, seed: int = 1) -> tuple[list[str], set[int]]:
@@ -60,7 +60,7 @@ def items_from(docs: list[str], count: int, seed: int = 1) -> tuple[list[str], s
         if i % 2 == 0:
             words_ = docs[rng.randrange(len(docs))].split()
             start = rng.randrange(max(1, len(words_) - 60))
-            span = words_[start:start + 60]
+            span = words_[start : start + 60]
             for k in rng.sample(range(len(span)), max(1, len(span) // 20)):
                 span[k] = "edited"
             items.append(" ".join(span))
@@ -79,12 +79,12 @@ class SetIndex:
         for doc in docs:
             tokens = words(doc)
             for n in (settings.ngram, settings.short_ngram):
-                self.grams.update(" ".join(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+                self.grams.update(" ".join(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
 
     def contaminated(self, text: str) -> bool:
         tokens = words(text)
         n = self.settings.ngram if len(tokens) >= self.settings.ngram else self.settings.short_ngram
-        grams = [" ".join(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+        grams = [" ".join(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
         return bool(grams) and sum(g in self.grams for g in grams) / len(grams) >= self.settings.min_coverage
 
 
@@ -100,9 +100,18 @@ def measure(name: str, build, query, docs: list[str], items: list[str], planted:
     queried = time.perf_counter() - started
     recall = sum(flags[i] for i in planted) / len(planted)
     false_rate = sum(f for i, f in enumerate(flags) if i not in planted) / (len(items) - len(planted))
-    return {"method": name, "docs": len(docs), "build_docs_s": len(docs) / built, "query_items_s": len(items) / queried,
-            "rss_growth_mb": grown, "ngrams": grams, "bytes_per_ngram": grown * 2**20 / max(grams, 1),
-            "recall": recall, "false_positive_rate": false_rate, "build_s": built}
+    return {
+        "method": name,
+        "docs": len(docs),
+        "build_docs_s": len(docs) / built,
+        "query_items_s": len(items) / queried,
+        "rss_growth_mb": grown,
+        "ngrams": grams,
+        "bytes_per_ngram": grown * 2**20 / max(grams, 1),
+        "recall": recall,
+        "false_positive_rate": false_rate,
+        "build_s": built,
+    }
 
 
 def lmforge_build(workdir: Path, settings: Settings):  # type: ignore[no-untyped-def]
@@ -130,32 +139,59 @@ def main() -> None:
         for size in [int(s) for s in args.sizes.split(",")]:
             docs = generate(size, args.words)
             items, planted = items_from(docs, args.items)
-            rows.append(measure("lmforge (numpy, sorted hashes)", lmforge_build(Path(work), settings),
-                                lambda index, item: check_item(words(item), index)["contaminated"], docs, items, planted))
+            rows.append(
+                measure(
+                    "lmforge (numpy, sorted hashes)",
+                    lmforge_build(Path(work), settings),
+                    lambda index, item: check_item(words(item), index)["contaminated"],
+                    docs,
+                    items,
+                    planted,
+                )
+            )
             if size <= args.baseline_max:
-                rows.append(measure("python set of n-gram strings", lambda d: (lambda s: (s, len(s.grams)))(SetIndex(d, settings)),
-                                    lambda index, item: index.contaminated(item), docs, items, planted))
+                rows.append(
+                    measure(
+                        "python set of n-gram strings",
+                        lambda d: (lambda index: (index, len(index.grams)))(SetIndex(d, settings)),
+                        lambda index, item: index.contaminated(item),
+                        docs,
+                        items,
+                        planted,
+                    )
+                )
             del docs
             gc.collect()
-            print(f"{size:>9} docs done (peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)",
-                  file=sys.stderr, flush=True)
-    print(f"| method | docs | build docs/s | query items/s | RSS growth MB | n-grams | bytes/n-gram | recall | false pos. |")
+            print(
+                f"{size:>9} docs done (peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        "| method | docs | build docs/s | query items/s | RSS growth MB | n-grams | bytes/n-gram | recall | false pos. |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['docs']:,} | {r['build_docs_s']:,.0f} | {r['query_items_s']:,.0f} | "
-              f"{r['rss_growth_mb']:,.0f} | {r['ngrams']:,} | {r['bytes_per_ngram']:.1f} | {r['recall']:.3f} | "
-              f"{r['false_positive_rate']:.3f} |")
+        print(
+            f"| {r['method']} | {r['docs']:,} | {r['build_docs_s']:,.0f} | {r['query_items_s']:,.0f} | "
+            f"{r['rss_growth_mb']:,.0f} | {r['ngrams']:,} | {r['bytes_per_ngram']:.1f} | {r['recall']:.3f} | "
+            f"{r['false_positive_rate']:.3f} |"
+        )
     print()
     for size in sorted({r["docs"] for r in rows}):
         mine = next(r for r in rows if r["docs"] == size and r["method"].startswith("lmforge"))
         base = next((r for r in rows if r["docs"] == size and r["method"].startswith("python")), None)
         if base:
-            print(f"{size:,} docs: build {mine['build_docs_s'] / base['build_docs_s']:.1f}x, query "
-                  f"{mine['query_items_s'] / base['query_items_s']:.1f}x the baseline's speed; memory "
-                  f"{base['bytes_per_ngram'] / max(mine['bytes_per_ngram'], 1e-9):.1f}x less per n-gram")
+            print(
+                f"{size:,} docs: build {mine['build_docs_s'] / base['build_docs_s']:.1f}x, query "
+                f"{mine['query_items_s'] / base['query_items_s']:.1f}x the baseline's speed; memory "
+                f"{base['bytes_per_ngram'] / max(mine['bytes_per_ngram'], 1e-9):.1f}x less per n-gram"
+            )
         else:
-            print(f"{size:,} docs: lmforge only ({mine['rss_growth_mb']:,.0f} MB); the baseline at "
-                  f"{base_bytes(rows):.0f} bytes/n-gram would need ~{mine['ngrams'] * base_bytes(rows) / 2**30:.1f} GiB")
+            print(
+                f"{size:,} docs: lmforge only ({mine['rss_growth_mb']:,.0f} MB); the baseline at "
+                f"{base_bytes(rows):.0f} bytes/n-gram would need ~{mine['ngrams'] * base_bytes(rows) / 2**30:.1f} GiB"
+            )
 
 
 def base_bytes(rows: list[dict]) -> float:

@@ -36,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,7 @@ def lmforge_minhash_lsh(texts: list[str]) -> int:
 # -- MinHash and heuristics beside their peers ------------------------------------------------
 # Peer functions run in .venv-peers (`--peer-worker`); each returns what it measured as JSON.
 
+
 def word_shingles(text: str, n: int = 5) -> list[bytes]:
     """The same shingles lmforge hashes: n-grams of its normalized words (all words if fewer than n)."""
     from data_prep.minhash import dedup_word_bytes
@@ -175,14 +177,22 @@ def peer_filter_results(texts: list[str], timed: list[str]) -> dict[str, Any]:
     """datatrove's four quality filters, configured as lmforge's defaults (FineWeb's settings):
     the decision and datatrove's reason per document and family on `texts`, speed on `timed`."""
     from datatrove.data import Document
-    from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
-                                            GopherRepetitionFilter)
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
     from datatrove.utils.text import split_into_parts
     from loguru import logger
 
     logger.remove()
-    filters = {"gopher_quality": GopherQualityFilter(), "gopher_repetition": GopherRepetitionFilter(),
-               "c4": C4QualityFilter(filter_no_terminal_punct=False), "fineweb": FineWebQualityFilter()}
+    filters = {
+        "gopher_quality": GopherQualityFilter(),
+        "gopher_repetition": GopherRepetitionFilter(),
+        "c4": C4QualityFilter(filter_no_terminal_punct=False),
+        "fineweb": FineWebQualityFilter(),
+    }
     fineweb_order = ["gopher_repetition", "gopher_quality", "c4", "fineweb"]  # FineWeb's pipeline order
 
     def removal_reason(family: str, text: str) -> str | None:
@@ -206,9 +216,12 @@ def peer_filter_results(texts: list[str], timed: list[str]) -> dict[str, Any]:
             split_into_parts.cache_clear()
             removal_reason(family, text)
 
-    return {"removed": every_filter(texts), "all_filters_docs_per_s": rate(lambda: every_filter(timed), len(timed), REPEATS)[0],
-            "pipeline_docs_per_s": rate(pipeline, len(timed), REPEATS)[0],
-            "per_filter_docs_per_s": {family: rate(lambda f=family: alone(f), len(timed))[0] for family in filters}}
+    return {
+        "removed": every_filter(texts),
+        "all_filters_docs_per_s": rate(lambda: every_filter(timed), len(timed), REPEATS)[0],
+        "pipeline_docs_per_s": rate(pipeline, len(timed), REPEATS)[0],
+        "per_filter_docs_per_s": {family: rate(lambda f=family: alone(f), len(timed))[0] for family in filters},
+    }
 
 
 def run_peer(kind: str, texts: Any, workdir: Path) -> Any:
@@ -218,10 +231,16 @@ def run_peer(kind: str, texts: Any, workdir: Path) -> Any:
         return None
     path = workdir / f"peer-{kind}.json"
     path.write_text(json.dumps(texts))
-    done = subprocess.run([str(PEERS_PYTHON), __file__, "--peer-worker", kind, "--texts", str(path)],
-                          capture_output=True, text=True, env={**os.environ, **ONE_THREAD})
+    done = subprocess.run(
+        [str(PEERS_PYTHON), __file__, "--peer-worker", kind, "--texts", str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+    )
     if done.returncode != 0:
-        print(f"  (peer run failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})")
+        print(
+            f"  (peer run failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})"
+        )
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -230,12 +249,16 @@ def lmforge_signature_rate(texts: list[str]) -> float:
     from data_prep.minhash import MinHasher
 
     hasher = MinHasher()
-    return rate(lambda: [hasher.signatures(texts[i : i + 512]) for i in range(0, len(texts), 512)], len(texts), REPEATS)[0]
+    return rate(
+        lambda: [hasher.signatures(texts[i : i + 512]) for i in range(0, len(texts), 512)], len(texts), REPEATS
+    )[0]
 
 
 def print_minhash_peers(texts: list[str], workdir: Path) -> None:
-    print(f"\n== MinHash signatures only (112 perms, seed 1, word 5-grams of the same normalized words), "
-          f"{len(texts)} documents, 1 process, 1 thread, best of {REPEATS}")
+    print(
+        f"\n== MinHash signatures only (112 perms, seed 1, word 5-grams of the same normalized words), "
+        f"{len(texts)} documents, 1 process, 1 thread, best of {REPEATS}"
+    )
     ours = lmforge_signature_rate(texts)
     print(f"  {'implementation':52} {'docs/s':>9}  {'lmforge / it':>12}")
     print(f"  {'lmforge MinHasher.signatures (numpy, batches of 512)':52} {ours:9.0f}  {1.0:11.2f}x")
@@ -248,15 +271,21 @@ def lmforge_filter_results(texts: list[str], timed: list[str]) -> dict[str, Any]
     from data_prep.config import CurateConfig
 
     cfg, params = CurateConfig(), heuristics.StatParams()
-    checks = {family: (getattr(cfg, section), check) for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items()
-              if family in ("gopher_quality", "gopher_repetition", "c4", "fineweb")}
+    checks = {
+        family: (getattr(cfg, section), check)
+        for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items()
+        if family in ("gopher_quality", "gopher_repetition", "c4", "fineweb")
+    }
 
     def failures(docs: list[str]) -> dict[str, list[list[str]]]:
         stats = [heuristics.compute_stats(t, params) for t in docs]
         return {family: [check(s, rule_cfg) for s in stats] for family, (rule_cfg, check) in checks.items()}
 
-    return {"failed": failures(texts), "docs_per_s": rate(lambda: failures(timed), len(timed), REPEATS)[0],
-            "stats_docs_per_s": rate(lambda: [heuristics.compute_stats(t, params) for t in timed], len(timed), REPEATS)[0]}
+    return {
+        "failed": failures(texts),
+        "docs_per_s": rate(lambda: failures(timed), len(timed), REPEATS)[0],
+        "stats_docs_per_s": rate(lambda: [heuristics.compute_stats(t, params) for t in timed], len(timed), REPEATS)[0],
+    }
 
 
 def print_filter_peers(texts: list[str], workdir: Path, timed_every: int = 4) -> None:
@@ -264,20 +293,30 @@ def print_filter_peers(texts: list[str], workdir: Path, timed_every: int = 4) ->
     from collections import Counter
 
     timed = texts[::timed_every]
-    print(f"\n== heuristic filters: Gopher quality + repetition, C4, FineWeb with lmforge's default thresholds (= datatrove's;"
-          f" C4 filter_no_terminal_punct=False, as FineWeb)\n   decisions on all {len(texts)} demo documents, speed on "
-          f"{len(timed)} of them, 1 process, best of {REPEATS}")
+    print(
+        f"\n== heuristic filters: Gopher quality + repetition, C4, FineWeb with lmforge's default thresholds (= datatrove's;"
+        f" C4 filter_no_terminal_punct=False, as FineWeb)\n   decisions on all {len(texts)} demo documents, speed on "
+        f"{len(timed)} of them, 1 process, best of {REPEATS}"
+    )
     ours = lmforge_filter_results(texts, timed)
-    print(f"  lmforge compute_stats + the 4 rule families            {ours['docs_per_s']:7.0f} docs/s "
-          f"(compute_stats alone {ours['stats_docs_per_s']:.0f})")
+    print(
+        f"  lmforge compute_stats + the 4 rule families            {ours['docs_per_s']:7.0f} docs/s "
+        f"(compute_stats alone {ours['stats_docs_per_s']:.0f})"
+    )
     peer = run_peer("filters", {"texts": texts, "timed": timed}, workdir)
     if peer is None:
         return
-    print(f"  datatrove, the 4 filters on every document             {peer['all_filters_docs_per_s']:7.0f} docs/s  "
-          f"(lmforge / datatrove: {ours['docs_per_s'] / peer['all_filters_docs_per_s']:.1f}x)")
-    print(f"  datatrove, as a pipeline (a document stops at its first removal) {peer['pipeline_docs_per_s']:7.0f} docs/s")
-    print(f"  {'family':18} {'datatrove alone':>16} {'agree':>7} {'both remove':>11} {'only lmforge':>12} "
-          f"{'only datatrove':>14} {'both keep':>9}")
+    print(
+        f"  datatrove, the 4 filters on every document             {peer['all_filters_docs_per_s']:7.0f} docs/s  "
+        f"(lmforge / datatrove: {ours['docs_per_s'] / peer['all_filters_docs_per_s']:.1f}x)"
+    )
+    print(
+        f"  datatrove, as a pipeline (a document stops at its first removal) {peer['pipeline_docs_per_s']:7.0f} docs/s"
+    )
+    print(
+        f"  {'family':18} {'datatrove alone':>16} {'agree':>7} {'both remove':>11} {'only lmforge':>12} "
+        f"{'only datatrove':>14} {'both keep':>9}"
+    )
     disagreements = []
     for family, failed in ours["failed"].items():
         theirs = peer["removed"][family]
@@ -286,13 +325,17 @@ def print_filter_peers(texts: list[str], workdir: Path, timed_every: int = 4) ->
         both_remove = sum(bool(a) and b is not None for a, b in zip(failed, theirs))
         only_ours, only_theirs = sum(bool(a) and b is None for a, b in zip(failed, theirs)), sum(theirs_only.values())
         both_keep = len(texts) - both_remove - only_ours - only_theirs
-        print(f"  {family:18} {peer['per_filter_docs_per_s'][family]:16.0f} "
-              f"{(both_remove + both_keep) / len(texts):7.1%} {both_remove:11d} {only_ours:12d} {only_theirs:14d} {both_keep:9d}")
+        print(
+            f"  {family:18} {peer['per_filter_docs_per_s'][family]:16.0f} "
+            f"{(both_remove + both_keep) / len(texts):7.1%} {both_remove:11d} {only_ours:12d} {only_theirs:14d} {both_keep:9d}"
+        )
         disagreements.append((family, ours_only, theirs_only))
     print("  why they disagree (rules lmforge failed where datatrove kept; datatrove's reason where lmforge kept):")
     for family, ours_only, theirs_only in disagreements:
         if ours_only or theirs_only:
-            print(f"    {family}: lmforge only {dict(ours_only.most_common(4))}; datatrove only {dict(theirs_only.most_common(4))}")
+            print(
+                f"    {family}: lmforge only {dict(ours_only.most_common(4))}; datatrove only {dict(theirs_only.most_common(4))}"
+            )
 
 
 def peer_worker(kind: str, texts_path: str) -> None:
@@ -349,11 +392,19 @@ def near_dup_accuracy(texts: list[str], truth: dict[tuple[int, int], float], thr
     verified = {p for p in pairs if exact_jaccard(shingles[p[0]], shingles[p[1]]) >= threshold}
     estimated = {p for p in pairs if estimated_jaccard(signatures[p[0]], signatures[p[1]]) >= threshold}
     positives = {p for p, j in truth.items() if j >= threshold}
+
     def score(found: set) -> tuple[float, float]:
         hits = len(found & positives)
         return hits / max(len(found), 1), hits / max(len(positives), 1)
-    return {"positives": len(positives), "pairs": len(truth), "lsh_candidates": len(pairs),
-            "verified": score(verified), "signature_estimate": score(estimated), "lsh_only": score(set(pairs))}
+
+    return {
+        "positives": len(positives),
+        "pairs": len(truth),
+        "lsh_candidates": len(pairs),
+        "verified": score(verified),
+        "signature_estimate": score(estimated),
+        "lsh_only": score(set(pairs)),
+    }
 
 
 def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
@@ -379,16 +430,32 @@ def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
     train_bpe(texts[:500], 4096, 2, workdir / "tokenizer")
     tokenizer = load_tokenizer(workdir / "tokenizer")
     rows = [
-        ("ingest (parse, validate, normalize, hash, Parquet)",
-         rate(lambda: ingest_file(str(jsonl), 0, CurateConfig(docs_per_shard=10**6), workdir / f"ingest-{next(runs)}"),
-              n, REPEATS)[0]),
+        (
+            "ingest (parse, validate, normalize, hash, Parquet)",
+            rate(
+                lambda: ingest_file(
+                    str(jsonl), 0, CurateConfig(docs_per_shard=10**6), workdir / f"ingest-{next(runs)}"
+                ),
+                n,
+                REPEATS,
+            )[0],
+        ),
         ("normalize (NFC, controls, whitespace)", rate(lambda: [normalize_document(t) for t in texts], n, REPEATS)[0]),
-        ("minhash signatures (vectorized)", rate(lambda: [hasher.signatures(texts[i:i + 512]) for i in range(0, n, 512)], n, REPEATS)[0]),
+        (
+            "minhash signatures (vectorized)",
+            rate(lambda: [hasher.signatures(texts[i : i + 512]) for i in range(0, n, 512)], n, REPEATS)[0],
+        ),
         ("language ID (fastText lid.176)", rate(lambda: lid.predict(texts), n, REPEATS)[0]),
-        ("heuristic stats (Gopher/C4/FineWeb)", rate(lambda: [heuristics.compute_stats(t, params) for t in texts], n, REPEATS)[0]),
+        (
+            "heuristic stats (Gopher/C4/FineWeb)",
+            rate(lambda: [heuristics.compute_stats(t, params) for t in texts], n, REPEATS)[0],
+        ),
         ("quality classifier (fastText)", rate(lambda: scorer.score(texts), n, REPEATS)[0]),
         ("PII redaction", rate(lambda: [redact(t, PIIConfig()) for t in texts], n, REPEATS)[0]),
-        ("tokenize (byte-level BPE, 4096 vocab; Rust threads)", rate(lambda: tokenizer.encode_batch(texts), n, REPEATS)[0]),
+        (
+            "tokenize (byte-level BPE, 4096 vocab; Rust threads)",
+            rate(lambda: tokenizer.encode_batch(texts), n, REPEATS)[0],
+        ),
     ]
     return rows
 
@@ -402,7 +469,9 @@ def pipeline_timings(workdir: Path) -> tuple[float, float, dict]:
     manifests = run_pipeline_locally(load_config("tiny-cpu", [], str(workspace)), ["curate"])
     full = time.perf_counter() - start
     start = time.perf_counter()
-    changed = load_config("tiny-cpu", ["curate.near_dedup.threshold=0.7", "curate.langid.min_score=0.5"], str(workspace))
+    changed = load_config(
+        "tiny-cpu", ["curate.near_dedup.threshold=0.7", "curate.langid.min_score=0.5"], str(workspace)
+    )
     from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner
     from lmforge.store import StageStore
 
@@ -425,8 +494,12 @@ def runner_timings(workdir: Path) -> dict[str, float]:
     with prefect_test_harness(server_startup_timeout=120):
         for runner in ("process", "dask"):
             start = time.perf_counter()
-            pipeline(preset="tiny-cpu", overrides=[f"runtime.task_runner={runner}", "runtime.workers=2"],
-                     workspace=str(workdir / f"ws-{runner}"), stages=["curate"])
+            pipeline(
+                preset="tiny-cpu",
+                overrides=[f"runtime.task_runner={runner}", "runtime.workers=2"],
+                workspace=str(workdir / f"ws-{runner}"),
+                stages=["curate"],
+            )
             seconds[runner] = time.perf_counter() - start
     return seconds
 
@@ -447,7 +520,9 @@ def main() -> None:
     try:
         texts = demo_texts(args.docs, workdir / "demo")
         chars = sum(map(len, texts)) / len(texts)
-        print(f"== per-step throughput, 1 process, best of {REPEATS}, {len(texts)} demo documents (mean {chars:.0f} chars)")
+        print(
+            f"== per-step throughput, 1 process, best of {REPEATS}, {len(texts)} demo documents (mean {chars:.0f} chars)"
+        )
         for name, docs_per_s in per_step_rates(texts, workdir):
             print(f"  {name:48} {docs_per_s:10.0f} docs/s")
 
@@ -455,8 +530,10 @@ def main() -> None:
         # best of 3 for both, as for the per-step figures: the first call of either pays one-off warm-up
         naive, naive_s = rate(lambda: naive_minhash_lsh(sample), len(sample), REPEATS)
         ours, ours_s = rate(lambda: lmforge_minhash_lsh(sample), len(sample), REPEATS)
-        print(f"\n== MinHash signatures + LSH (112 perms = 14 bands x 8 rows, word 5-grams), {len(sample)} documents, "
-              f"1 process, best of {REPEATS}")
+        print(
+            f"\n== MinHash signatures + LSH (112 perms = 14 bands x 8 rows, word 5-grams), {len(sample)} documents, "
+            f"1 process, best of {REPEATS}"
+        )
         print(f"  datasketch naive (MinHash.update per shingle + MinHashLSH) {naive:10.0f} docs/s  ({naive_s:.2f}s)")
         print(f"  lmforge vectorized (numpy batch + sorted band keys)        {ours:10.0f} docs/s  ({ours_s:.2f}s)")
         print(f"  ratio: {ours / naive:.1f}x  (target >= 5x)")
@@ -469,23 +546,33 @@ def main() -> None:
         bases = distinct([t for t in builtin_reference(1500) if len(t.split()) >= 150])
         labelled, truth = labelled_pairs(bases)
         acc = near_dup_accuracy(labelled, truth)
-        print(f"\n== near-duplicate detection, {acc['pairs']} labelled pairs ({acc['positives']} with true Jaccard >= 0.8), "
-              f"{acc['lsh_candidates']} LSH candidate pairs")
+        print(
+            f"\n== near-duplicate detection, {acc['pairs']} labelled pairs ({acc['positives']} with true Jaccard >= 0.8), "
+            f"{acc['lsh_candidates']} LSH candidate pairs"
+        )
         for name in ("verified", "signature_estimate", "lsh_only"):
             precision, recall = acc[name]
             print(f"  {name:20} precision {precision:.3f}  recall {recall:.3f}")
         print("  targets: precision >= 0.95, recall >= 0.90 (lmforge uses 'verified')")
-        print("  verified = LSH candidates kept when the exact Jaccard of their shingle sets passes the threshold, so its\n"
-              "  precision is 1 by construction and recall is what banding finds; signature_estimate is MinHash alone")
+        print(
+            "  verified = LSH candidates kept when the exact Jaccard of their shingle sets passes the threshold, so its\n"
+            "  precision is 1 by construction and recall is what banding finds; signature_estimate is MinHash alone"
+        )
 
         if not args.skip_pipeline:
             full, reselect, counts = pipeline_timings(workdir)
-            print(f"\n== demo corpus end to end (runtime.workers=2): {full:.1f}s  (target < 120s); "
-                  f"kept {counts['kept']} of {counts['input']}")
-            print(f"   threshold change (near_dedup.threshold, langid.min_score) re-select: {reselect:.1f}s  (target < 10s)")
+            print(
+                f"\n== demo corpus end to end (runtime.workers=2): {full:.1f}s  (target < 120s); "
+                f"kept {counts['kept']} of {counts['input']}"
+            )
+            print(
+                f"   threshold change (near_dedup.threshold, langid.min_score) re-select: {reselect:.1f}s  (target < 10s)"
+            )
             runners = runner_timings(workdir)
-            print(f"\n== demo curation as a Prefect flow (2 workers): process pool {runners['process']:.1f}s, "
-                  f"local Dask cluster {runners['dask']:.1f}s  (Dask overhead {runners['dask'] / runners['process']:.2f}x)")
+            print(
+                f"\n== demo curation as a Prefect flow (2 workers): process pool {runners['process']:.1f}s, "
+                f"local Dask cluster {runners['dask']:.1f}s  (Dask overhead {runners['dask'] / runners['process']:.2f}x)"
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

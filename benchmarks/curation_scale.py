@@ -39,8 +39,21 @@ NUM_FILES = 4
 NEAR_RATE, EXACT_RATE, URL_RATE = 0.10, 0.02, 0.01  # shares of all documents
 EDIT_RATES = (0.005, 0.01, 0.02, 0.10)  # word substitutions in near-copies; 0.10 is below Jaccard 0.8
 RECENT = 50_000  # copies are made of one of the last RECENT original documents (bounded memory)
-OFF = [f"curate.{s}.enabled=false" for s in ("langid", "length", "encoding", "gopher_quality", "gopher_repetition",
-                                             "c4", "fineweb", "quality_classifier", "pii", "mix")]
+OFF = [
+    f"curate.{s}.enabled=false"
+    for s in (
+        "langid",
+        "length",
+        "encoding",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+        "quality_classifier",
+        "pii",
+        "mix",
+    )
+]
 
 
 def generate(num_docs: int, out_dir: Path, seed: int = 0) -> list[Path]:
@@ -49,8 +62,13 @@ def generate(num_docs: int, out_dir: Path, seed: int = 0) -> list[Path]:
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    vocab = np.array(["".join(rng.choice(letters, rng.integers(2, 11))) + ("." if rng.random() < 0.08 else "")
-                      for _ in range(30_000)], dtype=object)
+    vocab = np.array(
+        [
+            "".join(rng.choice(letters, rng.integers(2, 11))) + ("." if rng.random() < 0.08 else "")
+            for _ in range(30_000)
+        ],
+        dtype=object,
+    )
     cdf = np.cumsum(1.0 / (np.arange(len(vocab)) + 10.0))
     cdf /= cdf[-1]
 
@@ -107,8 +125,19 @@ def run_steps(inputs: list[str], workspace: Path, workers: int, progress: Path) 
             start = time.time()
             manifests[step.name], _ = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
             m = manifests[step.name]
-            log.write(json.dumps({"step": step.name, "start": start, "end": time.time(), "dir": m["dir"],
-                                  "counts": m["counts"], "finalize_and_units_s": m["timings"]["seconds"]}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step.name,
+                        "start": start,
+                        "end": time.time(),
+                        "dir": m["dir"],
+                        "counts": m["counts"],
+                        "finalize_and_units_s": m["timings"]["seconds"],
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             if step.name == STEPS[-1]:
                 break
@@ -122,8 +151,20 @@ def measure(num_docs: int, workdir: Path, workers: int) -> dict:
     inputs = generate(num_docs, corpus)
     generated = time.time() - started
     progress = workdir / "progress.jsonl"
-    child = subprocess.Popen([sys.executable, __file__, "--run-steps", json.dumps([str(p) for p in inputs]),
-                              "--workspace", str(workdir / "ws"), "--workers", str(workers), "--progress", str(progress)])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--run-steps",
+            json.dumps([str(p) for p in inputs]),
+            "--workspace",
+            str(workdir / "ws"),
+            "--workers",
+            str(workers),
+            "--progress",
+            str(progress),
+        ]
+    )
     parent = psutil.Process(child.pid)
     samples: list[tuple[float, int, int, int]] = []  # (time, main rss, largest worker rss, sum)
     while child.poll() is None:
@@ -141,9 +182,15 @@ def measure(num_docs: int, workdir: Path, workers: int) -> dict:
         during = [s[3] for s in samples if step["start"] <= s[0] <= step["end"]]
         step["peak_rss_sum"] = max(during, default=0)
     select_dir = Path(steps[-1]["dir"])
-    return {"docs": num_docs, "generated_s": generated, "steps": steps, "near_found": near_copies_found(corpus, select_dir),
-            "peak_main": max((s[1] for s in samples), default=0), "peak_worker": max((s[2] for s in samples), default=0),
-            "peak_sum": max((s[3] for s in samples), default=0)}
+    return {
+        "docs": num_docs,
+        "generated_s": generated,
+        "steps": steps,
+        "near_found": near_copies_found(corpus, select_dir),
+        "peak_main": max((s[1] for s in samples), default=0),
+        "peak_worker": max((s[2] for s in samples), default=0),
+        "peak_sum": max((s[3] for s in samples), default=0),
+    }
 
 
 def near_copies_found(corpus: Path, select_dir: Path) -> dict[float, tuple[int, int]]:
@@ -193,8 +240,10 @@ def summary(results: list[dict]) -> None:
     for a, b in zip(small["steps"], large["steps"]):
         rate_small = small["docs"] / (a["end"] - a["start"])
         rate_large = large["docs"] / (b["end"] - b["start"])
-        print(f"  {a['step']:16} docs/s {rate_large:8.0f} vs {rate_small:8.0f}: {rate_small / rate_large:.2f}x slower "
-              f"per document (target <= 2x); peak RSS {large['peak_sum'] / small['peak_sum']:.2f}x")
+        print(
+            f"  {a['step']:16} docs/s {rate_large:8.0f} vs {rate_small:8.0f}: {rate_small / rate_large:.2f}x slower "
+            f"per document (target <= 2x); peak RSS {large['peak_sum'] / small['peak_sum']:.2f}x"
+        )
 
 
 def main() -> None:

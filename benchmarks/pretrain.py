@@ -34,11 +34,20 @@ def synthetic_pack(directory: Path, vocab_size: int, tokens: int, seed: int = 0)
     for split, n in (("train", tokens), ("val", tokens // 10)):
         stream = np.minimum(rng.zipf(1.2, n), vocab_size - 1).astype("<u2")
         stream.tofile(directory / "tokens" / f"s.{split}.bin")
-        pq.write_table(pa.table({"id": ["synthetic"], "domain": ["x"], "start": [0], "length": [n]}),
-                       directory / "tokens" / f"s.{split}.docs.parquet")
-    index = {"dtype": "uint16", "vocab_size": vocab_size, "eos_id": 0, "pad_id": 1,
-             "splits": {s: [{"shard": "s", "file": f"tokens/s.{s}.bin", "docs": f"tokens/s.{s}.docs.parquet",
-                             "num_tokens": n}] for s, n in (("train", tokens), ("val", tokens // 10))}}
+        pq.write_table(
+            pa.table({"id": ["synthetic"], "domain": ["x"], "start": [0], "length": [n]}),
+            directory / "tokens" / f"s.{split}.docs.parquet",
+        )
+    index = {
+        "dtype": "uint16",
+        "vocab_size": vocab_size,
+        "eos_id": 0,
+        "pad_id": 1,
+        "splits": {
+            s: [{"shard": "s", "file": f"tokens/s.{s}.bin", "docs": f"tokens/s.{s}.docs.parquet", "num_tokens": n}]
+            for s, n in (("train", tokens), ("val", tokens // 10))
+        },
+    }
     (directory / "index.json").write_text(json.dumps(index))
     return directory
 
@@ -49,18 +58,22 @@ class PlainLoop:
     def __init__(self, cfg, plan, trainer) -> None:  # type: ignore[no-untyped-def]
         import torch
 
-        from training.reader import BatchSchedule
         from training.model import build_model
+        from training.reader import BatchSchedule
 
         self.cfg, self.plan, self.trainer = cfg, plan, trainer
         dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
         self.model = build_model(cfg.model, trainer.vocab_size, cfg.seq_len, trainer.special, cfg.seed).to(
-            device=trainer.device, dtype=dtype)
+            device=trainer.device, dtype=dtype
+        )
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.optim.lr,
-                                     betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+        )
         self.schedule = BatchSchedule(len(trainer.train_data), cfg.distributed.micro_batch_size, 1, 0, cfg.seed)
         self.step_index = 0
 
@@ -95,8 +108,16 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29613"),
-                       "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29613"),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_SIZE": "1",
+        }
+    )
     import torch
 
     from lmforge.config import load_config
@@ -133,15 +154,21 @@ def main() -> None:
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len, trainer.vocab_size)
     ds_tps, plain_tps = tokens_per_step / ds_step, tokens_per_step / plain_step
-    print(f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
-          f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps each, interleaved (median after warm-up)")
+    print(
+        f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
+        f"{threads} threads, ZeRO-{plan.zero_stage}, {args.steps} steps each, interleaved (median after warm-up)"
+    )
     source = "configured" if cfg.peak_tflops else "data sheet" if device.kind == "cuda" else "measured matmul"
     print(f"device peak {peak:.3f} TFLOP/s ({device.name}, {plan.precision}, {source})")
     print(f"{'path':28} {'tokens/s':>10} {'MFU':>7} {'first loss':>11} {'last loss':>10}")
-    print(f"{'plain PyTorch loop':28} {plain_tps:10.0f} {fpt * plain_tps / (peak * 1e12):7.1%} "
-          f"{plain_losses[0]:11.4f} {plain_losses[-1]:10.4f}")
-    print(f"{'lmforge DeepSpeed path':28} {ds_tps:10.0f} {fpt * ds_tps / (peak * 1e12):7.1%} "
-          f"{ds_losses[0]:11.4f} {ds_losses[-1]:10.4f}")
+    print(
+        f"{'plain PyTorch loop':28} {plain_tps:10.0f} {fpt * plain_tps / (peak * 1e12):7.1%} "
+        f"{plain_losses[0]:11.4f} {plain_losses[-1]:10.4f}"
+    )
+    print(
+        f"{'lmforge DeepSpeed path':28} {ds_tps:10.0f} {fpt * ds_tps / (peak * 1e12):7.1%} "
+        f"{ds_losses[0]:11.4f} {ds_losses[-1]:10.4f}"
+    )
     ratio = ds_tps / plain_tps
     print(f"ratio (lmforge / plain): {ratio:.3f}  (target >= 0.85)")
     sys.exit(0 if ratio >= 0.85 else 1)

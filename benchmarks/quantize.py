@@ -27,10 +27,21 @@ from serving.quantize.report import bf16_bytes_and_params, weight_bytes  # noqa:
 def serve_speed(model_dir: Path, concurrency: list[int], per_client: int, max_tokens: int) -> dict[int, dict]:
     from lmforge.vllm_server import EngineConfig, TemporaryServer
 
-    with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, EngineConfig(), Path(work), "bench") as server:
+    with (
+        tempfile.TemporaryDirectory() as work,
+        TemporaryServer(model_dir, EngineConfig(), Path(work), "bench") as server,
+    ):
         words = slo.fit_prefix_words(model_dir, max_tokens, 120)
-        rows = slo.run(server.base_url, server.api_key, "bench", concurrency, per_client, max_tokens, words,
-                       workloads=("distinct",))
+        rows = slo.run(
+            server.base_url,
+            server.api_key,
+            "bench",
+            concurrency,
+            per_client,
+            max_tokens,
+            words,
+            workloads=("distinct",),
+        )
     return {r["clients"]: r for r in rows}
 
 
@@ -45,8 +56,11 @@ def main() -> None:
     if gate is None:
         sys.exit(f"no quantization gate output under {args.workspace}: run `lmforge stage quantize` first")
     verdict = json.loads(gate.read_text())
-    base_manifest = json.loads(next(Path(args.workspace).glob(f"align/{verdict['model']}/*/manifest.json")).read_text()) \
-        if verdict["model"] != "pretrained" else json.loads(next(Path(args.workspace).glob("pretrain/train/*/manifest.json")).read_text())
+    base_manifest = (
+        json.loads(next(Path(args.workspace).glob(f"align/{verdict['model']}/*/manifest.json")).read_text())
+        if verdict["model"] != "pretrained"
+        else json.loads(next(Path(args.workspace).glob("pretrain/train/*/manifest.json")).read_text())
+    )
     base_dir = Path(base_manifest["dir"]) / "hf"
     levels = [int(c) for c in args.concurrency.split(",")]
     models = {"bf16": (base_dir, bf16_bytes_and_params(base_dir)[0])}
@@ -58,19 +72,34 @@ def main() -> None:
         speed[name] = serve_speed(model_dir, levels, args.requests_per_client, args.max_tokens)
     top = levels[-1]
     base = speed["bf16"]
-    print(f"| model | weights | x bf16 | tok/s at {top} clients | x bf16 | TTFT p50 ms (1 client) | TPOT p50 ms (1 client) "
-          "| gate | eval deltas (paired 95% CI) |")
+    print(
+        f"| model | weights | x bf16 | tok/s at {top} clients | x bf16 | TTFT p50 ms (1 client) | TPOT p50 ms (1 client) "
+        "| gate | eval deltas (paired 95% CI) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (_, size) in models.items():
         s = speed[name]
         outcome = verdict["schemes"].get(name)
-        deltas = "; ".join(f"{r['task'].removeprefix('lmforge_')} {r['metric']} "
-                           + (f"x{r['ratio']:.3f}" if "ratio" in r else f"{r['delta']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]")
-                           for r in outcome["comparisons"]) if outcome else "reference"
-        print(f"| {name} | {size / 2**20:.2f} MiB | {size / models['bf16'][1]:.2f} | {s[top]['output_tokens_per_s']:.0f} | "
-              f"{s[top]['output_tokens_per_s'] / base[top]['output_tokens_per_s']:.2f} | {s[levels[0]]['ttft_ms_p50']:.0f} | "
-              f"{s[levels[0]]['tpot_ms_p50']:.1f} | {'eligible' if outcome and outcome['eligible'] else ('reference' if not outcome else 'FAILED')} "
-              f"| {deltas} |")
+        deltas = (
+            "; ".join(
+                f"{r['task'].removeprefix('lmforge_')} {r['metric']} "
+                + (
+                    f"x{r['ratio']:.3f}"
+                    if "ratio" in r
+                    else f"{r['delta']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+                )
+                for r in outcome["comparisons"]
+            )
+            if outcome
+            else "reference"
+        )
+        verdict = "eligible" if outcome and outcome["eligible"] else ("reference" if not outcome else "FAILED")
+        print(
+            f"| {name} | {size / 2**20:.2f} MiB | {size / models['bf16'][1]:.2f} | {s[top]['output_tokens_per_s']:.0f} | "
+            f"{s[top]['output_tokens_per_s'] / base[top]['output_tokens_per_s']:.2f} | {s[levels[0]]['ttft_ms_p50']:.0f} | "
+            f"{s[levels[0]]['tpot_ms_p50']:.1f} | {verdict} "
+            f"| {deltas} |"
+        )
     print(f"\n{verdict['decision']}")
 
 

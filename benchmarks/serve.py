@@ -59,8 +59,9 @@ def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens
         batch = tokenizer(texts, return_tensors="pt", padding=True)
         started = time.perf_counter()
         with torch.no_grad():
-            model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+            model.generate(
+                **batch, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
         return time.perf_counter() - started
 
     rows = []
@@ -74,24 +75,37 @@ def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens
                 ttft = generate([text], 1)
                 total = generate([text], max_tokens)
                 samples.append(slo.Sample(ttft, total, max_tokens))
-            rows.append({"engine": "hf generate, sequential", "workload": workload, "clients": clients,
-                         **slo.summarize(samples, time.perf_counter() - started)})
+            rows.append(
+                {
+                    "engine": "hf generate, sequential",
+                    "workload": workload,
+                    "clients": clients,
+                    **slo.summarize(samples, time.perf_counter() - started),
+                }
+            )
             # batched: every request of the level in one batch, so each waits for the batch
             samples, started = [], time.perf_counter()
             for i in range(0, len(texts), clients):
-                chunk = texts[i:i + clients]
+                chunk = texts[i : i + clients]
                 ttft = generate(chunk, 1)
                 total = generate(chunk, max_tokens)
                 samples += [slo.Sample(ttft, total, max_tokens) for _ in chunk]
-            rows.append({"engine": "hf generate, batched", "workload": workload, "clients": clients,
-                         **slo.summarize(samples, time.perf_counter() - started)})
+            rows.append(
+                {
+                    "engine": "hf generate, batched",
+                    "workload": workload,
+                    "clients": clients,
+                    **slo.summarize(samples, time.perf_counter() - started),
+                }
+            )
             if clients == concurrency[-1]:
                 pass
     return rows
 
 
-def vllm_rows(model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int,
-              prefix_words: int) -> list[dict]:
+def vllm_rows(
+    model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int, prefix_words: int
+) -> list[dict]:
     from lmforge.vllm_server import EngineConfig, TemporaryServer
 
     cfg = EngineConfig(enable_prefix_caching=prefix_caching)
@@ -115,8 +129,11 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     words = slo.fit_prefix_words(model_dir, args.max_tokens, args.prefix_words)
     shape = (levels, args.requests_per_client, args.max_tokens, words)
-    print(f"model: {model_dir}\nlevels: {levels} clients x {args.requests_per_client} requests, "
-          f"{args.max_tokens} tokens each, system prompt {words} words (what the context holds)\n", flush=True)
+    print(
+        f"model: {model_dir}\nlevels: {levels} clients x {args.requests_per_client} requests, "
+        f"{args.max_tokens} tokens each, system prompt {words} words (what the context holds)\n",
+        flush=True,
+    )
     rows = vllm_rows(model_dir, True, *shape)
     rows += vllm_rows(model_dir, False, *shape)
     rows += hf_rows(model_dir, *shape)
@@ -127,14 +144,18 @@ def main() -> None:
 
     top = levels[-1]
     vllm = pick("vLLM", "distinct", top)["output_tokens_per_s"]
-    print(f"\nthroughput at {top} clients (distinct prompts): vLLM {vllm:.1f} tok/s = "
-          f"{vllm / pick('hf generate, sequential', 'distinct', top)['output_tokens_per_s']:.1f}x HF sequential, "
-          f"{vllm / pick('hf generate, batched', 'distinct', top)['output_tokens_per_s']:.1f}x HF batched")
+    print(
+        f"\nthroughput at {top} clients (distinct prompts): vLLM {vllm:.1f} tok/s = "
+        f"{vllm / pick('hf generate, sequential', 'distinct', top)['output_tokens_per_s']:.1f}x HF sequential, "
+        f"{vllm / pick('hf generate, batched', 'distinct', top)['output_tokens_per_s']:.1f}x HF batched"
+    )
     for clients in levels:
         on = pick("vLLM", "shared-prefix", clients)["ttft_ms_p50"]
         off = pick("vLLM, prefix caching off", "shared-prefix", clients)["ttft_ms_p50"]
-        print(f"prefix caching, shared-prefix TTFT p50 at {clients} clients: {off:.0f} ms off -> {on:.0f} ms on "
-              f"({off / on:.2f}x)")
+        print(
+            f"prefix caching, shared-prefix TTFT p50 at {clients} clients: {off:.0f} ms off -> {on:.0f} ms on "
+            f"({off / on:.2f}x)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

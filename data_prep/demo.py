@@ -29,10 +29,10 @@ import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from pydoc_data.topics import topics as _PYDOC_TOPICS
 from typing import Any
 
 import yaml
-from pydoc_data.topics import topics as _PYDOC_TOPICS
 
 from data_prep.config import DemoCorpusConfig
 from data_prep.textnorm import jaccard, normalize_document, shingle_set
@@ -53,67 +53,222 @@ _DUP_BASE_MAX_CHARS = 20_000
 
 # ISO 639-1 codes of chatterbot-corpus folders; "hinglish" has none, so it gets no lang.
 _LANG_CODES = {
-    "bengali": "bn", "chinese": "zh", "dutch": "nl", "english": "en", "french": "fr",
-    "german": "de", "hebrew": "he", "hindi": "hi", "indonesian": "id", "italian": "it",
-    "japanese": "ja", "korean": "ko", "marathi": "mr", "oriya": "or", "persian": "fa",
-    "portuguese": "pt", "russian": "ru", "spanish": "es", "swedish": "sv", "tamil": "ta",
-    "telugu": "te", "thai": "th", "traditionalchinese": "zh", "turkish": "tr",
-    "ukrainian": "uk", "urdu": "ur", "yoruba": "yo",
+    "bengali": "bn",
+    "chinese": "zh",
+    "dutch": "nl",
+    "english": "en",
+    "french": "fr",
+    "german": "de",
+    "hebrew": "he",
+    "hindi": "hi",
+    "indonesian": "id",
+    "italian": "it",
+    "japanese": "ja",
+    "korean": "ko",
+    "marathi": "mr",
+    "oriya": "or",
+    "persian": "fa",
+    "portuguese": "pt",
+    "russian": "ru",
+    "spanish": "es",
+    "swedish": "sv",
+    "tamil": "ta",
+    "telugu": "te",
+    "thai": "th",
+    "traditionalchinese": "zh",
+    "turkish": "tr",
+    "ukrainian": "uk",
+    "urdu": "ur",
+    "yoruba": "yo",
 }
 # Languages with enough non-ASCII utterances that random samples rarely overlap.
 _MOJIBAKE_LANGS = ("english", "spanish", "portuguese", "italian", "turkish", "german")
 
 _NAV = (
-    "Home", "About us", "Products", "Services", "Blog", "News", "Careers", "Contact", "Support",
-    "Pricing", "Shop", "Events", "Press", "Partners", "Docs", "Community", "FAQ", "Login",
-    "Sign up", "Cart", "My account", "Gallery", "Team", "Locations", "Downloads", "Newsletter",
+    "Home",
+    "About us",
+    "Products",
+    "Services",
+    "Blog",
+    "News",
+    "Careers",
+    "Contact",
+    "Support",
+    "Pricing",
+    "Shop",
+    "Events",
+    "Press",
+    "Partners",
+    "Docs",
+    "Community",
+    "FAQ",
+    "Login",
+    "Sign up",
+    "Cart",
+    "My account",
+    "Gallery",
+    "Team",
+    "Locations",
+    "Downloads",
+    "Newsletter",
 )
 _COOKIE = (
     "We use cookies to improve your experience. By using this site you accept our Cookie Policy.",
-    "This website uses cookies. Accept all | Reject | Settings", "Cookie settings",
-    "We value your privacy", "Accept all cookies", "Manage preferences", "Privacy Policy",
-    "Terms of Service", "Terms and Conditions", "Do not sell my personal information",
-    "Cookies help us deliver our services.", "Learn more about cookies",
+    "This website uses cookies. Accept all | Reject | Settings",
+    "Cookie settings",
+    "We value your privacy",
+    "Accept all cookies",
+    "Manage preferences",
+    "Privacy Policy",
+    "Terms of Service",
+    "Terms and Conditions",
+    "Do not sell my personal information",
+    "Cookies help us deliver our services.",
+    "Learn more about cookies",
 )
 _JAVASCRIPT = (
-    "Please enable JavaScript to view this site.", "JavaScript is disabled in your browser.",
+    "Please enable JavaScript to view this site.",
+    "JavaScript is disabled in your browser.",
     "You need to enable JavaScript to run this app.",
     "Please enable JavaScript in your browser settings and reload the page.",
 )
 _FOOTERS = (
-    "© {year} {site}. All rights reserved.", "Copyright {year} {site} | Privacy | Terms | Sitemap",
-    "{site} © {year} | Imprint | Contact", "Powered by {site} CMS | © {year}",
+    "© {year} {site}. All rights reserved.",
+    "Copyright {year} {site} | Privacy | Terms | Sitemap",
+    "{site} © {year} | Imprint | Contact",
+    "Powered by {site} CMS | © {year}",
 )
 _SHORT_LINES = (
-    "Read more", "Share", "Tweet", "Print", "Back to top", "Loading...", "Skip to content",
-    "Search", "Menu", "Close", "Next", "Previous", "Subscribe", "Follow us", "Related posts",
-    "Tags", "Categories", "Show all", "Top", "Sponsored",
+    "Read more",
+    "Share",
+    "Tweet",
+    "Print",
+    "Back to top",
+    "Loading...",
+    "Skip to content",
+    "Search",
+    "Menu",
+    "Close",
+    "Next",
+    "Previous",
+    "Subscribe",
+    "Follow us",
+    "Related posts",
+    "Tags",
+    "Categories",
+    "Show all",
+    "Top",
+    "Sponsored",
 )
 _SYLLABLES = ("ka", "lo", "mi", "ra", "ven", "tor", "zu", "bel", "nex", "qua", "dri", "sol", "fen", "mar", "tis", "op")
 
 _SPAM_PRODUCTS = (
-    "watches", "replica handbags", "sneakers", "sunglasses", "vitamins", "phone cases",
-    "car insurance", "payday loans", "weight loss pills", "perfume", "laptops", "jewelry",
-    "hair extensions", "web hosting", "instagram followers", "casino bonus", "essays",
-    "diet tea", "gold coins", "headphones",
+    "watches",
+    "replica handbags",
+    "sneakers",
+    "sunglasses",
+    "vitamins",
+    "phone cases",
+    "car insurance",
+    "payday loans",
+    "weight loss pills",
+    "perfume",
+    "laptops",
+    "jewelry",
+    "hair extensions",
+    "web hosting",
+    "instagram followers",
+    "casino bonus",
+    "essays",
+    "diet tea",
+    "gold coins",
+    "headphones",
 )
 _SPAM_PHRASES = (
-    "buy cheap {p} best price free shipping", "cheap {p} online", "best {p} deals {year}",
-    "discount {p} {city}", "{p} sale {city} free delivery", "top rated {p} lowest price guaranteed",
-    "order {p} now limited offer", "{p} for sale cheap {p} cheap", "{brand} {p} outlet",
-    "genuine {brand} {p} wholesale", "{p} {city} same day delivery", "click here for cheap {p}",
+    "buy cheap {p} best price free shipping",
+    "cheap {p} online",
+    "best {p} deals {year}",
+    "discount {p} {city}",
+    "{p} sale {city} free delivery",
+    "top rated {p} lowest price guaranteed",
+    "order {p} now limited offer",
+    "{p} for sale cheap {p} cheap",
+    "{brand} {p} outlet",
+    "genuine {brand} {p} wholesale",
+    "{p} {city} same day delivery",
+    "click here for cheap {p}",
 )
 _SPAM_CITIES = (
-    "london", "new york", "dubai", "sydney", "toronto", "berlin", "paris", "miami", "chicago",
-    "singapore", "los angeles", "houston", "madrid", "mumbai",
+    "london",
+    "new york",
+    "dubai",
+    "sydney",
+    "toronto",
+    "berlin",
+    "paris",
+    "miami",
+    "chicago",
+    "singapore",
+    "los angeles",
+    "houston",
+    "madrid",
+    "mumbai",
 )
 
-_FIRST = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Fatima", "Greta", "Hiro", "Ines", "Jonas",
-          "Kavya", "Liam", "Maya", "Noor", "Oscar", "Priya", "Quinn", "Rosa", "Sven", "Tara")
-_LAST = ("Anders", "Baker", "Costa", "Dubois", "Eriksen", "Fischer", "Garcia", "Hughes", "Ivanova",
-         "Jensen", "Kowalski", "Larsen", "Moreau", "Nakamura", "Okafor", "Patel", "Rossi", "Silva")
-_COMPANIES = ("Northwind", "Bluefin Analytics", "Cedar Labs", "Harbor Logistics", "Keystone Health",
-              "Lumen Books", "Orchard Software", "Pinecrest Travel", "Riverbank Energy", "Summit Legal")
+_FIRST = (
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dana",
+    "Emeka",
+    "Fatima",
+    "Greta",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kavya",
+    "Liam",
+    "Maya",
+    "Noor",
+    "Oscar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+)
+_LAST = (
+    "Anders",
+    "Baker",
+    "Costa",
+    "Dubois",
+    "Eriksen",
+    "Fischer",
+    "Garcia",
+    "Hughes",
+    "Ivanova",
+    "Jensen",
+    "Kowalski",
+    "Larsen",
+    "Moreau",
+    "Nakamura",
+    "Okafor",
+    "Patel",
+    "Rossi",
+    "Silva",
+)
+_COMPANIES = (
+    "Northwind",
+    "Bluefin Analytics",
+    "Cedar Labs",
+    "Harbor Logistics",
+    "Keystone Health",
+    "Lumen Books",
+    "Orchard Software",
+    "Pinecrest Travel",
+    "Riverbank Energy",
+    "Summit Legal",
+)
 _OFFICES = ("Boston", "Leeds", "Austin", "Denver", "Manchester", "Seattle", "Bristol", "Portland", "Dublin")
 _MAIL_DOMAINS = ("gmail.com", "outlook.com", "fastmail.com", "proton.me", "yahoo.co.uk")
 _US_AREA_CODES = (206, 212, 312, 415, 503, 555, 617, 646, 718, 805)
@@ -140,10 +295,21 @@ _PII_SIGNOFFS = (
 )
 
 _MALFORMED_DEFECTS = (
-    "truncated_json", "invalid_utf8", "missing_text", "text_number",
-    "text_null", "text_list", "empty_text", "json_array",
+    "truncated_json",
+    "invalid_utf8",
+    "missing_text",
+    "text_number",
+    "text_null",
+    "text_list",
+    "empty_text",
+    "json_array",
 )
-_BAD_TEXT_VALUES: dict[str, Any] = {"text_number": 12345, "text_null": None, "text_list": ["a", "list"], "empty_text": ""}
+_BAD_TEXT_VALUES: dict[str, Any] = {
+    "text_number": 12345,
+    "text_null": None,
+    "text_list": ["a", "list"],
+    "empty_text": "",
+}
 
 
 @dataclass(eq=False)
@@ -296,7 +462,9 @@ def _exact_duplicates(cfg: DemoCorpusConfig, pool: list[_Doc]) -> list[_Doc]:
     small = [d for d in pool if len(d.text) <= _DUP_BASE_MAX_CHARS]
     bases = _cycle_sample(_rng(cfg, "exact"), small, cfg.num_exact_duplicates)
     return [
-        _Doc(b.text, "generated", b.domain, "exact_duplicate", url=_copy_url("copy", i, b), lang=b.lang, label={}, base=b)
+        _Doc(
+            b.text, "generated", b.domain, "exact_duplicate", url=_copy_url("copy", i, b), lang=b.lang, label={}, base=b
+        )
         for i, b in enumerate(bases)
     ]
 
@@ -307,8 +475,18 @@ def _url_duplicates(cfg: DemoCorpusConfig, web: list[_Doc]) -> list[_Doc]:
     docs = []
     for base in _cycle_sample(rng, web, round(cfg.num_exact_duplicates / 10)):
         stamp = f"\n\nLast updated on 20{rng.randint(18, 25)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}."
-        docs.append(_Doc(base.text + stamp, "generated", base.domain, "url_duplicate", url=base.url,
-                         lang=base.lang, label={"url": base.url}, base=base))
+        docs.append(
+            _Doc(
+                base.text + stamp,
+                "generated",
+                base.domain,
+                "url_duplicate",
+                url=base.url,
+                lang=base.lang,
+                label={"url": base.url},
+                base=base,
+            )
+        )
     return docs
 
 
@@ -341,8 +519,18 @@ def _near_duplicates(cfg: DemoCorpusConfig, pool: list[_Doc], vocab: list[str]) 
         # The true similarity, as near-dedup measures it, so recall can be scored per Jaccard band.
         sim = jaccard(shingle_set(base.text, _SHINGLE), shingle_set(text, _SHINGLE))
         label = {"edit_rate": rate, "edits": edits, "jaccard": sim}
-        docs.append(_Doc(text, "generated", base.domain, "near_duplicate", url=_copy_url("near", i, base),
-                         lang=base.lang, label=label, base=base))
+        docs.append(
+            _Doc(
+                text,
+                "generated",
+                base.domain,
+                "near_duplicate",
+                url=_copy_url("near", i, base),
+                lang=base.lang,
+                label=label,
+                base=base,
+            )
+        )
     return docs
 
 
@@ -359,8 +547,14 @@ def _boilerplate_page(rng: random.Random, site: str) -> str:
     footer = rng.choice(_FOOTERS).format(year=rng.randint(2012, 2025), site=site)
     # The menu shows up as header, sidebar and footer sitemap, as on real pages.
     lines = [
-        f"{site} | {rng.choice(_NAV)}", *nav, *rng.sample(_COOKIE, 4), rng.choice(_JAVASCRIPT), *nav,
-        *rng.sample(_SHORT_LINES, 8), *nav, *[footer] * rng.randint(3, 5),
+        f"{site} | {rng.choice(_NAV)}",
+        *nav,
+        *rng.sample(_COOKIE, 4),
+        rng.choice(_JAVASCRIPT),
+        *nav,
+        *rng.sample(_SHORT_LINES, 8),
+        *nav,
+        *[footer] * rng.randint(3, 5),
     ]
     return "\n".join(lines)
 
@@ -370,8 +564,17 @@ def _boilerplate_docs(cfg: DemoCorpusConfig) -> list[_Doc]:
     docs = []
     for i in range(cfg.num_boilerplate):
         site = _site_name(rng)
-        docs.append(_Doc(_boilerplate_page(rng, site), "generated", "web", "boilerplate",
-                         url=f"https://www.{site.lower()}.com/page/{i}", lang="en", label={}))
+        docs.append(
+            _Doc(
+                _boilerplate_page(rng, site),
+                "generated",
+                "web",
+                "boilerplate",
+                url=f"https://www.{site.lower()}.com/page/{i}",
+                lang="en",
+                label={},
+            )
+        )
     return docs
 
 
@@ -388,8 +591,17 @@ def _spam_docs(cfg: DemoCorpusConfig) -> list[_Doc]:
     docs = []
     for i in range(cfg.num_spam):
         product, brand = rng.choice(_SPAM_PRODUCTS), _site_name(rng)
-        docs.append(_Doc(_spam_page(rng, product, brand), "generated", "web", "spam",
-                         url=f"https://{brand.lower()}-deals.com/{i}", lang="en", label={"product": product}))
+        docs.append(
+            _Doc(
+                _spam_page(rng, product, brand),
+                "generated",
+                "web",
+                "spam",
+                url=f"https://{brand.lower()}-deals.com/{i}",
+                lang="en",
+                label={"product": product},
+            )
+        )
     return docs
 
 
@@ -401,20 +613,32 @@ def _replacement_runs(rng: random.Random, text: str) -> str:
 def _encoding_junk(cfg: DemoCorpusConfig, convs: dict[str, list[list[str]]], prose: list[_Doc]) -> list[_Doc]:
     """Mojibake (UTF-8 read as cp1252 or latin-1) of real accented dialogue, and U+FFFD runs in prose."""
     rng = _rng(cfg, "encoding")
-    accented = {lang: sorted({u for c in convs.get(lang, []) for u in c if not u.isascii()}) for lang in _MOJIBAKE_LANGS}
+    accented = {
+        lang: sorted({u for c in convs.get(lang, []) for u in c if not u.isascii()}) for lang in _MOJIBAKE_LANGS
+    }
     langs = [lang for lang in _MOJIBAKE_LANGS if accented[lang]]
     docs = []
     for i in range(cfg.num_encoding_junk):
         codec = ("cp1252", "latin-1", None)[i % 3]
         if codec is None:
             text = _replacement_runs(rng, rng.choice(prose).text)
-            docs.append(_Doc(text, "generated", "web", "encoding_junk", lang="en", label={"variant": "replacement_chars"}))
+            docs.append(
+                _Doc(text, "generated", "web", "encoding_junk", lang="en", label={"variant": "replacement_chars"})
+            )
             continue
         lang = rng.choice(langs)
         text = " ".join(rng.sample(accented[lang], min(len(accented[lang]), rng.randint(8, 14))))
         junk = text.encode("utf-8").decode(codec, errors="replace")  # cp1252 has undefined bytes: U+FFFD
-        docs.append(_Doc(junk, "generated", "web", "encoding_junk", lang=_LANG_CODES[lang],
-                         label={"variant": f"mojibake_{codec}"}))
+        docs.append(
+            _Doc(
+                junk,
+                "generated",
+                "web",
+                "encoding_junk",
+                lang=_LANG_CODES[lang],
+                label={"variant": f"mojibake_{codec}"},
+            )
+        )
     return docs
 
 
@@ -429,7 +653,8 @@ def _long_docs(cfg: DemoCorpusConfig, pool: list[_Doc]) -> list[_Doc]:
     """Random prose and web documents concatenated until just past 100k whitespace-separated words."""
     rng = _rng(cfg, "long")
     parts_pool = [
-        d for d in pool
+        d
+        for d in pool
         if len(d.text) <= _LONG_PART_MAX_CHARS and len(d.text) <= _LONG_PART_MAX_CHARS_PER_WORD * len(d.text.split())
     ]
     docs = []
@@ -487,14 +712,18 @@ def _pii_page(rng: random.Random, paragraphs: list[str]) -> tuple[str, dict[str,
         "ips": [_public_ip(rng)],
     }
     fill = {"first": first, "name": f"{first} {last}", "company": company, "city": rng.choice(_OFFICES)}
-    opening = " ".join([
-        rng.choice(_PII_OPENINGS).format(**fill),
-        rng.choice(_PII_CONTACTS).format(email=values["emails"][0], phone=values["phones"][0], **fill),
-    ])
-    closing = " ".join([
-        rng.choice(_PII_CLOSINGS).format(ip=values["ips"][0]),
-        rng.choice(_PII_SIGNOFFS).format(phone=values["phones"][1], email=values["emails"][1], **fill),
-    ])
+    opening = " ".join(
+        [
+            rng.choice(_PII_OPENINGS).format(**fill),
+            rng.choice(_PII_CONTACTS).format(email=values["emails"][0], phone=values["phones"][0], **fill),
+        ]
+    )
+    closing = " ".join(
+        [
+            rng.choice(_PII_CLOSINGS).format(ip=values["ips"][0]),
+            rng.choice(_PII_SIGNOFFS).format(phone=values["phones"][1], email=values["emails"][1], **fill),
+        ]
+    )
     # Real reference paragraphs in the middle make each page distinct, long and well-formed.
     middle = rng.sample(paragraphs, 2)
     return "\n\n".join([opening, *middle, closing]), _planted_values(values, opening + closing)
@@ -511,8 +740,17 @@ def _pii_docs(cfg: DemoCorpusConfig, prose: list[_Doc]) -> list[_Doc]:
     docs = []
     for i in range(cfg.num_pii_docs):
         text, planted = _pii_page(rng, paragraphs)
-        docs.append(_Doc(text, "generated", "web", "pii", url=f"https://mail-archive.example.org/msg/{i}",
-                         lang="en", label=planted))
+        docs.append(
+            _Doc(
+                text,
+                "generated",
+                "web",
+                "pii",
+                url=f"https://mail-archive.example.org/msg/{i}",
+                lang="en",
+                label=planted,
+            )
+        )
     return docs
 
 
@@ -527,8 +765,14 @@ def _contamination(cfg: DemoCorpusConfig) -> list[_Doc]:
     problems = _humaneval_problems()
     picked = _rng(cfg, "humaneval").sample(problems, min(cfg.num_contaminated, len(problems)))
     return [
-        _Doc(p["prompt"] + p["canonical_solution"], "humaneval", "code", "contamination",
-             extra_meta={"task_id": p["task_id"]}, label={"task_id": p["task_id"]})
+        _Doc(
+            p["prompt"] + p["canonical_solution"],
+            "humaneval",
+            "code",
+            "contamination",
+            extra_meta={"task_id": p["task_id"]},
+            label={"task_id": p["task_id"]},
+        )
         for p in picked
     ]
 

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
-from typing import Any, Callable
+from typing import Any
 
 from data_prep.config import (
     C4Config,
@@ -54,10 +55,8 @@ from data_prep.config import (
 Stats = dict[str, float | int | bool]
 
 # datatrove.utils.text.PUNCTUATION: a token made only of these is a symbol, not a word.
-PUNCTUATION = (
-    "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！："
-    "$～«〉,><》)?）。…@_.\"}►»"
-    + "".join(map(chr, (x for a, b in ((0, 9), (11, 13), (13, 32), (127, 160)) for x in range(a, b))))
+PUNCTUATION = "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»" + "".join(
+    map(chr, (x for a, b in ((0, 9), (11, 13), (13, 32), (127, 160)) for x in range(a, b)))
 )
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})  # Gopher's list
 _TOKEN = re.compile(r"\w+(?:['’.\-]\w+)*|[^\w\s]+")

@@ -127,8 +127,9 @@ def _redact_quarantined(record: dict[str, Any], cfg: CurateConfig, counts: Count
     return record
 
 
-def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
-                label: str | None = None) -> tuple[list[str], dict[str, Any]]:
+def ingest_file(
+    path: str, index: int, cfg: CurateConfig, out_dir: Path, label: str | None = None
+) -> tuple[list[str], dict[str, Any]]:
     """Ingest one input into shards `f<index>-s<k>` and `quarantine/f<index>.jsonl`.
 
     `label` is how records name their origin (default: the path), so outputs do not depend
@@ -145,7 +146,7 @@ def ingest_file(path: str, index: int, cfg: CurateConfig, out_dir: Path,
     for raw in read_input(path):
         total += 1
         if label and raw.origin.startswith(path):
-            raw.origin = label + raw.origin[len(path):]
+            raw.origin = label + raw.origin[len(path) :]
         doc, problem = validate(raw, cfg, default_source)
         if doc is None:
             reasons[problem.split(" ")[0]] += 1  # type: ignore[union-attr]

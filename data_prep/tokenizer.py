@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -54,13 +54,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, out_dir
     )
     tokenizer.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tokenizer,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
         model_max_length=1_000_000,
     )
     fast.save_pretrained(str(out_dir))
-    return {"vocab_size": tokenizer.get_vocab_size(), "eos_id": tokenizer.token_to_id(EOS),
-            "pad_id": tokenizer.token_to_id(PAD)}
+    return {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "eos_id": tokenizer.token_to_id(EOS),
+        "pad_id": tokenizer.token_to_id(PAD),
+    }
 
 
 def load_tokenizer(directory: Path):  # type: ignore[no-untyped-def]
@@ -82,7 +89,9 @@ def fertility(directory: Path, groups: dict[str, list[str]]) -> dict[str, float]
     return out
 
 
-def sample_groups(rows: Iterable[dict[str, str]], keys: tuple[str, ...], per_group: int, seed: int) -> dict[str, list[str]]:
+def sample_groups(
+    rows: Iterable[dict[str, str]], keys: tuple[str, ...], per_group: int, seed: int
+) -> dict[str, list[str]]:
     """Reservoir-sample up to `per_group` texts for every value of each key (e.g. lang, domain)."""
     rng = random.Random(seed)
     groups: dict[str, list[str]] = defaultdict(list)

@@ -30,16 +30,30 @@ from lmforge.jsonl import read_jsonl, write_jsonl
 
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
-BUILTIN = ("lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference", "lmforge_humaneval")
-DATA_FILE = {"lmforge_continuation": "continuation.jsonl", "lmforge_heldout_ppl": "heldout_ppl.jsonl",
-             "lmforge_chat_exact": "chat_exact.jsonl", "lmforge_preference": "preference.jsonl",
-             "lmforge_humaneval": "humaneval.jsonl"}
+BUILTIN = (
+    "lmforge_continuation",
+    "lmforge_heldout_ppl",
+    "lmforge_chat_exact",
+    "lmforge_preference",
+    "lmforge_humaneval",
+)
+DATA_FILE = {
+    "lmforge_continuation": "continuation.jsonl",
+    "lmforge_heldout_ppl": "heldout_ppl.jsonl",
+    "lmforge_chat_exact": "chat_exact.jsonl",
+    "lmforge_preference": "preference.jsonl",
+    "lmforge_humaneval": "humaneval.jsonl",
+}
 
 
 def heldout_documents(pack_dir: Path, kept_dir: Path) -> list[dict[str, Any]]:
     """Documents of pack's validation split (never trained on), with their text, in a stable order."""
     index = json.loads((pack_dir / "index.json").read_text())
-    ids = {row for s in index["splits"]["val"] for row in pq.read_table(pack_dir / s["docs"], columns=["id"])["id"].to_pylist()}
+    ids = {
+        row
+        for s in index["splits"]["val"]
+        for row in pq.read_table(pack_dir / s["docs"], columns=["id"])["id"].to_pylist()
+    }
     docs = []
     for path in sorted(kept_dir.glob("*.parquet")):
         for row in pq.read_table(path, columns=["id", "text", "domain"]).to_pylist():
@@ -67,8 +81,9 @@ def continuation_items(docs: list[dict[str, Any]], limit: int, seed: int) -> lis
         endings = [" ".join(gold)] + [" ".join(e) for e in rng.sample(others, min(3, len(others)))]
         order = list(range(len(endings)))
         rng.shuffle(order)
-        items.append({"id": item_id, "ctx": " ".join(ctx), "endings": [endings[k] for k in order],
-                      "label": order.index(0)})
+        items.append(
+            {"id": item_id, "ctx": " ".join(ctx), "endings": [endings[k] for k in order], "label": order.index(0)}
+        )
     return items
 
 
@@ -91,8 +106,15 @@ def chat_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]:
             continue
         last = max(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
         prompt = record["messages"][:last]
-        items.append({"id": record["id"], "task": record["task"], "prompt": render(prompt), "answer": record["answer"],
-                      "question": prompt[-1]["content"]})
+        items.append(
+            {
+                "id": record["id"],
+                "task": record["task"],
+                "prompt": render(prompt),
+                "answer": record["answer"],
+                "question": prompt[-1]["content"],
+            }
+        )
     return items
 
 
@@ -100,10 +122,19 @@ def preference_items(heldout: Path, tokenizer_dir: Path) -> list[dict[str, Any]]
     render = _chat_template(tokenizer_dir)
     items = []
     for record in read_jsonl(heldout):
-        items.append({"id": record["id"], "task": record["task"], "prompt": render(record["prompt"]),
-                      "choices": [record["chosen"][-1]["content"] + "<|im_end|>",
-                                  record["rejected"][-1]["content"] + "<|im_end|>"],
-                      "question": record["prompt"][-1]["content"], "answer": record["chosen"][-1]["content"]})
+        items.append(
+            {
+                "id": record["id"],
+                "task": record["task"],
+                "prompt": render(record["prompt"]),
+                "choices": [
+                    record["chosen"][-1]["content"] + "<|im_end|>",
+                    record["rejected"][-1]["content"] + "<|im_end|>",
+                ],
+                "question": record["prompt"][-1]["content"],
+                "answer": record["chosen"][-1]["content"],
+            }
+        )
     return items
 
 
@@ -141,22 +172,30 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
     for task in tasks:
         if task in ("lmforge_continuation", "lmforge_heldout_ppl"):
             docs = docs if docs is not None else heldout_documents(sources["pack_dir"], sources["kept_dir"])  # type: ignore[arg-type]
-            items = (continuation_items(docs, settings["continuation_items"], settings["seed"])
-                     if task == "lmforge_continuation" else ppl_items(docs, settings["ppl_docs"], settings["ppl_max_chars"]))
+            items = (
+                continuation_items(docs, settings["continuation_items"], settings["seed"])
+                if task == "lmforge_continuation"
+                else ppl_items(docs, settings["ppl_docs"], settings["ppl_max_chars"])
+            )
         elif task in ("lmforge_chat_exact", "lmforge_preference"):
             heldout = sources["sft_heldout" if task == "lmforge_chat_exact" else "preference_heldout"]
             if heldout is None:
                 built[task] = {"skipped": "the lineage has no alignment stage"}
                 continue
-            items = (chat_items if task == "lmforge_chat_exact" else preference_items)(heldout, sources["tokenizer_dir"])  # type: ignore[arg-type]
+            items = (chat_items if task == "lmforge_chat_exact" else preference_items)(
+                heldout, sources["tokenizer_dir"]
+            )  # type: ignore[arg-type]
         else:
             items = humaneval_items()
         write_jsonl(data / DATA_FILE[task], items)
         write_jsonl(out_dir / "items" / f"{task}.jsonl", item_texts(task, items))
         yaml_path = render_task(task, out_dir)
-        files = [yaml_path, data / DATA_FILE[task]] + ([out_dir / "utils.py", out_dir / "sandbox.py"]
-                                                      if task == "lmforge_humaneval" else [])
+        files = [yaml_path, data / DATA_FILE[task]] + (
+            [out_dir / "utils.py", out_dir / "sandbox.py"] if task == "lmforge_humaneval" else []
+        )
         # the task's identity: its definition and data, not where the workspace lives
-        definition = [(f.name, file_sha256(f)) for f in files[1:]] + [("yaml", digest((TEMPLATES / f"{task}.yaml").read_text()))]
+        definition = [(f.name, file_sha256(f)) for f in files[1:]] + [
+            ("yaml", digest((TEMPLATES / f"{task}.yaml").read_text()))
+        ]
         built[task] = {"items": len(items), "digest": digest(definition, 32), "yaml": str(yaml_path)}
     return built

@@ -8,8 +8,13 @@ from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 
-BUILTIN_TASKS = ["lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference",
-                 "lmforge_humaneval"]
+BUILTIN_TASKS = [
+    "lmforge_continuation",
+    "lmforge_heldout_ppl",
+    "lmforge_chat_exact",
+    "lmforge_preference",
+    "lmforge_humaneval",
+]
 
 
 class BuiltinTaskConfig(StrictModel):
@@ -26,15 +31,25 @@ class ContaminationConfig(StrictModel):
 
     ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
     short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
-    min_coverage: float = Field(0.3, gt=0, le=1, description="Share of an item's n-grams found in a source that makes it contaminated (0.3: a 13-gram survives 5% random word edits about half the time).")
+    min_coverage: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Share of an item's n-grams found in a source that makes it contaminated "
+        "(0.3: a 13-gram survives 5% random word edits about half the time).",
+    )
     max_fraction: float | dict[str, float] = Field(
-        0.05, description="Contaminated share allowed per task: one number for all, or {task: share} (others unlimited).")
+        0.05,
+        description="Contaminated share allowed per task: one number for all, or {task: share} (others unlimited).",
+    )
     action: Literal["fail", "annotate"] = Field(
-        "fail", description="fail: the stage fails (non-retryable) naming the task, share and worst source; "
-                            "annotate: report only.")
+        "fail",
+        description="fail: the stage fails (non-retryable) naming the task, share and worst source; "
+        "annotate: report only.",
+    )
 
     @model_validator(mode="after")
-    def _short_below_long(self) -> "ContaminationConfig":
+    def _short_below_long(self) -> ContaminationConfig:
         if self.short_ngram > self.ngram:
             raise ValueError(f"short_ngram {self.short_ngram} is larger than ngram {self.ngram}")
         return self
@@ -52,16 +67,23 @@ class SandboxConfig(StrictModel):
 
 class EvaluateConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
-    tasks: list[str] = Field(default_factory=lambda: list(BUILTIN_TASKS),
-                             description="Built-in task names, any lm-eval task name (mmlu, hellaswag: needs the hub), "
-                                         "or a path to an lm-eval task YAML.")
+    tasks: list[str] = Field(
+        default_factory=lambda: list(BUILTIN_TASKS),
+        description="Built-in task names, any lm-eval task name (mmlu, hellaswag: needs the hub), "
+        "or a path to an lm-eval task YAML.",
+    )
     # which metric steps run (like `stages`): no step's own results change with them
     models: list[Literal["pretrained", "sft", "dpo"]] = runtime_field(
-        default_factory=lambda: ["pretrained", "sft", "dpo"], description="Models of the lineage to evaluate (those that exist).")
-    backends: list[Literal["hf", "vllm"]] = runtime_field(default_factory=lambda: ["hf", "vllm"],
-                                                          description="hf: transformers in-process; vllm: vLLM's OpenAI server.")
-    limit: dict[str, int] = Field(default_factory=dict, description="Items per task for the metric run ({task: n}); "
-                                                                    "contamination always checks every item.")
+        default_factory=lambda: ["pretrained", "sft", "dpo"],
+        description="Models of the lineage to evaluate (those that exist).",
+    )
+    backends: list[Literal["hf", "vllm"]] = runtime_field(
+        default_factory=lambda: ["hf", "vllm"], description="hf: transformers in-process; vllm: vLLM's OpenAI server."
+    )
+    limit: dict[str, int] = Field(
+        default_factory=dict,
+        description="Items per task for the metric run ({task: n}); contamination always checks every item.",
+    )
     builtin: BuiltinTaskConfig = BuiltinTaskConfig()
     contamination: ContaminationConfig = ContaminationConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -70,7 +92,15 @@ class EvaluateConfig(StrictModel):
     batch_size: int = runtime_field(8, description="hf backend batch size.", ge=1)
     num_concurrent: int = runtime_field(4, description="Concurrent requests to the vLLM server.", ge=1)
     backend_tolerance: dict[str, float] = runtime_field(
-        default_factory=lambda: {"acc": 0.02, "acc_norm": 0.02, "exact_match": 0.05, "pass@1": 0.05,
-                                 "word_perplexity": 0.01, "byte_perplexity": 0.01, "bits_per_byte": 0.01},
+        default_factory=lambda: {
+            "acc": 0.02,
+            "acc_norm": 0.02,
+            "exact_match": 0.05,
+            "pass@1": 0.05,
+            "word_perplexity": 0.01,
+            "byte_perplexity": 0.01,
+            "bits_per_byte": 0.01,
+        },
         description="Largest hf-vs-vLLM difference reported as agreement (absolute, and at least two items' worth "
-                    "for item averages; relative for perplexities).")
+        "for item averages; relative for perplexities).",
+    )

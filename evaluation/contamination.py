@@ -29,9 +29,10 @@ files of The Pile), and no maintained library indexes a lineage's sources this w
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -47,13 +48,15 @@ class Settings:
 
 # -- building an index ------------------------------------------------------------------------------
 
-def build_index(records: Iterable[tuple[str, str]], out_dir: Path, settings: Settings, chunk: int = 5000) -> dict[str, int]:
+
+def build_index(
+    records: Iterable[tuple[str, str]], out_dir: Path, settings: Settings, chunk: int = 5000
+) -> dict[str, int]:
     """Index (id, text) records into `out_dir`; returns counts. Memory: the pairs of one n, sorted once.
 
     The texts are kept beside the index (`texts.parquet`), so a hit can be verified without
     going back to the source.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     ids: list[str] = []
@@ -115,7 +118,9 @@ class Index:
 
     def __init__(self, directory: Path, settings: Settings):
         self.directory, self.settings = directory, settings
-        self.keys = {n: np.load(directory / f"keys_{n}.npy", mmap_mode="r") for n in (settings.ngram, settings.short_ngram)}
+        self.keys = {
+            n: np.load(directory / f"keys_{n}.npy", mmap_mode="r") for n in (settings.ngram, settings.short_ngram)
+        }
         self.docs = {n: np.load(directory / f"docs_{n}.npy", mmap_mode="r") for n in self.keys}
         whole = np.load(directory / "whole.npy")
         self.whole = {int(k): i for i, k in enumerate(whole)}
@@ -142,6 +147,7 @@ class Index:
 
 # -- checking items ---------------------------------------------------------------------------------
 
+
 def exact_overlap(item: list[str], doc: list[str], n: int) -> tuple[float, str]:
     """(share of the item's word n-grams that occur in the document, the item span they cover)."""
     if len(item) < n:
@@ -161,8 +167,13 @@ def check_item(tokens: list[str], index: Index) -> dict[str, Any]:
         hit = index.whole.get(whole_key(tokens))
         if hit is None:
             return {"contaminated": False, "overlap": 0.0, "checked_by": "whole-text"}
-        return {"contaminated": True, "overlap": 1.0, "checked_by": "whole-text", "train_doc_id": index.ids[hit],
-                "span": " ".join(tokens)}
+        return {
+            "contaminated": True,
+            "overlap": 1.0,
+            "checked_by": "whole-text",
+            "train_doc_id": index.ids[hit],
+            "span": " ".join(tokens),
+        }
     n = s.ngram if len(tokens) >= s.ngram else s.short_ngram
     keys = gram_keys(tokens, n)
     found, holders = index.lookup(keys, n)
@@ -171,8 +182,13 @@ def check_item(tokens: list[str], index: Index) -> dict[str, Any]:
         return {"contaminated": False, "overlap": round(coverage, 4), "checked_by": f"{n}-gram"}
     best = int(np.bincount(holders).argmax())
     overlap, span = exact_overlap(tokens, words(index.text(best)), n)
-    return {"contaminated": overlap >= s.min_coverage, "overlap": round(overlap, 4), "checked_by": f"{n}-gram",
-            "train_doc_id": index.ids[best], "span": span[:500]}
+    return {
+        "contaminated": overlap >= s.min_coverage,
+        "overlap": round(overlap, 4),
+        "checked_by": f"{n}-gram",
+        "train_doc_id": index.ids[best],
+        "span": span[:500],
+    }
 
 
 def check_tasks(items: dict[str, list[dict[str, str]]], indexes: dict[str, Index]) -> Iterator[dict[str, Any]]:
@@ -182,10 +198,18 @@ def check_tasks(items: dict[str, list[dict[str, str]]], indexes: dict[str, Index
             tokens = words(item["text"])
             matches = {source: check_item(tokens, index) for source, index in indexes.items()}
             flagged = {s: m for s, m in matches.items() if m["contaminated"]}
-            worst_source = max(matches, key=lambda s: (matches[s]["contaminated"], matches[s]["overlap"])) if matches else None
+            worst_source = (
+                max(matches, key=lambda s: (matches[s]["contaminated"], matches[s]["overlap"])) if matches else None
+            )
             worst = matches.get(worst_source, {}) if worst_source else {}
-            yield {"task": task, "doc_id": item["id"], "contaminated": bool(flagged),
-                   "overlap": worst.get("overlap", 0.0), "source": worst_source if flagged else None,
-                   "train_doc_id": worst.get("train_doc_id") if flagged else None,
-                   "span": worst.get("span") if flagged else None, "sources": sorted(flagged),
-                   "checked_by": worst.get("checked_by")}
+            yield {
+                "task": task,
+                "doc_id": item["id"],
+                "contaminated": bool(flagged),
+                "overlap": worst.get("overlap", 0.0),
+                "source": worst_source if flagged else None,
+                "train_doc_id": worst.get("train_doc_id") if flagged else None,
+                "span": worst.get("span") if flagged else None,
+                "sources": sorted(flagged),
+                "checked_by": worst.get("checked_by"),
+            }

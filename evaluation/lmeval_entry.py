@@ -37,7 +37,8 @@ def model_arguments(spec: dict[str, Any]) -> tuple[str, str]:
     return "local-completions", (
         f"model={spec['served_name']},base_url={spec['base_url']}/v1/completions,tokenizer={spec['model_dir']},"
         f"tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent={spec['num_concurrent']},"
-        f"max_retries=3,max_length={context},timeout=600")
+        f"max_retries=3,max_length={context},timeout=600"
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -55,11 +56,18 @@ def sample_rows(samples: list[dict[str, Any]], metrics: list[str]) -> list[dict[
     rows = []
     for sample in samples:
         doc = sample.get("doc", {})
-        rows.append({"doc_id": sample["doc_id"], "id": str(doc.get("id", doc.get("task_id", sample["doc_id"]))),
-                     "filter": sample.get("filter"), "target": _plain(sample.get("target")),
-                     "arguments": _plain(sample.get("arguments")), "resps": _plain(sample.get("resps")),
-                     "filtered_resps": _plain(sample.get("filtered_resps")),
-                     "metrics": {m: _plain(sample[m]) for m in metrics if m in sample}})
+        rows.append(
+            {
+                "doc_id": sample["doc_id"],
+                "id": str(doc.get("id", doc.get("task_id", sample["doc_id"]))),
+                "filter": sample.get("filter"),
+                "target": _plain(sample.get("target")),
+                "arguments": _plain(sample.get("arguments")),
+                "resps": _plain(sample.get("resps")),
+                "filtered_resps": _plain(sample.get("filtered_resps")),
+                "metrics": {m: _plain(sample[m]) for m in metrics if m in sample},
+            }
+        )
     return rows
 
 
@@ -73,8 +81,13 @@ def generation_cap(manager: Any, name: str, max_length: int) -> dict[str, int] |
             continue
         wanted = (task.get_config("generation_kwargs") or {}).get("max_gen_toks", 256)
         if wanted > max_length // 2:
-            log.warning("%s: max_gen_toks %d capped at %d (half of the model's context %d)",
-                        name, wanted, max_length // 2, max_length)
+            log.warning(
+                "%s: max_gen_toks %d capped at %d (half of the model's context %d)",
+                name,
+                wanted,
+                max_length // 2,
+                max_length,
+            )
             return {"max_gen_toks": max_length // 2}
     return None
 
@@ -88,24 +101,47 @@ def evaluate_task(spec: dict[str, Any], task: dict[str, Any], model: str, model_
     gen_kwargs = generation_cap(manager, task["name"], spec["max_length"])
     started = time.time()
     result = lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=[task["name"]], task_manager=manager, limit=task["limit"],
+        model=model,
+        model_args=model_args,
+        tasks=[task["name"]],
+        task_manager=manager,
+        limit=task["limit"],
         gen_kwargs=gen_kwargs,
-        batch_size=spec["batch_size"], device=spec["device"], log_samples=True,
-        bootstrap_iters=spec["bootstrap_iters"], confirm_run_unsafe_code=True, apply_chat_template=False,
-        random_seed=spec["seed"], numpy_random_seed=spec["seed"], torch_random_seed=spec["seed"],
-        fewshot_random_seed=spec["seed"])
+        batch_size=spec["batch_size"],
+        device=spec["device"],
+        log_samples=True,
+        bootstrap_iters=spec["bootstrap_iters"],
+        confirm_run_unsafe_code=True,
+        apply_chat_template=False,
+        random_seed=spec["seed"],
+        numpy_random_seed=spec["seed"],
+        torch_random_seed=spec["seed"],
+        fewshot_random_seed=spec["seed"],
+    )
     name = task["name"]
     metrics = sorted({key.split(",")[0] for key in result["results"][name] if "_stderr" not in key and "," in key})
     out.mkdir(parents=True, exist_ok=True)
     rows = sample_rows(result["samples"][name], metrics)
     (out / "samples.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    summary = {"task": name, "backend": spec["backend"], "model_args": model_args.replace(spec.get("base_url") or "\0", "<server>"),
-               "results": _plain(result["results"][name]), "n_samples": _plain(result["n-samples"][name]),
-               "config": _plain(result["configs"][name]), "lm_eval_version": result.get("lm_eval_version"),
-               "seconds": round(time.time() - started, 2), "metrics": metrics}
+    summary = {
+        "task": name,
+        "backend": spec["backend"],
+        "model_args": model_args.replace(spec.get("base_url") or "\0", "<server>"),
+        "results": _plain(result["results"][name]),
+        "n_samples": _plain(result["n-samples"][name]),
+        "config": _plain(result["configs"][name]),
+        "lm_eval_version": result.get("lm_eval_version"),
+        "seconds": round(time.time() - started, 2),
+        "metrics": metrics,
+    }
     (out / "result.json").write_text(json.dumps(summary, indent=1, default=str))
-    log.info("%s on %s: %s (%.0fs)", name, spec["backend"],
-             {k: v for k, v in summary["results"].items() if "," in k and "stderr" not in k}, summary["seconds"])
+    log.info(
+        "%s on %s: %s (%.0fs)",
+        name,
+        spec["backend"],
+        {k: v for k, v in summary["results"].items() if "," in k and "stderr" not in k},
+        summary["seconds"],
+    )
 
 
 def run_tasks(spec: dict[str, Any], rank: int) -> None:

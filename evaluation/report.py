@@ -31,19 +31,30 @@ def contaminated_ids(contamination: list[dict[str, Any]], task: str, sources: se
     return {r["doc_id"] for r in contamination if r["task"] == task and set(r["sources"]) & sources}
 
 
-def metric_row(model: str, backend: str, task: str, result: dict[str, Any], samples: list[dict[str, Any]],
-               dirty: set[str]) -> dict[str, Any]:
+def metric_row(
+    model: str, backend: str, task: str, result: dict[str, Any], samples: list[dict[str, Any]], dirty: set[str]
+) -> dict[str, Any]:
     metric = stats.PRIMARY.get(task) or result["metrics"][0]
     key = next(k for k in result["results"] if k.startswith(f"{metric},") and "_stderr" not in k)
     values = stats.item_values(samples, metric)
     estimate, low, high = stats.bootstrap(metric, list(values.values()))
     clean = [v for i, v in values.items() if i not in dirty]
     stderr = result["results"].get(key.replace(",", "_stderr,", 1))
-    return {"model": model, "backend": backend, "task": task, "metric": metric,
-            "value": result["results"][key], "stderr": stderr if isinstance(stderr, (int, float)) else None,
-            "ci_low": low, "ci_high": high, "items": len(values), "clean_value": stats.aggregate(metric, clean),
-            "clean_items": len(clean), "contaminated_share": round(len(dirty & set(values)) / max(len(values), 1), 4),
-            "bootstrap_estimate": estimate}
+    return {
+        "model": model,
+        "backend": backend,
+        "task": task,
+        "metric": metric,
+        "value": result["results"][key],
+        "stderr": stderr if isinstance(stderr, (int, float)) else None,
+        "ci_low": low,
+        "ci_high": high,
+        "items": len(values),
+        "clean_value": stats.aggregate(metric, clean),
+        "clean_items": len(clean),
+        "contaminated_share": round(len(dirty & set(values)) / max(len(values), 1), 4),
+        "bootstrap_estimate": estimate,
+    }
 
 
 def comparisons(per_model: dict[str, dict[str, list[dict[str, Any]]]], backend: str) -> list[dict[str, Any]]:
@@ -57,8 +68,9 @@ def comparisons(per_model: dict[str, dict[str, list[dict[str, Any]]]], backend: 
             metric = stats.PRIMARY.get(task) or next(iter(samples_after[0]["metrics"]), None) if samples_after else None
             if metric is None:
                 continue
-            result = stats.paired(metric, stats.item_values(per_model[before][task], metric),
-                                  stats.item_values(samples_after, metric))
+            result = stats.paired(
+                metric, stats.item_values(per_model[before][task], metric), stats.item_values(samples_after, metric)
+            )
             rows.append({"backend": backend, "task": task, "metric": metric, "from": before, "to": after, **result})
     return rows
 
@@ -77,9 +89,19 @@ def backend_agreement(rows: list[dict[str, Any]], tolerance: dict[str, float]) -
         limit = tolerance.get(metric, 0.02)
         if metric not in stats.RATIO_METRICS:  # vLLM on CPU computes in bf16, hf in fp32: near-ties may flip
             limit = max(limit, 2 / max(row["items"], 1))  # two items' worth, on small item sets
-        out.append({"model": model, "task": task, "metric": metric, "hf": row["value"], "vllm": other["value"],
-                    "difference": round(diff, 6), "relative": metric in stats.RATIO_METRICS, "tolerance": limit,
-                    "agree": diff <= limit})
+        out.append(
+            {
+                "model": model,
+                "task": task,
+                "metric": metric,
+                "hf": row["value"],
+                "vllm": other["value"],
+                "difference": round(diff, 6),
+                "relative": metric in stats.RATIO_METRICS,
+                "tolerance": limit,
+                "agree": diff <= limit,
+            }
+        )
     return out
 
 
@@ -89,27 +111,61 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def card(rows: list[dict[str, Any]], deltas: list[dict[str, Any]], agreement: list[dict[str, Any]],
-         contamination_summary: list[dict[str, Any]]) -> str:
-    lines = ["# lmforge evaluation", "", "## Results (95% bootstrap intervals over items)", "",
-             "| model | backend | task | metric | value | 95% CI | clean subset | contaminated |", "|---|---|---|---|---|---|---|---|"]
+def card(
+    rows: list[dict[str, Any]],
+    deltas: list[dict[str, Any]],
+    agreement: list[dict[str, Any]],
+    contamination_summary: list[dict[str, Any]],
+) -> str:
+    lines = [
+        "# lmforge evaluation",
+        "",
+        "## Results (95% bootstrap intervals over items)",
+        "",
+        "| model | backend | task | metric | value | 95% CI | clean subset | contaminated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['backend']} | {r['task']} | {r['metric']} | {_fmt(r['value'])} | "
-                     f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {_fmt(r['clean_value'])} ({r['clean_items']}) | "
-                     f"{r['contaminated_share']:.1%} |")
-    lines += ["", "## Along the lineage (paired bootstrap on shared items)", "",
-              "| backend | task | metric | change | delta | 95% CI | verdict |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['backend']} | {r['task']} | {r['metric']} | {_fmt(r['value'])} | "
+            f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {_fmt(r['clean_value'])} ({r['clean_items']}) | "
+            f"{r['contaminated_share']:.1%} |"
+        )
+    lines += [
+        "",
+        "## Along the lineage (paired bootstrap on shared items)",
+        "",
+        "| backend | task | metric | change | delta | 95% CI | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for d in deltas:
-        lines.append(f"| {d['backend']} | {d['task']} | {d['metric']} | {d['from']} -> {d['to']} | {_fmt(d['delta'])} | "
-                     f"[{_fmt(d['low'])}, {_fmt(d['high'])}] | {d.get('verdict', '')} |")
+        lines.append(
+            f"| {d['backend']} | {d['task']} | {d['metric']} | {d['from']} -> {d['to']} | {_fmt(d['delta'])} | "
+            f"[{_fmt(d['low'])}, {_fmt(d['high'])}] | {d.get('verdict', '')} |"
+        )
     if agreement:
-        lines += ["", "## hf vs vLLM", "", "| model | task | metric | hf | vLLM | difference | within tolerance |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## hf vs vLLM",
+            "",
+            "| model | task | metric | hf | vLLM | difference | within tolerance |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for a in agreement:
-            lines.append(f"| {a['model']} | {a['task']} | {a['metric']} | {_fmt(a['hf'])} | {_fmt(a['vllm'])} | "
-                         f"{_fmt(a['difference'])}{' (rel.)' if a['relative'] else ''} | {'yes' if a['agree'] else 'NO'} |")
+            lines.append(
+                f"| {a['model']} | {a['task']} | {a['metric']} | {_fmt(a['hf'])} | {_fmt(a['vllm'])} | "
+                f"{_fmt(a['difference'])}{' (rel.)' if a['relative'] else ''} | {'yes' if a['agree'] else 'NO'} |"
+            )
     if contamination_summary:
-        lines += ["", "## Contamination", "", "| task | items | contaminated | share | worst source |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Contamination",
+            "",
+            "| task | items | contaminated | share | worst source |",
+            "|---|---|---|---|---|",
+        ]
         for c in contamination_summary:
-            lines.append(f"| {c['task']} | {c['items']} | {c['contaminated']} | {c['share']:.1%} | {c['worst_source'] or '-'} |")
+            lines.append(
+                f"| {c['task']} | {c['items']} | {c['contaminated']} | {c['share']:.1%} | {c['worst_source'] or '-'} |"
+            )
     return "\n".join(lines) + "\n"

@@ -64,8 +64,17 @@ def task_key(model_digest: str, task: dict[str, Any], name: str, identity: dict[
     return digest({"model": model_digest, "task": name, "definition": task["digest"], "run": run, "limit": limit}, 16)
 
 
-def evaluate_model(config: ConfigView, workspace: Path, tasks: dict[str, dict[str, Any]], identity: dict[str, Any],
-                   model_dir: Path, model_digest: str, backend: str, served_name: str, work_dir: Path) -> dict[str, Path]:
+def evaluate_model(
+    config: ConfigView,
+    workspace: Path,
+    tasks: dict[str, dict[str, Any]],
+    identity: dict[str, Any],
+    model_dir: Path,
+    model_digest: str,
+    backend: str,
+    served_name: str,
+    work_dir: Path,
+) -> dict[str, Path]:
     """Every task of `tasks` on one model, reusing cached per-task results; returns {task: result dir}.
 
     `identity` is `run_identity(config, backend)` as the calling step recorded it; `work_dir` is
@@ -82,24 +91,43 @@ def evaluate_model(config: ConfigView, workspace: Path, tasks: dict[str, dict[st
     if done:
         log.info("%s on %s: %d task result(s) reused: %s", served_name, backend, len(done), ", ".join(done))
     if todo:
-        _run_lmeval(config, model_dir, backend, served_name, {n: (tasks[n], d) for n, d in todo.items()}, store, work_dir)
+        _run_lmeval(
+            config, model_dir, backend, served_name, {n: (tasks[n], d) for n, d in todo.items()}, store, work_dir
+        )
     return {**done, **todo}
 
 
-def _run_lmeval(config: ConfigView, model_dir: Path, backend: str, served_name: str,
-                todo: dict[str, tuple[dict[str, Any], Path]], store: Any, work_dir: Path) -> None:
+def _run_lmeval(
+    config: ConfigView,
+    model_dir: Path,
+    backend: str,
+    served_name: str,
+    todo: dict[str, tuple[dict[str, Any], Path]],
+    store: Any,
+    work_dir: Path,
+) -> None:
     from lmforge.launch import SINGLE, run_entry
     from lmforge.vllm_server import TemporaryServer, check_servable
 
     cfg = config.evaluate
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     engine = engine_config(config)
-    spec: dict[str, Any] = {"model_dir": str(model_dir), "backend": backend, "served_name": served_name,
-                            "max_length": min(engine.max_model_len or context, context), "batch_size": cfg.batch_size,
-                            "device": "cuda" if _cuda() else "cpu", "bootstrap_iters": cfg.bootstrap_iters,
-                            "seed": cfg.seed, "num_concurrent": cfg.num_concurrent, "sandbox": cfg.sandbox.model_dump(),
-                            "tasks": [{"name": n, "include_path": t["include_path"], "limit": cfg.limit.get(n),
-                                       "out_dir": str(d)} for n, (t, d) in todo.items()]}
+    spec: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "backend": backend,
+        "served_name": served_name,
+        "max_length": min(engine.max_model_len or context, context),
+        "batch_size": cfg.batch_size,
+        "device": "cuda" if _cuda() else "cpu",
+        "bootstrap_iters": cfg.bootstrap_iters,
+        "seed": cfg.seed,
+        "num_concurrent": cfg.num_concurrent,
+        "sandbox": cfg.sandbox.model_dump(),
+        "tasks": [
+            {"name": n, "include_path": t["include_path"], "limit": cfg.limit.get(n), "out_dir": str(d)}
+            for n, (t, d) in todo.items()
+        ],
+    }
     env: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         if backend == "vllm":
@@ -108,8 +136,16 @@ def _run_lmeval(config: ConfigView, model_dir: Path, backend: str, served_name: 
             spec["base_url"] = server.base_url
             env["OPENAI_API_KEY"] = server.api_key  # lm-eval reads it from the environment only
         try:
-            run_entry("evaluation.lmeval_entry", spec, work_dir, policy=SINGLE, spec_name=f"lmeval_spec_{backend}.json",
-                      logger=logging.getLogger("evaluation.lmeval"), env=env, what=f"lm-eval on {backend}")
+            run_entry(
+                "evaluation.lmeval_entry",
+                spec,
+                work_dir,
+                policy=SINGLE,
+                spec_name=f"lmeval_spec_{backend}.json",
+                logger=logging.getLogger("evaluation.lmeval"),
+                env=env,
+                what=f"lm-eval on {backend}",
+            )
         finally:  # whatever finished is kept under its own key, so a retry resumes from it
             for name, (_, directory) in todo.items():
                 if (directory / "result.json").exists() and store.read_manifest(directory) is None:

@@ -23,6 +23,7 @@ Why by hand: no maintained Python package isolates a subprocess this way; bubble
 would, but they are system packages the pipeline cannot assume, and lm-eval's own `code_eval`
 runs code in-process with a Python-level guard (and needs the hub).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,17 +42,25 @@ CLONE_NEWPID = 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
-ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
-            4096: MS_RELATIME}
+ST_TO_MS = {
+    1: MS_RDONLY,
+    2: MS_NOSUID,
+    4: MS_NODEV,
+    8: MS_NOEXEC,
+    1024: MS_NOATIME,
+    2048: MS_NODIRATIME,
+    4096: MS_RELATIME,
+}
 PR_SET_NO_NEW_PRIVS = 38
 SANDBOX_UID = 65534  # "nobody" inside the namespace
+
 
 @dataclass
 class Result:
     passed: bool
-    status: str           # passed | failed | timeout | killed:<signal> | error
+    status: str  # passed | failed | timeout | killed:<signal> | error
     returncode: int | None
-    isolation: str        # namespaces:root | namespaces:userns | unknown (setup failed, nothing ran)
+    isolation: str  # namespaces:root | namespaces:userns | unknown (setup failed, nothing ran)
     seconds: float
     stdout: str
     stderr: str
@@ -123,8 +132,10 @@ def _setup_mounts(workdir: str, tmpfs_mb: int, bind_python: bool) -> None:
         target = os.path.join(workdir, PY_MOUNT)
         os.mkdir(target)
         _check(libc.mount(sys.base_prefix.encode(), target.encode(), None, MS_BIND | MS_REC, None), "bind python")
-        _check(libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None),
-               "ro python")
+        _check(
+            libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None),
+            "ro python",
+        )
     # a /proc that shows only the sandbox's own processes
     _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "proc")
     for mp in mounts:  # verify: no other mount may stay writable
@@ -164,8 +175,11 @@ def _exec_program(opts: dict, isolation: str, drop_to_uid: int | None = None) ->
     if drop_to_uid is not None:  # run the base interpreter through the read-only bind mount (stdlib only)
         prefix = os.path.join(workdir, PY_MOUNT)
         real = os.path.realpath(sys.executable)
-        rel = os.path.relpath(real, os.path.realpath(sys.base_prefix)) if real.startswith(
-            os.path.realpath(sys.base_prefix) + os.sep) else os.path.join("bin", os.path.basename(real))
+        rel = (
+            os.path.relpath(real, os.path.realpath(sys.base_prefix))
+            if real.startswith(os.path.realpath(sys.base_prefix) + os.sep)
+            else os.path.join("bin", os.path.basename(real))
+        )
         exe = os.path.join(prefix, rel)
         env["LD_LIBRARY_PATH"] = os.path.join(prefix, "lib")  # pyenv builds carry an absolute RUNPATH
     os.execve(exe, [exe, "-I", "-B", "prog.py"], env)
@@ -223,19 +237,39 @@ def _kill_namespace(ns: str | None, pgid: int) -> None:
         time.sleep(0.02)
 
 
-def run_program(code: str, timeout: float = 10.0, cpu_s: int = 10, as_mb: int = 1024, fsize_mb: int = 16,
-                nproc: int = 32, nofile: int = 64, tmpfs_mb: int = 64, max_output: int = 4096) -> Result:
+def run_program(
+    code: str,
+    timeout: float = 10.0,
+    cpu_s: int = 10,
+    as_mb: int = 1024,
+    fsize_mb: int = 16,
+    nproc: int = 32,
+    nofile: int = 64,
+    tmpfs_mb: int = 64,
+    max_output: int = 4096,
+) -> Result:
     """Run `code` sandboxed; never raises for anything the code does."""
-    opts = {"limits": {"cpu_s": cpu_s, "as_mb": as_mb, "fsize_mb": fsize_mb, "nproc": nproc, "nofile": nofile},
-            "tmpfs_mb": tmpfs_mb}
+    opts = {
+        "limits": {"cpu_s": cpu_s, "as_mb": as_mb, "fsize_mb": fsize_mb, "nproc": nproc, "nofile": nofile},
+        "tmpfs_mb": tmpfs_mb,
+    }
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="sbx-") as workdir, tempfile.TemporaryFile() as out, \
-            tempfile.TemporaryFile() as err:
+    with (
+        tempfile.TemporaryDirectory(prefix="sbx-") as workdir,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
         os.chmod(workdir, 0o777)  # shadowed by the sandbox's tmpfs; the mount point must be reachable
         opts["workdir"] = workdir
-        proc = subprocess.Popen([sys.executable, "-I", "-B", os.path.abspath(__file__), "--child", json.dumps(opts)],
-                                stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True,
-                                close_fds=True, env={"PATH": "/usr/bin:/bin"})
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", os.path.abspath(__file__), "--child", json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            close_fds=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
         ns = None
         try:
             proc.stdin.write(code.encode())
@@ -254,7 +288,8 @@ def run_program(code: str, timeout: float = 10.0, cpu_s: int = 10, as_mb: int = 
             time.sleep(0.01)
         _kill_namespace(ns, proc.pid)  # always: reap leftovers (background children, daemons)
         proc.wait()
-        out.seek(0); err.seek(0)
+        out.seek(0)
+        err.seek(0)
         stdout = out.read(max_output).decode(errors="replace")
         stderr_full = err.read(1 << 16).decode(errors="replace")
     first, _, stderr = stderr_full.partition("\n")
@@ -273,9 +308,15 @@ def run_program(code: str, timeout: float = 10.0, cpu_s: int = 10, as_mb: int = 
             status = f"killed:{signal.Signals(sig).name}" if sig in signal.Signals._value2member_map_ else "failed"
         else:
             status = "failed"
-    return Result(passed=status == "passed" and isolation != "unknown", status=status, returncode=rc,
-                  isolation=isolation, seconds=round(time.monotonic() - t0, 3), stdout=stdout,
-                  stderr=stderr[-max_output:])
+    return Result(
+        passed=status == "passed" and isolation != "unknown",
+        status=status,
+        returncode=rc,
+        isolation=isolation,
+        seconds=round(time.monotonic() - t0, 3),
+        stdout=stdout,
+        stderr=stderr[-max_output:],
+    )
 
 
 if __name__ == "__main__":

@@ -21,19 +21,33 @@ def _contamination_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for s in summary:
         worst = s["worst_items"][0] if s["worst_items"] else {}
-        rows.append({"task": s["task"], "items": s["items"], "contaminated": s["contaminated"], "share": s["share"],
-                     "worst_source": s["worst_source"] or "", "by_source": str(s["by_source"]),
-                     "worst_item": worst.get("doc_id", ""), "worst_overlap": worst.get("overlap", ""),
-                     "worst_train_doc": worst.get("train_doc_id", "") or ""})
+        rows.append(
+            {
+                "task": s["task"],
+                "items": s["items"],
+                "contaminated": s["contaminated"],
+                "share": s["share"],
+                "worst_source": s["worst_source"] or "",
+                "by_source": str(s["by_source"]),
+                "worst_item": worst.get("doc_id", ""),
+                "worst_overlap": worst.get("overlap", ""),
+                "worst_train_doc": worst.get("train_doc_id", "") or "",
+            }
+        )
     return rows
 
 
 def _clean(value: Any) -> Any:
-    return None if isinstance(value, float) and math.isnan(value) else (round(value, 5) if isinstance(value, float) else value)
+    return (
+        None
+        if isinstance(value, float) and math.isnan(value)
+        else (round(value, 5) if isinstance(value, float) else value)
+    )
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     import json
 
     specs = []
@@ -42,16 +56,28 @@ def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
         specs.append(ArtifactSpec("contamination-report", "table", _contamination_rows(rows), f"FAILED: {error}"))
     contamination = manifests.get("evaluate/contamination")
     if contamination and not rows:
-        specs.append(ArtifactSpec("contamination-report", "table", _contamination_rows(contamination["extra"]["summary"]),
-                                  "contaminated evaluation items per task, by training source"))
+        specs.append(
+            ArtifactSpec(
+                "contamination-report",
+                "table",
+                _contamination_rows(contamination["extra"]["summary"]),
+                "contaminated evaluation items per task, by training source",
+            )
+        )
     report = manifests.get("evaluate/report")
     if report:
         directory = Path(report["dir"])
         verdict = json.loads((directory / "report.json").read_text())
         table = [{k: _clean(v) for k, v in r.items() if k != "bootstrap_estimate"} for r in verdict["results"]]
         specs.append(ArtifactSpec("eval-results", "table", table, "metric, stderr, 95% bootstrap CI, clean subset"))
-        specs.append(ArtifactSpec("eval-comparison", "markdown", (directory / "comparison.md").read_text(),
-                                  "the lineage compared: deltas with paired bootstrap intervals"))
+        specs.append(
+            ArtifactSpec(
+                "eval-comparison",
+                "markdown",
+                (directory / "comparison.md").read_text(),
+                "the lineage compared: deltas with paired bootstrap intervals",
+            )
+        )
     return specs
 
 

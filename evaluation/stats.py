@@ -16,8 +16,13 @@ import numpy as np
 
 RATIO_METRICS = {"word_perplexity", "byte_perplexity", "bits_per_byte"}
 LOWER_IS_BETTER = RATIO_METRICS
-PRIMARY = {"lmforge_continuation": "acc_norm", "lmforge_heldout_ppl": "word_perplexity",
-           "lmforge_chat_exact": "exact_match", "lmforge_preference": "acc", "lmforge_humaneval": "pass@1"}
+PRIMARY = {
+    "lmforge_continuation": "acc_norm",
+    "lmforge_heldout_ppl": "word_perplexity",
+    "lmforge_chat_exact": "exact_match",
+    "lmforge_preference": "acc",
+    "lmforge_humaneval": "pass@1",
+}
 
 
 def item_values(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
@@ -54,8 +59,9 @@ def bootstrap(metric: str, values: list[Any], iters: int = 1000, seed: int = 0) 
     return estimate, float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
 
 
-def paired(metric: str, before: dict[str, Any], after: dict[str, Any], iters: int = 1000,
-           seed: int = 0) -> dict[str, Any]:
+def paired(
+    metric: str, before: dict[str, Any], after: dict[str, Any], iters: int = 1000, seed: int = 0
+) -> dict[str, Any]:
     """after - before on the items both have, with a paired bootstrap interval."""
     shared = sorted(set(before) & set(after))
     if not shared:
@@ -65,10 +71,18 @@ def paired(metric: str, before: dict[str, Any], after: dict[str, Any], iters: in
     delta = aggregate(metric, a) - aggregate(metric, b)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(shared), size=(iters, len(shared)))
-    draws = np.array([aggregate(metric, [a[k] for k in p]) - aggregate(metric, [b[k] for k in p]) for p in picks]) \
-        if metric in RATIO_METRICS else (np.array([float(x) for x in a]) - np.array([float(x) for x in b]))[picks].mean(axis=1)
+    draws = (
+        np.array([aggregate(metric, [a[k] for k in p]) - aggregate(metric, [b[k] for k in p]) for p in picks])
+        if metric in RATIO_METRICS
+        else (np.array([float(x) for x in a]) - np.array([float(x) for x in b]))[picks].mean(axis=1)
+    )
     low, high = float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
     better = (delta < 0) if metric in LOWER_IS_BETTER else (delta > 0)
     significant = not (low <= 0 <= high)
-    return {"items": len(shared), "delta": delta, "low": low, "high": high,
-            "verdict": ("better" if better else "worse") if significant else "no significant change"}
+    return {
+        "items": len(shared),
+        "delta": delta,
+        "low": low,
+        "high": high,
+        "verdict": ("better" if better else "worse") if significant else "no significant change",
+    }

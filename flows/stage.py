@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prefect import Flow, flow
 
@@ -30,7 +31,9 @@ from tasks.steps import step_task
 GPU_LIMIT = "gpu"
 
 
-def run_stage_steps(stage: str, config: Any, manifests: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+def run_stage_steps(
+    stage: str, config: Any, manifests: dict[str, dict[str, Any]]
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Submit the stage's active steps; upstream outputs of earlier stages come in `manifests`.
 
     Returns the manifests and, per step, "cached" (its output was found complete in the
@@ -68,8 +71,12 @@ def _run_context() -> dict[str, Any]:
     run = context.flow_run if context is not None else None  # as the engine read it when the run began
     if run is None:
         return {"flow_run_id": None, "flow_run_name": None}
-    return {"flow_run_id": str(run.id), "flow_run_name": run.name, "work_pool": run.work_pool_name,
-            "deployment_id": str(run.deployment_id) if run.deployment_id else None}
+    return {
+        "flow_run_id": str(run.id),
+        "flow_run_name": run.name,
+        "work_pool": run.work_pool_name,
+        "deployment_id": str(run.deployment_id) if run.deployment_id else None,
+    }
 
 
 @contextlib.contextmanager
@@ -93,15 +100,20 @@ def gpu_slots(stage: Stage) -> Iterator[None]:
         yield
 
 
-def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
+def execute_stage(
+    stage: Stage, config: Any, manifests: dict[str, dict[str, Any]], params: dict[str, Any]
+) -> dict[str, Any]:
     """The body of every stage flow."""
     watch_cancellation()
     try:
         manifests = dict(manifests)
         status: dict[str, str] = {}
         if not stage_inputs(stage.name, config) <= manifests.keys():  # e.g. a stage deployment run on its own
-            missing = [name for name in upstream_stages(stage.name, config)
-                       if not any(m["stage"] == name for m in manifests.values())]
+            missing = [
+                name
+                for name in upstream_stages(stage.name, config)
+                if not any(m["stage"] == name for m in manifests.values())
+            ]
             for name in missing:  # compute (or reuse) what it reads
                 outcome = run_subflow(name, config, params, manifests)
                 manifests.update(outcome["manifests"])
@@ -119,7 +131,10 @@ def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]
             raise
         finally:
             if stage.artifacts is not None:
-                for spec in [*stage.artifacts({**manifests, **results}, status, error), *step_images(stage.name, results)]:
+                for spec in [
+                    *stage.artifacts({**manifests, **results}, status, error),
+                    *step_images(stage.name, results),
+                ]:
                     publish(spec)
         publish_stage(stage.name, results, status)
         return {"manifests": {**manifests, **results}, "status": status}
@@ -129,8 +144,13 @@ def execute_stage(stage: Stage, config: Any, manifests: dict[str, dict[str, Any]
 
 def stage_inputs(stage: str, config: Any) -> set[str]:
     """The steps of other stages that the stage's active steps read: all its flow needs handed in."""
-    return {name for step in graph().active(config, [stage]) if step.stage == stage
-            for name in graph().upstream(step, config) if graph().get(name).stage != stage}
+    return {
+        name
+        for step in graph().active(config, [stage])
+        if step.stage == stage
+        for name in graph().upstream(step, config)
+        if graph().get(name).stage != stage
+    }
 
 
 def run_subflow(name: str, config: Any, params: dict[str, Any], manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -152,15 +172,25 @@ def run_subflow(name: str, config: Any, params: dict[str, Any], manifests: dict[
         return stage_flow(name)(**params, manifests=inputs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stage_flow(name: str) -> Flow:
     """The Prefect flow of one stage: `lmforge-<stage>`, e.g. `lmforge-pretrain`."""
     stage = get_stage(name)
 
-    @flow(name=f"lmforge-{name}", flow_run_name=f"{name}-{{preset}}", log_prints=True,
-          description=stage.description, on_cancellation=[stop_launched], on_crashed=[stop_launched])
-    def run(preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
-            manifests: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    @flow(
+        name=f"lmforge-{name}",
+        flow_run_name=f"{name}-{{preset}}",
+        log_prints=True,
+        description=stage.description,
+        on_cancellation=[stop_launched],
+        on_crashed=[stop_launched],
+    )
+    def run(
+        preset: str = "tiny-cpu",
+        overrides: list[str] | None = None,
+        workspace: str | None = None,
+        manifests: dict[str, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         """Run the stage (and, when `manifests` does not hold them, the stages it reads from).
 
         preset: a preset name or YAML path; overrides: `KEY=VALUE` fields; workspace: where outputs

@@ -19,8 +19,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lmforge.errors import ConfigError, LmforgeError
 
@@ -38,9 +39,18 @@ EPILOG = """examples:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default="tiny-cpu", help="preset name (configs/NAME.yaml) or YAML path (default: tiny-cpu)")
-    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set pretrain.optim.lr=1e-3 (repeatable)")
+    parser.add_argument(
+        "--config", "-c", default="tiny-cpu", help="preset name (configs/NAME.yaml) or YAML path (default: tiny-cpu)"
+    )
+    parser.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set pretrain.optim.lr=1e-3 (repeatable)",
+    )
     parser.add_argument("--workspace", "-w", help="where stage outputs live (default: from the config, ./workspace)")
 
 
@@ -60,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     from lmforge.console import add_verbose_flag
     from lmforge.registry import stage_names, stages
 
-    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__.split("\n\n")[0],
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lmforge",
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run the full pipeline (every stage in the config's `stages`)")
     _common(run)
@@ -85,12 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     deploy = sub.add_parser("deploy", help="create the work pools and deployments (`prefect deployment run ...`)")
     _common(deploy)
     deploy.add_argument("--name", help="deployment name (default: the preset name)")
-    deploy.add_argument("--serve", action="store_true",
-                        help="laptop mode: serve the pipeline deployment from this process (no work pools or workers)")
-    deploy.add_argument("--gpu-worker-type", choices=["process", "docker", "kubernetes"], default="process",
-                        help="worker type of the lmforge-gpu pool when it is created (default: process)")
-    deploy.add_argument("--gpus", type=int, help="slots of the `gpu` concurrency limit: GPUs per node (default: "
-                                                 "the GPUs visible here, at least 1)")
+    deploy.add_argument(
+        "--serve",
+        action="store_true",
+        help="laptop mode: serve the pipeline deployment from this process (no work pools or workers)",
+    )
+    deploy.add_argument(
+        "--gpu-worker-type",
+        choices=["process", "docker", "kubernetes"],
+        default="process",
+        help="worker type of the lmforge-gpu pool when it is created (default: process)",
+    )
+    deploy.add_argument(
+        "--gpus",
+        type=int,
+        help="slots of the `gpu` concurrency limit: GPUs per node (default: the GPUs visible here, at least 1)",
+    )
     deploy.add_argument("--write-prefect-yaml", metavar="PATH", help="write the deployments as a prefect.yaml and exit")
     slurm = sub.add_parser("slurm", help="run a stage as a SLURM job: render (print) or submit (sbatch) its script")
     slurm.add_argument("action", choices=["render", "submit"])
@@ -99,8 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show or validate the resolved configuration")
     config.add_argument("action", choices=["show", "validate"])
     _common(config)
-    config.add_argument("--skip-path-checks", action="store_true",
-                        help="validate a preset meant for another machine (input files may not exist here)")
+    config.add_argument(
+        "--skip-path-checks",
+        action="store_true",
+        help="validate a preset meant for another machine (input files may not exist here)",
+    )
     return parser
 
 
@@ -121,8 +148,13 @@ def _use_server_if_running() -> str | None:
     return url
 
 
-def _print_summary(steps: dict[str, dict[str, Any]], manifests: dict[str, dict[str, Any]], workspace: str,
-                   seconds: float, api_url: str | None) -> None:
+def _print_summary(
+    steps: dict[str, dict[str, Any]],
+    manifests: dict[str, dict[str, Any]],
+    workspace: str,
+    seconds: float,
+    api_url: str | None,
+) -> None:
     from lmforge.registry import stages
 
     if not steps:
@@ -140,7 +172,10 @@ def _print_summary(steps: dict[str, dict[str, Any]], manifests: dict[str, dict[s
             for line in stage.summary(manifests):
                 print(line)
     if api_url:
-        print(f"Prefect UI: {api_url.removesuffix('/api')}  (flow runs, artifacts: curation-stats, pretrain-summary, pipeline-lineage)")
+        print(
+            f"Prefect UI: {api_url.removesuffix('/api')}  "
+            "(flow runs, artifacts: curation-stats, pretrain-summary, pipeline-lineage)"
+        )
     else:
         print("Prefect UI: start `lmforge server start` before running to browse runs, logs and artifacts")
 
@@ -156,9 +191,14 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
         os.environ["LMFORGE_LOG_LEVEL"] = config.runtime.log_level  # for the training ranks
         with terminal(args.verbose, level=config.runtime.log_level):  # one line per step, progress, warnings
             manifests = run_pipeline_locally(config, stages or config.stages)
-        steps = {n: {"key": m["key"], "dir": m["dir"],
-                     "status": "cached" if m["timings"]["finished_at"] < started else "computed"}
-                 for n, m in manifests.items()}
+        steps = {
+            n: {
+                "key": m["key"],
+                "dir": m["dir"],
+                "status": "cached" if m["timings"]["finished_at"] < started else "computed",
+            }
+            for n, m in manifests.items()
+        }
         _print_summary(steps, manifests, config.workspace, time.time() - started, None)
         return 0
     from lmforge import server
@@ -243,8 +283,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.write_prefect_yaml:
         from flows.deployments import deployment_specs, prefect_yaml
 
-        Path(args.write_prefect_yaml).write_text(prefect_yaml(deployment_specs(name, args.config, args.overrides,
-                                                                               args.workspace)))
+        Path(args.write_prefect_yaml).write_text(
+            prefect_yaml(deployment_specs(name, args.config, args.overrides, args.workspace))
+        )
         print(f"wrote {args.write_prefect_yaml}")
         return 0
     if not _use_server_if_running():
@@ -253,8 +294,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.serve:
         from flows.pipeline import pipeline
 
-        print(f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
-              f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)")
+        print(
+            f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
+            f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)"
+        )
         pipeline.serve(name=name, parameters=parameters)
         return 0
     from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
@@ -265,13 +308,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     specs = deployment_specs(name, args.config, args.overrides, args.workspace)
     for full_name, spec in zip(apply_deployments(specs), specs):
         print(f"deployment {full_name}  (pool {spec['work_pool']})")
-    print("\nstart workers (from this checkout's .venv, with PREFECT_API_URL pointing at this server):\n"
-          "  .venv/bin/prefect worker start --pool lmforge-cpu\n"
-          "  .venv/bin/prefect worker start --pool lmforge-gpu     # on each GPU machine\n"
-          f"then: prefect deployment run 'lmforge-pipeline/{name}'"
-          + ("" if config.runtime.dispatch == "deployments" else
-             "\n(stages run inside the pipeline's flow run; deploy with --set runtime.dispatch=deployments to send "
-             "each stage to its pool)"))
+    print(
+        "\nstart workers (from this checkout's .venv, with PREFECT_API_URL pointing at this server):\n"
+        "  .venv/bin/prefect worker start --pool lmforge-cpu\n"
+        "  .venv/bin/prefect worker start --pool lmforge-gpu     # on each GPU machine\n"
+        f"then: prefect deployment run 'lmforge-pipeline/{name}'"
+        + (
+            ""
+            if config.runtime.dispatch == "deployments"
+            else "\n(stages run inside the pipeline's flow run; deploy with --set runtime.dispatch=deployments to send "
+            "each stage to its pool)"
+        )
+    )
     return 0
 
 
@@ -314,10 +362,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("run", "stage"):
             return cmd_run(args, [args.name] if args.command == "stage" else None)
         if hasattr(args, "handler"):  # a stage's own command
-            config = _load(args, check_paths=getattr(args, "check_paths", True)) if getattr(args, "needs_config", False) else None
+            config = (
+                _load(args, check_paths=getattr(args, "check_paths", True))
+                if getattr(args, "needs_config", False)
+                else None
+            )
             return args.handler(args, config)
-        handler = {"explain": cmd_explain, "server": cmd_server, "deploy": cmd_deploy, "config": cmd_config,
-                   "slurm": cmd_slurm}[args.command]
+        handler = {
+            "explain": cmd_explain,
+            "server": cmd_server,
+            "deploy": cmd_deploy,
+            "config": cmd_config,
+            "slurm": cmd_slurm,
+        }[args.command]
         return handler(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -331,14 +388,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
         if os.environ.get("LMFORGE_DEBUG"):
             raise
-        print(f"error: {type(exc).__name__}: {exc} (the failed step's logs/step.log and the Prefect run log have "
-              "details; -v shows them here, LMFORGE_DEBUG=1 the traceback)", file=sys.stderr)
+        print(
+            f"error: {type(exc).__name__}: {exc} (the failed step's logs/step.log and the Prefect run log have "
+            "details; -v shows them here, LMFORGE_DEBUG=1 the traceback)",
+            file=sys.stderr,
+        )
         return 1
     except BaseException as exc:
         if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API
             raise
-        print("cancelled; launched processes were stopped, completed work and checkpoints are kept "
-              "(the next run resumes from them)", file=sys.stderr)
+        print(
+            "cancelled; launched processes were stopped, completed work and checkpoints are kept "
+            "(the next run resumes from them)",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -53,7 +53,7 @@ def library_version(distribution: str) -> str:
         return "not installed"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fingerprint(name: str, modules: tuple[str, ...], libraries: tuple[str, ...]) -> dict[str, Any]:
     files = {}
     for module in modules:

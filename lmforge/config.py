@@ -32,39 +32,59 @@ from lmforge.errors import ConfigError
 class RuntimeConfig(StrictModel):
     workers: int = runtime_field(2, description="Local worker processes for sharded steps.", ge=1)
     verify: Literal["checksum", "size"] = runtime_field(
-        "checksum", description="How stage outputs are verified before reuse: full SHA-256, or sizes only (huge corpora)."
+        "checksum",
+        description="How stage outputs are verified before reuse: full SHA-256, or sizes only (huge corpora).",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field("INFO", description="Log level of lmforge's loggers.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field(
+        "INFO", description="Log level of lmforge's loggers."
+    )
     on_code_drift: Literal["warn", "rerun"] = runtime_field(
-        "warn", description="When a step's code or libraries changed since its output was made: warn (one line, "
-                            "reuse the output) or rerun the step.")
+        "warn",
+        description="When a step's code or libraries changed since its output was made: warn (one line, "
+        "reuse the output) or rerun the step.",
+    )
     step_timeout_s: dict[str, float] = runtime_field(
-        default_factory=dict, description="Wall-clock limit in seconds per step or stage name, e.g. "
-                                          "{pretrain/train: 86400, curate: 3600}; a step over its limit is stopped.")
+        default_factory=dict,
+        description="Wall-clock limit in seconds per step or stage name, e.g. "
+        "{pretrain/train: 86400, curate: 3600}; a step over its limit is stopped.",
+    )
     dispatch: Literal["local", "deployments"] = runtime_field(
-        "local", description="local: the pipeline runs every stage in its own process; deployments: each stage "
-                             "runs as its deployment (`lmforge deploy`), so GPU stages land on a GPU work pool's worker.")
+        "local",
+        description="local: the pipeline runs every stage in its own process; deployments: each stage "
+        "runs as its deployment (`lmforge deploy`), so GPU stages land on a GPU work pool's worker.",
+    )
     deployment: str | None = runtime_field(
-        None, description="Name of the stage deployments to dispatch to (lmforge-<stage>/<name>); default: the preset name.")
+        None,
+        description="Name of the stage deployments to dispatch to (lmforge-<stage>/<name>); default: the preset name.",
+    )
     task_runner: Literal["process", "dask"] = runtime_field(
-        "process", description="Where sharded units run: a local process pool, or a Dask cluster through "
-                               "prefect-dask's DaskTaskRunner (Prefect runs only; --local always uses processes).")
+        "process",
+        description="Where sharded units run: a local process pool, or a Dask cluster through "
+        "prefect-dask's DaskTaskRunner (Prefect runs only; --local always uses processes).",
+    )
     dask_address: str | None = runtime_field(
-        None, description="Scheduler address of the Dask cluster (tcp://host:8786); None: a local cluster of `workers` processes.")
+        None,
+        description="Scheduler address of the Dask cluster (tcp://host:8786); None: a local cluster of `workers` processes.",
+    )
 
 
 class ClusterConfig(StrictModel):
     """A SLURM cluster for `lmforge slurm render|submit STAGE` (multi-node training)."""
 
     nodes: int = runtime_field(1, description="Nodes of the job.", ge=1)
-    gpus_per_node: int = runtime_field(8, description="GPUs per node (--gpus-per-node, and slots in the hostfile).", ge=0)
+    gpus_per_node: int = runtime_field(
+        8, description="GPUs per node (--gpus-per-node, and slots in the hostfile).", ge=0
+    )
     cpus_per_task: int = runtime_field(16, description="CPUs per node for the launcher and its ranks.", ge=1)
     time: str = runtime_field("24:00:00", description="Wall-clock limit of the job (HH:MM:SS or D-HH:MM:SS).")
     partition: str | None = runtime_field(None, description="SLURM partition.")
     account: str | None = runtime_field(None, description="SLURM account.")
-    requeue: bool = runtime_field(True, description="Requeue on preemption; the requeued job resumes from the last checkpoint.")
-    setup: list[str] = runtime_field(default_factory=list, description="Shell lines run on the first node before the stage "
-                                                                        "(module load, exports).")
+    requeue: bool = runtime_field(
+        True, description="Requeue on preemption; the requeued job resumes from the last checkpoint."
+    )
+    setup: list[str] = runtime_field(
+        default_factory=list, description="Shell lines run on the first node before the stage (module load, exports)."
+    )
     extra_sbatch: list[str] = runtime_field(default_factory=list, description="More #SBATCH options, e.g. --qos=high.")
 
 
@@ -73,8 +93,11 @@ class PipelineBase(StrictModel):
 
     name: str = runtime_field("custom", description="Preset name, shown in the UI.")
     workspace: str = runtime_field("./workspace", description="Where stage outputs live (content-addressed).")
-    stages: list[str] = Field(default_factory=lambda: _stage_names(), json_schema_extra=RUNTIME_MARK,
-                              description="Stages `lmforge run` runs (the lifecycle order applies).")
+    stages: list[str] = Field(
+        default_factory=lambda: _stage_names(),
+        json_schema_extra=RUNTIME_MARK,
+        description="Stages `lmforge run` runs (the lifecycle order applies).",
+    )
     runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
 
@@ -102,15 +125,33 @@ def pipeline_model() -> type[PipelineBase]:
         stage.name: (stage.config_model, Field(default_factory=stage.config_model, description=stage.description))
         for stage in stages()
     }
-    debug = create_model("DebugConfig", __base__=StrictModel, __module__=__name__,  # type: ignore[call-overload]
-                         __doc__="Fault injection for tests and drills, one section per stage.",
-                         **{stage.name: (stage.debug_model, Field(default_factory=stage.debug_model))
-                            for stage in stages() if stage.debug_model is not None})
-    sections["debug"] = (debug, Field(default_factory=debug, json_schema_extra=RUNTIME_MARK,
-                                      description="Fault injection for tests and drills (debug.<stage>.*); no part of "
-                                                  "a normal run's cache key, and a step run with one set is keyed apart."))
-    return create_model("PipelineConfig", __base__=PipelineBase, __module__=__name__,  # type: ignore[call-overload]
-                        __doc__="The whole pipeline; each stage section has its own typed model.", **sections)
+    debug = create_model(
+        "DebugConfig",
+        __base__=StrictModel,
+        __module__=__name__,  # type: ignore[call-overload]
+        __doc__="Fault injection for tests and drills, one section per stage.",
+        **{
+            stage.name: (stage.debug_model, Field(default_factory=stage.debug_model))
+            for stage in stages()
+            if stage.debug_model is not None
+        },
+    )
+    sections["debug"] = (
+        debug,
+        Field(
+            default_factory=debug,
+            json_schema_extra=RUNTIME_MARK,
+            description="Fault injection for tests and drills (debug.<stage>.*); no part of "
+            "a normal run's cache key, and a step run with one set is keyed apart.",
+        ),
+    )
+    return create_model(
+        "PipelineConfig",
+        __base__=PipelineBase,
+        __module__=__name__,  # type: ignore[call-overload]
+        __doc__="The whole pipeline; each stage section has its own typed model.",
+        **sections,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -238,7 +279,9 @@ def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
 
 
 def load_config(
-    preset: str = "tiny-cpu", overrides: list[str] | None = None, workspace: str | None = None,
+    preset: str = "tiny-cpu",
+    overrides: list[str] | None = None,
+    workspace: str | None = None,
     check_paths: bool = True,
 ) -> Any:
     """Load a preset or YAML path, apply overrides, validate; raise ConfigError with one line."""

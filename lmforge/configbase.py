@@ -146,8 +146,10 @@ class ConfigView:
             return value
         if isinstance(value, BaseModel):  # a section: its fields are checked as they are read
             return ConfigView(value, reads, self._step, path + ".")
-        raise UndeclaredConfigRead(f"step {self._step} reads {path} but does not declare it in its `reads` "
-                                   "(every field a step reads is part of its cache key)")
+        raise UndeclaredConfigRead(
+            f"step {self._step} reads {path} but does not declare it in its `reads` "
+            "(every field a step reads is part of its cache key)"
+        )
 
     def _derived(self, name: str, path: str) -> Any:
         """A property or method a config model defines (`num_perm` from bands x rows): run against
@@ -160,8 +162,10 @@ class ConfigView:
                 return member.fget(self)
             if isinstance(member, types.FunctionType):
                 return types.MethodType(member, self)
-        raise UndeclaredConfigRead(f"step {self._step}: {path} is not a config field (a view of the "
-                                   "configuration offers its declared fields only)")
+        raise UndeclaredConfigRead(
+            f"step {self._step}: {path} is not a config field (a view of the "
+            "configuration offers its declared fields only)"
+        )
 
     def require(self, path: str) -> None:
         """Raise unless the full dotted `path` is declared (or a runtime field)."""
@@ -183,4 +187,3 @@ class ConfigView:
 
     def __repr__(self) -> str:
         return f"ConfigView({self._step}: {', '.join(self._reads) or 'nothing'})"
-

@@ -31,9 +31,10 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import TextIO
 
 from lmforge import steplog
 
@@ -43,8 +44,10 @@ POLL_S = 2.0  # how often a running step's progress is read off its output folde
 NAME_WIDTH = 24
 RUN_STATE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 PLAIN_FORMAT = "%(asctime)s %(name)s %(message)s"
-VERBOSE_HELP = ("show every log line on the terminal, launched processes' output included (it always goes to "
-                "the Prefect run logs and to each computed step's logs/step.log)")
+VERBOSE_HELP = (
+    "show every log line on the terminal, launched processes' output included (it always goes to "
+    "the Prefect run logs and to each computed step's logs/step.log)"
+)
 
 Progress = Callable[[], "tuple[float, float] | None"]
 
@@ -76,8 +79,14 @@ class _Running:
 class Terminal:
     """The terminal of one run: step lines, the live line, and the log records a person needs."""
 
-    def __init__(self, stream: TextIO, verbose: bool = False, tty: bool | None = None,
-                 pipe_every_s: float = PIPE_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        verbose: bool = False,
+        tty: bool | None = None,
+        pipe_every_s: float = PIPE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream
         self.verbose = verbose
         self.tty = _isatty(stream) if tty is None else tty
@@ -227,8 +236,9 @@ class ConsoleHandler(logging.Handler):
     """A console handler that gives way to `terminal()` while it shows a run (which decides what is
     shown and keeps the live line whole); otherwise `inner` writes every record."""
 
-    def __init__(self, inner: logging.Handler | None = None, fmt: str = PLAIN_FORMAT,
-                 datefmt: str | None = None) -> None:
+    def __init__(
+        self, inner: logging.Handler | None = None, fmt: str = PLAIN_FORMAT, datefmt: str | None = None
+    ) -> None:
         super().__init__()
         if inner is None:
             inner = logging.StreamHandler(sys.stderr)
@@ -244,13 +254,17 @@ class ConsoleHandler(logging.Handler):
 
 
 def _is_console(handler: logging.Handler) -> bool:
-    return (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-            and getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__))
+    return (
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    )
 
 
 @contextlib.contextmanager
-def terminal(verbose: bool = False, level: str | None = None, stream: TextIO | None = None,
-             until_exit: bool = False) -> Iterator[Terminal]:
+def terminal(
+    verbose: bool = False, level: str | None = None, stream: TextIO | None = None, until_exit: bool = False
+) -> Iterator[Terminal]:
     """Show the steps run inside this block as the module docstring says.
 
     The root logger's console handlers (Prefect's, when it configured logging) are wrapped, or a
@@ -281,6 +295,7 @@ def terminal(verbose: bool = False, level: str | None = None, stream: TextIO | N
 
 
 # -- what the executor tells the terminal --------------------------------------------------------------
+
 
 class StepOnScreen:
     """One step as the terminal shows it: `computing` while it runs, one line when it ends."""
@@ -320,6 +335,7 @@ def step_progress(step: str, done: float, total: float, what: str = "units") -> 
 
 
 # -- formatting ----------------------------------------------------------------------------------------
+
 
 def step_line(step: str, status: str, seconds: float, detail: str) -> str:
     return f"{status:<8}  {step:<{NAME_WIDTH}}  {duration(seconds):>6}  {detail}"

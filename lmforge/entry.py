@@ -22,8 +22,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4, "deterministic": 5}
 EXIT_RECORD = "exit-rank{rank}.json"
@@ -40,8 +41,9 @@ def setup_logging(out_dir: Path, rank: int, quiet: Sequence[str] = ()) -> None:
     handlers: list[logging.Handler] = [logging.FileHandler(logs / f"rank-{rank}.log")]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
-    logging.basicConfig(level=logging.WARNING, handlers=handlers, force=True,
-                        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, handlers=handlers, force=True, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s"
+    )
     level = os.environ.get("LMFORGE_LOG_LEVEL", "INFO")  # runtime.log_level, passed by the launcher
     for ours in DOMAIN_LOGGERS:
         logging.getLogger(ours).setLevel(level)

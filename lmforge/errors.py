@@ -65,8 +65,17 @@ class TrainingInterrupted(RetryableError):
 
 
 # Python's own errors of code or data: the same inputs raise them again on every attempt
-PROGRAMMING_ERRORS = (TypeError, ValueError, LookupError, AttributeError, NotImplementedError, AssertionError,
-                      NameError, ArithmeticError, ImportError)
+PROGRAMMING_ERRORS = (
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    NotImplementedError,
+    AssertionError,
+    NameError,
+    ArithmeticError,
+    ImportError,
+)
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -18,9 +18,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import lmforge
 from lmforge import codeprint, console, launcher, steplog
@@ -48,7 +49,7 @@ class StepPlan:
 
 
 # who is computing: the orchestrator's run (flow run, work pool) when there is one; host and SLURM job always
-_made_by: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("lmforge_made_by", default={})
+_made_by: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("lmforge_made_by", default={})  # noqa: B039 - never mutated: .set() stores a new dict
 
 
 @contextlib.contextmanager
@@ -81,8 +82,9 @@ def code_version() -> dict[str, Any]:
         version["git"] = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout
         version["dirty"] = bool(dirty.strip())
     except (OSError, subprocess.CalledProcessError):
         pass
@@ -105,8 +107,11 @@ def plan_step(step: Step, config: Any, store: StageStore, upstream: dict[str, di
 def report_reuse(plan: StepPlan) -> None:
     """One line when an output is reused although its code changed since (on_code_drift=warn)."""
     if plan.drift:
-        log.warning("%s: %s; reusing it (runtime.on_code_drift=warn; set it to rerun to recompute)",
-                    plan.step.name, "; ".join(plan.drift))
+        log.warning(
+            "%s: %s; reusing it (runtime.on_code_drift=warn; set it to rerun to recompute)",
+            plan.step.name,
+            "; ".join(plan.drift),
+        )
 
 
 def step_timeout(step: Step, config: Any) -> float | None:
@@ -124,8 +129,16 @@ def open_step(plan: StepPlan, config: Any, store: StageStore, upstream: dict[str
         store.invalidate(plan.directory)
     plan.directory.mkdir(parents=True, exist_ok=True)
     needed = {name: upstream[name] for name in plan.upstream_names}
-    return StepContext(plan.step.name, plan.key, plan.directory, plan.step.view(config), needed, store.root,
-                       identity=plan.components["config"], products=graph().products(plan.step, config))
+    return StepContext(
+        plan.step.name,
+        plan.key,
+        plan.directory,
+        plan.step.view(config),
+        needed,
+        store.root,
+        identity=plan.components["config"],
+        products=graph().products(plan.step, config),
+    )
 
 
 def split_units(ctx: StepContext, store: StageStore) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -169,8 +182,9 @@ class _Collect(logging.Handler):
         self.records.append((record.name, record.levelno, record.getMessage()))
 
 
-def run_unit_with_logs(ctx: StepContext, unit: str, verify_mode: str = "checksum",
-                       level: int | None = None) -> tuple[dict[str, Any], list[LogRecordTuple]]:
+def run_unit_with_logs(
+    ctx: StepContext, unit: str, verify_mode: str = "checksum", level: int | None = None
+) -> tuple[dict[str, Any], list[LogRecordTuple]]:
     """`run_unit` in a worker process, returning what the domain loggers said there.
 
     Worker processes have none of the parent's log handlers (Prefect's API handler least of
@@ -215,8 +229,12 @@ def replay_logs(records: list[LogRecordTuple]) -> None:
 
 
 def close_step(
-    plan: StepPlan, ctx: StepContext, results: dict[str, dict[str, Any]], store: StageStore,
-    started: float, units_reused: int = 0,
+    plan: StepPlan,
+    ctx: StepContext,
+    results: dict[str, dict[str, Any]],
+    store: StageStore,
+    started: float,
+    units_reused: int = 0,
 ) -> dict[str, Any]:
     """Run the step's global part, then checksum everything and write the manifest last."""
     outcome = plan.step.finalize(ctx, results)
@@ -266,8 +284,14 @@ def make_pool(workers: int) -> cf.Executor:
 UnitRunner = Callable[[StepContext, list[str]], dict[str, dict[str, Any]]]
 
 
-def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]],
-                 run_units: UnitRunner, on_open: Callable[[StepContext], None] | None = None) -> tuple[dict[str, Any], bool]:
+def execute_step(
+    step: Step,
+    config: Any,
+    store: StageStore,
+    upstream: dict[str, dict[str, Any]],
+    run_units: UnitRunner,
+    on_open: Callable[[StepContext], None] | None = None,
+) -> tuple[dict[str, Any], bool]:
     """Plan, and compute when needed; returns (manifest, cache_hit).
 
     `run_units(ctx, todo)` computes the units still to do (in a process pool, or as Prefect
@@ -277,6 +301,7 @@ def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str,
     progress and one line when it ends (`lmforge.console`).
     """
     with console.step_on_screen(step.name) as shown:
+
         def opened(ctx: StepContext) -> None:
             progress = step.progress
             shown.computing(ctx.out_dir, (lambda: progress(ctx)) if progress is not None else None)
@@ -288,8 +313,14 @@ def execute_step(step: Step, config: Any, store: StageStore, upstream: dict[str,
     return manifest, hit
 
 
-def _plan_and_compute(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]],
-                      run_units: UnitRunner, on_open: Callable[[StepContext], None]) -> tuple[dict[str, Any], bool]:
+def _plan_and_compute(
+    step: Step,
+    config: Any,
+    store: StageStore,
+    upstream: dict[str, dict[str, Any]],
+    run_units: UnitRunner,
+    on_open: Callable[[StepContext], None],
+) -> tuple[dict[str, Any], bool]:
     plan = plan_step(step, config, store, upstream)
     if plan.cached:
         report_reuse(plan)
@@ -315,9 +346,11 @@ def _plan_and_compute(step: Step, config: Any, store: StageStore, upstream: dict
 
 def pool_unit_runner(pool: cf.Executor, store: StageStore) -> UnitRunner:
     """Units in a local pool of worker processes, their logs replayed here as they finish."""
+
     def run_units(ctx: StepContext, todo: list[str]) -> dict[str, dict[str, Any]]:
-        futures = {pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, capture_level(pool)): unit
-                   for unit in todo}
+        futures = {
+            pool.submit(run_unit_with_logs, ctx, unit, store.verify_mode, capture_level(pool)): unit for unit in todo
+        }
         results: dict[str, dict[str, Any]] = {}
         for finished, future in enumerate(cf.as_completed(futures), start=1):
             results[futures[future]], records = unit_outcome(future)

@@ -62,10 +62,17 @@ def explain(config: Any, stages: list[str]) -> list[Explanation]:
         stale = [u for u in graph().upstream(step, config) if u in rerun]
         if stale:
             rerun.add(step.name)
-            reasons = [f"upstream {u} will be recomputed (reused after all if it reproduces the same bytes)" for u in stale]
+            reasons = [
+                f"upstream {u} will be recomputed (reused after all if it reproduces the same bytes)" for u in stale
+            ]
             latest = store.latest(step.name)
             if latest is not None:
-                own = {"step": step.name, "version": step.version, "config": config_identity(step, config), "upstream": {}}
+                own = {
+                    "step": step.name,
+                    "version": step.version,
+                    "config": config_identity(step, config),
+                    "upstream": {},
+                }
                 reasons += diff_components({**latest["key_components"], "upstream": {}}, own)
             out.append(Explanation(step.name, None, False, reasons))
             continue

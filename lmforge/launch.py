@@ -30,16 +30,27 @@ from typing import Any, Literal
 
 from lmforge import launcher
 from lmforge.entry import EXIT_RECORD, STARTED_MARK
-from lmforge.errors import (PROGRAMMING_ERRORS, ConfigError, DeterministicError, ParityError, RetryableError,
-                            TrainingDiverged, TrainingInterrupted)
+from lmforge.errors import (
+    PROGRAMMING_ERRORS,
+    ConfigError,
+    DeterministicError,
+    ParityError,
+    RetryableError,
+    TrainingDiverged,
+    TrainingInterrupted,
+)
 from lmforge.hashing import atomic_write_json
 
 log = logging.getLogger(__name__)
 Launcher = Literal["python", "torchrun", "accelerate", "deepspeed"]
 # launcher chatter that says nothing to a person reading the run log
 NOISE = ("Setting accelerator to CPU", "get learning rate from scheduler before it has started", "it/s]")
-NON_RETRYABLE = {"config_error": ConfigError, "diverged": TrainingDiverged, "parity_failed": ParityError,
-                 "deterministic": DeterministicError}
+NON_RETRYABLE = {
+    "config_error": ConfigError,
+    "diverged": TrainingDiverged,
+    "parity_failed": ParityError,
+    "deterministic": DeterministicError,
+}
 
 
 def free_port() -> int:
@@ -97,23 +108,46 @@ def build_command(module: str, spec_path: Path, launch: Launch, master_port: int
             raise ConfigError(f"launcher python starts one process, not {launch.world_size}")
         return [launch.python, "-m", *entry]
     if launch.launcher == "torchrun":
-        command = [launch.python, "-m", "torch.distributed.run", f"--nproc_per_node={launch.num_ranks}",
-                   f"--master_port={master_port}"]
+        command = [
+            launch.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={launch.num_ranks}",
+            f"--master_port={master_port}",
+        ]
         if launch.num_nodes > 1:
             command.append(f"--nnodes={launch.num_nodes}")
         return [*command, "-m", *entry]
     if launch.launcher == "deepspeed":
         command = [launch.python, "-m", "deepspeed.launcher.runner", "--master_port", str(master_port)]
         if launch.hostfile:
-            command += ["--hostfile", launch.hostfile, "--num_nodes", str(launch.num_nodes),
-                        "--launcher", launch.node_launcher]
+            command += [
+                "--hostfile",
+                launch.hostfile,
+                "--num_nodes",
+                str(launch.num_nodes),
+                "--launcher",
+                launch.node_launcher,
+            ]
         return [*command, "--num_gpus", str(launch.num_ranks), "--module", *entry]
     if launch.launcher == "accelerate":
         # on a CPU-only machine accelerate needs --multi_gpu to start more than one process (--cpu
         # starts one unless MPI is installed); the Trainer then runs on the CPU with gloo
-        command = [launch.python, "-m", "accelerate.commands.launch", "--num_processes", str(launch.num_ranks),
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", str(master_port)]
+        command = [
+            launch.python,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            str(launch.num_ranks),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(master_port),
+        ]
         if launch.num_ranks > 1:
             command.append("--multi_gpu")
         return [*command, "-m", *entry]
@@ -145,10 +179,20 @@ class Attempt:
     spec: dict[str, Any]
 
 
-def run_entry(module: str, spec: dict[str, Any], out_dir: Path, *, launch: Launch = Launch(),
-              policy: ExitPolicy = SINGLE, spec_name: str = "run_spec.json", logger: logging.Logger | None = None,
-              env: dict[str, str] | None = None, what: str = "", tail_lines: int = 3,
-              noise: tuple[str, ...] = NOISE) -> Attempt:
+def run_entry(
+    module: str,
+    spec: dict[str, Any],
+    out_dir: Path,
+    *,
+    launch: Launch = Launch(),
+    policy: ExitPolicy = SINGLE,
+    spec_name: str = "run_spec.json",
+    logger: logging.Logger | None = None,
+    env: dict[str, str] | None = None,
+    what: str = "",
+    tail_lines: int = 3,
+    noise: tuple[str, ...] = NOISE,
+) -> Attempt:
     """Launch `module` on `spec`, supervised; returns the attempt on success, raises by `policy` otherwise.
 
     The entry finds `out_dir`, `attempt`, `attempt_dir` and `world_size` in its spec.
@@ -156,17 +200,31 @@ def run_entry(module: str, spec: dict[str, Any], out_dir: Path, *, launch: Launc
     number = next_attempt(out_dir)
     directory = attempt_dir(out_dir, number)
     directory.mkdir(parents=True, exist_ok=True)
-    spec = {**spec, "out_dir": str(spec.get("out_dir", out_dir)), "attempt": number,
-            "attempt_dir": str(directory), "world_size": launch.world_size}
+    spec = {
+        **spec,
+        "out_dir": str(spec.get("out_dir", out_dir)),
+        "attempt": number,
+        "attempt_dir": str(directory),
+        "world_size": launch.world_size,
+    }
     spec_path = out_dir / spec_name
     atomic_write_json(spec_path, spec)
     atomic_write_json(directory / "spec.json", spec)
     command = build_command(module, spec_path, launch, launch.master_port or free_port())
-    atomic_write_json(directory / "launch.json", {"command": command, "launcher": launch.launcher,
-                                                  "world_size": launch.world_size, "policy": policy.name})
+    atomic_write_json(
+        directory / "launch.json",
+        {"command": command, "launcher": launch.launcher, "world_size": launch.world_size, "policy": policy.name},
+    )
     name = what or policy.what
-    returncode, tail = launcher.run(command, logger or logging.getLogger(module), cwd=out_dir, env=env, noise=noise,
-                                    what=name, tail_lines=tail_lines)
+    returncode, tail = launcher.run(
+        command,
+        logger or logging.getLogger(module),
+        cwd=out_dir,
+        env=env,
+        noise=noise,
+        what=name,
+        tail_lines=tail_lines,
+    )
     classify(policy, returncode, exit_records(directory), launch.world_size, processes_started(directory), tail, name)
     return Attempt(number, directory, spec)
 
@@ -178,8 +236,15 @@ def _would_repeat(message: str) -> bool:
     return name == "OutOfMemoryError" or (isinstance(cls, type) and issubclass(cls, PROGRAMMING_ERRORS))
 
 
-def classify(policy: ExitPolicy, returncode: int, records: list[dict[str, Any]], world_size: int,
-             started: int | None = None, output_tail: str = "", what: str = "") -> None:
+def classify(
+    policy: ExitPolicy,
+    returncode: int,
+    records: list[dict[str, Any]],
+    world_size: int,
+    started: int | None = None,
+    output_tail: str = "",
+    what: str = "",
+) -> None:
     """Raise the error that matches how the launch ended (nothing on success).
 
     `started` counts processes that got as far as running lmforge code. A launcher that exits
@@ -191,8 +256,11 @@ def classify(policy: ExitPolicy, returncode: int, records: list[dict[str, Any]],
     statuses = {r["status"] for r in records}
     if statuses == {"ok"} and len(records) == world_size:
         if returncode != 0:  # every process finished and recorded it; only the teardown failed
-            log.warning("%s: every process reported success but the launcher exited with %d; keeping the result",
-                        what, returncode)
+            log.warning(
+                "%s: every process reported success but the launcher exited with %d; keeping the result",
+                what,
+                returncode,
+            )
         return
     for record in records:
         if record["status"] in NON_RETRYABLE:
@@ -208,11 +276,14 @@ def classify(policy: ExitPolicy, returncode: int, records: list[dict[str, Any]],
         raise policy.interrupted(f"{what}: the launcher exited with code {returncode} before any process started{tail}")
     missing = world_size - len(records)
     if missing <= 0:  # every process recorded a crash from the outside world (I/O, a peer, the network)
-        raise policy.interrupted(f"{what} crashed with {records[0]['message']}; the next attempt resumes "
-                                 "from what was completed")
+        raise policy.interrupted(
+            f"{what} crashed with {records[0]['message']}; the next attempt resumes from what was completed"
+        )
     if not many:
-        raise policy.interrupted(f"{what} ended with exit code {returncode} without finishing (killed?){tail}; "
-                                 "the next attempt resumes from what was completed")
+        raise policy.interrupted(
+            f"{what} ended with exit code {returncode} without finishing (killed?){tail}; "
+            "the next attempt resumes from what was completed"
+        )
     raise policy.interrupted(
         f"{what} exited with code {returncode}; {missing} rank(s) died without a record"
         + (f", others reported {sorted(statuses)}" if statuses else "")

@@ -31,15 +31,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from lmforge.errors import RunStopped, StepTimeout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
-             "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
 TIMED_OUT = 124  # lmforge.supervise's exit code when the deadline passed
 
 
@@ -86,7 +93,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _supervised(command: list[str], watch: bool, scope: StepScope | None, grace: float) -> tuple[list[str], tuple[int, ...]]:
+def _supervised(
+    command: list[str], watch: bool, scope: StepScope | None, grace: float
+) -> tuple[list[str], tuple[int, ...]]:
     shim = [sys.executable, "-m", "lmforge.supervise", "--grace", str(grace)]
     if watch:
         shim += ["--watch", str(os.getpid())]
@@ -99,9 +108,17 @@ def _supervised(command: list[str], watch: bool, scope: StepScope | None, grace:
     return [*shim, "--", *command], fds
 
 
-def run(command: list[str], log: logging.Logger, *, cwd: Path | str | None = None,
-        env: dict[str, str] | None = None, noise: tuple[str, ...] = (), tail_lines: int = 3,
-        grace: float = 20.0, what: str = "") -> tuple[int, str]:
+def run(
+    command: list[str],
+    log: logging.Logger,
+    *,
+    cwd: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    noise: tuple[str, ...] = (),
+    tail_lines: int = 3,
+    grace: float = 20.0,
+    what: str = "",
+) -> tuple[int, str]:
     """Run `command` supervised, streaming its output into `log`; returns (exit code, last lines).
 
     Raises `RunStopped` if `stop_all` stopped it and `StepTimeout` if the step's time ran out.
@@ -110,8 +127,17 @@ def run(command: list[str], log: logging.Logger, *, cwd: Path | str | None = Non
     full, fds = _supervised(command, watch=True, scope=scope, grace=grace)
     log.info("launching: %s", " ".join(command))
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                               env=child_env(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+    process = subprocess.Popen(
+        full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=child_env(env),
+        cwd=cwd,
+        start_new_session=True,
+        pass_fds=fds,
+    )
     with _live.lock:
         _live.processes[process.pid] = process
     try:
@@ -132,11 +158,14 @@ def run(command: list[str], log: logging.Logger, *, cwd: Path | str | None = Non
             _live.stopped.discard(process.pid)
     name = what or os.path.basename(command[0])
     if stopped:
-        raise RunStopped(f"{name} was stopped (cancelled or terminated); completed work is kept and "
-                         "the next run resumes from it")
+        raise RunStopped(
+            f"{name} was stopped (cancelled or terminated); completed work is kept and the next run resumes from it"
+        )
     if returncode == TIMED_OUT and scope is not None and scope.deadline is not None and time.time() >= scope.deadline:
-        raise StepTimeout(f"{scope.step}: {name} ran past its time limit (runtime.step_timeout_s) and was stopped; "
-                          "completed work is kept")
+        raise StepTimeout(
+            f"{scope.step}: {name} ran past its time limit (runtime.step_timeout_s) and was stopped; "
+            "completed work is kept"
+        )
     return returncode, " | ".join(tail)
 
 
@@ -177,6 +206,7 @@ def running() -> int:
 
 # -- services used while a step runs (a temporary vLLM server) -----------------------------------
 
+
 class Service:
     """A supervised command running beside the step's own work, its output streamed into `log`.
 
@@ -184,13 +214,30 @@ class Service:
     and waits until its tree is gone. `tail` keeps its last lines for error messages.
     """
 
-    def __init__(self, command: list[str], log: logging.Logger, *, cwd: Path | str | None = None,
-                 env: dict[str, str] | None = None, tail_lines: int = 20, noise: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        log: logging.Logger,
+        *,
+        cwd: Path | str | None = None,
+        env: dict[str, str] | None = None,
+        tail_lines: int = 20,
+        noise: tuple[str, ...] = (),
+    ) -> None:
         full, fds = _supervised(command, watch=True, scope=None, grace=20.0)
         log.info("starting: %s", " ".join(command))
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self.process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                        env=child_env(env), cwd=cwd, start_new_session=True, pass_fds=fds)
+        self.process = subprocess.Popen(
+            full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=child_env(env),
+            cwd=cwd,
+            start_new_session=True,
+            pass_fds=fds,
+        )
         with _live.lock:
             _live.processes[self.process.pid] = self.process
         self._reader = threading.Thread(target=self._stream, args=(log, noise), daemon=True)
@@ -215,7 +262,7 @@ class Service:
             _live.stopped.discard(self.process.pid)
         self._reader.join(timeout=5)
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -224,8 +271,16 @@ class Service:
 
 # -- services that outlive the flow (the vLLM server) ------------------------------------------
 
-def start_detached(command: list[str], log_file: Path, pid_file: Path, *, cwd: Path | str | None = None,
-                   env: dict[str, str] | None = None, meta: dict | None = None) -> int:
+
+def start_detached(
+    command: list[str],
+    log_file: Path,
+    pid_file: Path,
+    *,
+    cwd: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    meta: dict | None = None,
+) -> int:
     """Start `command` supervised but unwatched, output to `log_file`; returns the supervisor's pid.
 
     The pid file records the pid, the command and `meta`, so `stop_detached` can make sure the
@@ -234,8 +289,15 @@ def start_detached(command: list[str], log_file: Path, pid_file: Path, *, cwd: P
     full, _ = _supervised(command, watch=False, scope=None, grace=20.0)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as out:
-        process = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=child_env(env), cwd=cwd, start_new_session=True)
+        process = subprocess.Popen(
+            full,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
     record = {"pid": process.pid, "command": command, "started_at": time.time(), **(meta or {})}
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = pid_file.with_name(f".{pid_file.name}.tmp")

@@ -30,8 +30,9 @@ def stages() -> tuple[Stage, ...]:
             raise TypeError(f"entry point {point.name} registers a stage named {stage.name!r}")
         found[stage.name] = stage
     if not found:
-        raise RuntimeError(f"no stages registered under the {GROUP!r} entry points; "
-                           "is lmforge installed (`pip install -e .`)?")
+        raise RuntimeError(
+            f"no stages registered under the {GROUP!r} entry points; is lmforge installed (`pip install -e .`)?"
+        )
     return tuple(lifecycle_order(found))
 
 

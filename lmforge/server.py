@@ -30,8 +30,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from lmforge.errors import ConfigError
 
@@ -96,19 +96,32 @@ def start(host: str = "127.0.0.1", port: int = 4200, wait_s: float = 90.0) -> st
     if (url := running_api_url()) is not None:
         return url
     if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
-        raise ConfigError(f"server host {host}: exposing the API beyond this machine needs "
-                          "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set")
+        raise ConfigError(
+            f"server host {host}: exposing the API beyond this machine needs "
+            "PREFECT_SERVER_API_AUTH_STRING (user:password) to be set"
+        )
     directory = home()
     (directory / "prefect").mkdir(parents=True, exist_ok=True)
     # SQLite in lmforge's home, whatever database an inherited profile names (Prefect 3 reads the
     # SERVER_ name first and still honours the older API_ one)
     database = f"sqlite+aiosqlite:///{directory / 'prefect' / 'prefect.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(directory / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_DATABASE_CONNECTION_URL": database, "PREFECT_API_DATABASE_CONNECTION_URL": database}
-    with open(directory / "server.log", "ab") as log, sigterm_deliverable():  # the child keeps its own copy of the handle
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(directory / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": database,
+        "PREFECT_API_DATABASE_CONNECTION_URL": database,
+    }
+    with (
+        open(directory / "server.log", "ab") as log,
+        sigterm_deliverable(),
+    ):  # the child keeps its own copy of the handle
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     base = f"http://{_url_host(host)}:{port}"
     api_url = f"{base}/api"
@@ -183,14 +196,36 @@ class TemporaryServer:
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # type: ignore[union-attr, arg-type]
         # no block types registered on start: a run stores no blocks, and checking whether the registry
         # changed imports every installed Prefect integration (prefect-dask pulls in distributed: ~1 s)
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
-               "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
+        env = {
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
+            "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
+        }
         with sigterm_deliverable():
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
-                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "error", "--lifespan", "on"], env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--app-dir",
+                    str(prefect_dir.parent),
+                    "--factory",
+                    "prefect.server.api.server:create_app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ],
+                env=env,
+            )
         atexit.register(self.stop)
 
     def wait(self, wait_s: float = 120.0) -> None:
@@ -198,8 +233,10 @@ class TemporaryServer:
         deadline = time.time() + wait_s
         while not healthy(self.api_url, timeout=1.0):
             if self.process.poll() is not None:
-                raise RuntimeError(f"the temporary Prefect server on port {self.port} exited with "
-                                   f"{self.process.returncode} (its output is above)")
+                raise RuntimeError(
+                    f"the temporary Prefect server on port {self.port} exited with "
+                    f"{self.process.returncode} (its output is above)"
+                )
             if time.time() > deadline:
                 raise RuntimeError(f"the temporary Prefect server did not answer within {wait_s:.0f}s")
             time.sleep(0.1)

@@ -26,9 +26,11 @@ MULTINODE = {"pretrain": "pretrain.distributed", "align": "align.distributed"}
 
 def hostfile_function() -> str:
     """Shell: print one `host slots=N` line per node of the job (DeepSpeed's hostfile format)."""
-    return ('lmforge_hostfile() {  # $1: slots (GPUs) per node\n'
-            '  scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v slots="$1" \'NF { print $1 " slots=" slots }\'\n'
-            '}\n')
+    return (
+        "lmforge_hostfile() {  # $1: slots (GPUs) per node\n"
+        '  scontrol show hostnames "$SLURM_JOB_NODELIST" | awk -v slots="$1" \'NF { print $1 " slots=" slots }\'\n'
+        "}\n"
+    )
 
 
 def render(config: Any, stage: str, preset: str, overrides: list[str], workspace: str | None) -> str:
@@ -37,13 +39,19 @@ def render(config: Any, stage: str, preset: str, overrides: list[str], workspace
     if stage not in _stage_names():
         raise ConfigError(f"slurm: no stage named {stage!r} (stages: {', '.join(_stage_names())})")
     if c.nodes > 1 and stage not in MULTINODE:
-        raise ConfigError(f"slurm: {stage} runs on one node; cluster.nodes={c.nodes} is for "
-                          f"{' and '.join(MULTINODE)}")
+        raise ConfigError(f"slurm: {stage} runs on one node; cluster.nodes={c.nodes} is for {' and '.join(MULTINODE)}")
     ws = str(Path(workspace or config.workspace).resolve())
     logs = f"{ws}/slurm"
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=lmforge-{stage}-{config.name}", f"#SBATCH --nodes={c.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={c.cpus_per_task}", f"#SBATCH --time={c.time}",
-             f"#SBATCH --output={logs}/%x-%j.out", "#SBATCH --signal=B:TERM@180"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=lmforge-{stage}-{config.name}",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={c.cpus_per_task}",
+        f"#SBATCH --time={c.time}",
+        f"#SBATCH --output={logs}/%x-%j.out",
+        "#SBATCH --signal=B:TERM@180",
+    ]
     if c.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
     if c.partition:
@@ -52,20 +60,31 @@ def render(config: Any, stage: str, preset: str, overrides: list[str], workspace
         lines.append(f"#SBATCH --account={c.account}")
     lines.append("#SBATCH --requeue" if c.requeue else "#SBATCH --no-requeue")
     lines += [f"#SBATCH {option}" for option in c.extra_sbatch]
-    lines += ["", "# Rendered by `lmforge slurm render`. SIGTERM (3 minutes before the time limit, or on preemption)",
-              "# reaches lmforge through exec: it stops the ranks; a requeued job resumes from the last checkpoint.",
-              "set -euo pipefail", f"mkdir -p {shlex.quote(logs)}", f"cd {shlex.quote(str(REPO_ROOT))}", *c.setup, "",
-              hostfile_function()]
+    lines += [
+        "",
+        "# Rendered by `lmforge slurm render`. SIGTERM (3 minutes before the time limit, or on preemption)",
+        "# reaches lmforge through exec: it stops the ranks; a requeued job resumes from the last checkpoint.",
+        "set -euo pipefail",
+        f"mkdir -p {shlex.quote(logs)}",
+        f"cd {shlex.quote(str(REPO_ROOT))}",
+        *c.setup,
+        "",
+        hostfile_function(),
+    ]
     command = [str(REPO_ROOT / ".venv" / "bin" / "lmforge"), "stage", stage, "--config", preset, "--workspace", ws]
     for override in overrides:
         command += ["--set", override]
     if stage in MULTINODE:
         section = MULTINODE[stage]
-        lines += [f'HOSTFILE={shlex.quote(logs)}/hostfile-"$SLURM_JOB_ID"',
-                  f'lmforge_hostfile {c.gpus_per_node or 1} > "$HOSTFILE"',
-                  'echo "nodes: $(tr \'\\n\' \' \' < "$HOSTFILE")"']
-        tail = (f' --set {section}.hostfile="$HOSTFILE" --set {section}.num_nodes="$SLURM_JOB_NUM_NODES"'
-                f" --set {section}.node_launcher=slurm --set {section}.launcher=deepspeed")
+        lines += [
+            f'HOSTFILE={shlex.quote(logs)}/hostfile-"$SLURM_JOB_ID"',
+            f'lmforge_hostfile {c.gpus_per_node or 1} > "$HOSTFILE"',
+            "echo \"nodes: $(tr '\\n' ' ' < \"$HOSTFILE\")\"",
+        ]
+        tail = (
+            f' --set {section}.hostfile="$HOSTFILE" --set {section}.num_nodes="$SLURM_JOB_NUM_NODES"'
+            f" --set {section}.node_launcher=slurm --set {section}.launcher=deepspeed"
+        )
         if c.gpus_per_node:
             tail += f" --set {section}.num_ranks={c.gpus_per_node}"
     else:
@@ -83,8 +102,10 @@ def _stage_names() -> list[str]:
 def submit(script: str, directory: Path) -> tuple[Path, str]:
     """Write the script under `directory` and `sbatch` it; (script path, sbatch's answer)."""
     if shutil.which("sbatch") is None:
-        raise ConfigError("slurm submit: `sbatch` is not on PATH (run it on a SLURM login node, or use "
-                          "`lmforge slurm render` and submit the script yourself)")
+        raise ConfigError(
+            "slurm submit: `sbatch` is not on PATH (run it on a SLURM login node, or use "
+            "`lmforge slurm render` and submit the script yourself)"
+        )
     import time
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,9 @@ callables load the stage's modules when they are first needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)

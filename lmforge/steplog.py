@@ -18,8 +18,9 @@ import contextvars
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import TextIO
 
 FILE = "step.log"
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"

@@ -26,8 +26,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from lmforge.hashing import atomic_write_json, digest, file_sha256
 
@@ -47,8 +48,7 @@ def list_outputs(directory: Path, exclude: tuple[str, ...] = ()) -> list[str]:
     found = []
     for root, dirs, files in os.walk(directory):
         rel_root = Path(root).relative_to(directory)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
-                         and not (rel_root == Path(".") and d in exclude))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (rel_root == Path(".") and d in exclude))
         for name in sorted(files):
             if name.startswith(".") or (rel_root == Path(".") and name == MANIFEST):
                 continue
@@ -84,7 +84,9 @@ def _trusted(st: os.stat_result, now_ns: int) -> bool:
     return now_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_NS
 
 
-def describe_files(directory: Path, rel_paths: list[str], stamps: dict[str, list[Any]] | None = None) -> dict[str, dict[str, Any]]:
+def describe_files(
+    directory: Path, rel_paths: list[str], stamps: dict[str, list[Any]] | None = None
+) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of each file; `stamps` (when given) receives the stat stamps of those it may trust later."""
     described = {}
     now = time.time_ns()
@@ -102,8 +104,7 @@ def outputs_digest(outputs: dict[str, dict[str, Any]], prefixes: tuple[str, ...]
     `prefixes` limits it to the deliverable (a trained model's weights, not its timing logs),
     so downstream steps are not invalidated by bytes that carry no meaning for them.
     """
-    chosen = [(rel, meta["sha256"]) for rel, meta in outputs.items()
-              if prefixes is None or rel.startswith(prefixes)]
+    chosen = [(rel, meta["sha256"]) for rel, meta in outputs.items() if prefixes is None or rel.startswith(prefixes)]
     return digest(sorted(chosen), length=32)
 
 
@@ -184,8 +185,13 @@ class StageStore:
         manifest["dir"] = str(directory)  # where it is now, even if the workspace was moved
         return manifest, "complete and verified"
 
-    def finish(self, directory: Path, manifest: dict[str, Any], exclude: tuple[str, ...] = (),
-               digest_prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    def finish(
+        self,
+        directory: Path,
+        manifest: dict[str, Any],
+        exclude: tuple[str, ...] = (),
+        digest_prefixes: tuple[str, ...] | None = None,
+    ) -> dict[str, Any]:
         """Checksum every output (the one hashing of this run), add the digest, write the manifest last."""
         stamps: dict[str, list[Any]] = {}
         outputs = describe_files(directory, list_outputs(directory, exclude), stamps)
@@ -252,4 +258,3 @@ class StageStore:
                 log.info("%s/%s is being computed by another run; waiting for it", step, key)
                 fcntl.flock(handle, fcntl.LOCK_EX)
             yield handle.fileno()
-

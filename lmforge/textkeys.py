@@ -33,8 +33,11 @@ def gram_keys(tokens: list[str], n: int, cache: dict[str, int] | None = None) ->
     if len(tokens) < n:
         return np.zeros(0, dtype=np.uint64)
     cache = {} if cache is None else cache
-    hashes = np.fromiter((cache[w] if w in cache else cache.setdefault(w, xxhash.xxh64_intdigest(w.encode()))
-                          for w in tokens), dtype=np.uint64, count=len(tokens))
+    hashes = np.fromiter(
+        (cache[w] if w in cache else cache.setdefault(w, xxhash.xxh64_intdigest(w.encode())) for w in tokens),
+        dtype=np.uint64,
+        count=len(tokens),
+    )
     width = len(tokens) - n + 1
     with np.errstate(over="ignore"):
         keys = hashes[:width] * _MULTIPLIERS[0]

@@ -46,30 +46,70 @@ class EngineConfig(StrictModel):
     """How vLLM runs a model. Defaults suit tiny-cpu; GPU presets raise the limits."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights/activations dtype. auto: the checkpoint's (vLLM turns fp32 into bf16 on CPU).")
+        "auto", description="Weights/activations dtype. auto: the checkpoint's (vLLM turns fp32 into bf16 on CPU)."
+    )
     max_model_len: int | None = Field(None, ge=16, description="Context length served (default: the model's).")
     max_num_seqs: int = runtime_field(64, description="Sequences batched together at most.", ge=1)
-    max_num_batched_tokens: int | None = runtime_field(None, description="Tokens per engine step (chunked prefill budget).", ge=16)
+    max_num_batched_tokens: int | None = runtime_field(
+        None, description="Tokens per engine step (chunked prefill budget).", ge=16
+    )
     enable_prefix_caching: bool = runtime_field(True, description="Reuse the KV cache of shared prompt prefixes.")
     enable_chunked_prefill: bool = runtime_field(True, description="Split long prefills across engine steps.")
     tensor_parallel_size: int = runtime_field(1, description="GPUs one model is split over.", ge=1)
-    gpu_memory_utilization: float = runtime_field(0.9, description="Share of GPU memory vLLM may use (GPU only).", gt=0, le=1)
-    cpu_kv_cache_gib: int = runtime_field(1, description="KV-cache memory on CPU in GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1)
-    enforce_eager: bool = runtime_field(True, description="No CUDA graphs / compilation (faster start; required on CPU).")
-    max_stop_strings: int = runtime_field(16, description="Stop strings a request may carry (vLLM's default is 4).", ge=1)
-    startup_timeout_s: float = runtime_field(240.0, description="Seconds to wait for /health and a first completion.", gt=0)
+    gpu_memory_utilization: float = runtime_field(
+        0.9, description="Share of GPU memory vLLM may use (GPU only).", gt=0, le=1
+    )
+    cpu_kv_cache_gib: int = runtime_field(
+        1, description="KV-cache memory on CPU in GiB (VLLM_CPU_KVCACHE_SPACE).", ge=1
+    )
+    enforce_eager: bool = runtime_field(
+        True, description="No CUDA graphs / compilation (faster start; required on CPU)."
+    )
+    max_stop_strings: int = runtime_field(
+        16, description="Stop strings a request may carry (vLLM's default is 4).", ge=1
+    )
+    startup_timeout_s: float = runtime_field(
+        240.0, description="Seconds to wait for /health and a first completion.", gt=0
+    )
     seed: int = 0
 
 
-def server_command(model_dir: Path, cfg: EngineConfig, *, port: int, host: str = "127.0.0.1",
-                   served_name: str = "model", chat_template: Path | None = None) -> list[str]:
+def server_command(
+    model_dir: Path,
+    cfg: EngineConfig,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    served_name: str = "model",
+    chat_template: Path | None = None,
+) -> list[str]:
     """The server's command line. The API key is not on it (it would show in `ps`): see `server_env`."""
     import torch
 
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", served_name, "--host", host, "--port", str(port),
-               "--dtype", cfg.dtype, "--max-num-seqs", str(cfg.max_num_seqs), "--seed", str(cfg.seed),
-               "--max-logprobs", "20", "--generation-config", "auto", "--disable-log-stats"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.dtype,
+        "--max-num-seqs",
+        str(cfg.max_num_seqs),
+        "--seed",
+        str(cfg.seed),
+        "--max-logprobs",
+        "20",
+        "--generation-config",
+        "auto",
+        "--disable-log-stats",
+    ]
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.max_num_batched_tokens:
@@ -79,17 +119,26 @@ def server_command(model_dir: Path, cfg: EngineConfig, *, port: int, host: str =
     if cfg.enforce_eager:
         command.append("--enforce-eager")
     if torch.cuda.is_available():
-        command += ["--tensor-parallel-size", str(cfg.tensor_parallel_size),
-                    "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        command += [
+            "--tensor-parallel-size",
+            str(cfg.tensor_parallel_size),
+            "--gpu-memory-utilization",
+            str(cfg.gpu_memory_utilization),
+        ]
     if chat_template is not None:
         command += ["--chat-template", str(chat_template)]
     return command
 
 
 def server_env(cfg: EngineConfig, api_key: str) -> dict[str, str]:
-    return {"VLLM_API_KEY": api_key, "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
-            "VLLM_MAX_STOP_STRINGS": str(cfg.max_stop_strings), "VLLM_LOGGING_LEVEL": "WARNING",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return {
+        "VLLM_API_KEY": api_key,
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
+        "VLLM_MAX_STOP_STRINGS": str(cfg.max_stop_strings),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
 
 
 def plain_chat_template(model_dir: Path, into: Path) -> Path | None:
@@ -117,21 +166,29 @@ def check_servable(model_dir: Path) -> None:
     heads = config.get("num_attention_heads")
     head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads else None)
     if head_dim is not None and head_dim not in CPU_HEAD_SIZES:
-        raise NotServable(f"{model_dir}: head dimension {head_dim} (hidden_size {config['hidden_size']} / {heads} heads) "
-                           f"has no vLLM CPU attention kernel (supported: {', '.join(map(str, CPU_HEAD_SIZES))}); "
-                           "choose pretrain.model.num_heads so that hidden_size / num_heads is one of them")
+        raise NotServable(
+            f"{model_dir}: head dimension {head_dim} (hidden_size {config['hidden_size']} / {heads} heads) "
+            f"has no vLLM CPU attention kernel (supported: {', '.join(map(str, CPU_HEAD_SIZES))}); "
+            "choose pretrain.model.num_heads so that hidden_size / num_heads is one of them"
+        )
 
 
 def root_cause(lines: list[str]) -> str:
     """The line of a server log that says why it failed (vLLM wraps the cause in several layers)."""
     for line in lines:
         text = line.split("] ", 1)[-1]
-        if ("Error:" in text or "Exception:" in text) and "EngineDeadError" not in text and "see the stack" not in text.lower():
+        if (
+            ("Error:" in text or "Exception:" in text)
+            and "EngineDeadError" not in text
+            and "see the stack" not in text.lower()
+        ):
             return text.strip()
     return ""
 
 
-def request(url: str, api_key: str | None, payload: dict[str, Any] | None = None, timeout: float = 30.0) -> tuple[int, Any]:
+def request(
+    url: str, api_key: str | None, payload: dict[str, Any] | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
     """(HTTP status, parsed JSON or text) of a GET (no payload) or POST."""
     data = json.dumps(payload).encode() if payload is not None else None
     headers = {"Content-Type": "application/json"}
@@ -156,23 +213,32 @@ def wait_ready(base_url: str, api_key: str, served_name: str, timeout_s: float, 
     while time.time() - started < timeout_s:
         if not alive():
             cause = root_cause(list(tail()))
-            raise ServerFailed(f"vLLM server exited during start-up{f' ({cause})' if cause else ''}; "
-                               f"last lines: {' | '.join(list(tail())[-6:])}")
+            raise ServerFailed(
+                f"vLLM server exited during start-up{f' ({cause})' if cause else ''}; "
+                f"last lines: {' | '.join(list(tail())[-6:])}"
+            )
         try:
             healthy = request(f"{base_url}/health", None, timeout=5)[0] == 200
         except OSError:
             healthy = False
         if healthy:
-            status, body = request(f"{base_url}/v1/completions", api_key,
-                                   {"model": served_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+            status, body = request(
+                f"{base_url}/v1/completions",
+                api_key,
+                {"model": served_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+            )
             if status == 200 and body.get("choices"):
                 return time.time() - started
             cause = root_cause(list(tail()))
-            raise ServerFailed(f"vLLM server is up but its first completion failed (HTTP {status}"
-                               + (f"; cause: {cause}" if cause else f": {str(body)[:300]}")
-                               + f"); last lines: {' | '.join(list(tail())[-3:])}")
+            raise ServerFailed(
+                f"vLLM server is up but its first completion failed (HTTP {status}"
+                + (f"; cause: {cause}" if cause else f": {str(body)[:300]}")
+                + f"); last lines: {' | '.join(list(tail())[-3:])}"
+            )
         time.sleep(1.0)
-    raise ServerFailed(f"vLLM server did not answer within {timeout_s:.0f}s; last lines: {' | '.join(list(tail())[-6:])}")
+    raise ServerFailed(
+        f"vLLM server did not answer within {timeout_s:.0f}s; last lines: {' | '.join(list(tail())[-6:])}"
+    )
 
 
 class TemporaryServer:
@@ -181,8 +247,8 @@ class TemporaryServer:
     def __init__(self, model_dir: Path, cfg: EngineConfig, work_dir: Path, served_name: str = "model") -> None:
         import secrets
 
-        from lmforge.launcher import Service
         from lmforge.launch import free_port
+        from lmforge.launcher import Service
 
         self.port, self.api_key, self.served_name = free_port(), f"sk-lmforge-{secrets.token_hex(16)}", served_name
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -190,8 +256,14 @@ class TemporaryServer:
         command = server_command(model_dir, cfg, port=self.port, served_name=served_name, chat_template=template)
         self.service = Service(command, log, env=server_env(cfg, self.api_key), noise=NOISE, tail_lines=200)
         try:
-            self.startup_s = wait_ready(self.base_url, self.api_key, served_name, cfg.startup_timeout_s,
-                                        self.service.alive, lambda: self.service.tail)
+            self.startup_s = wait_ready(
+                self.base_url,
+                self.api_key,
+                served_name,
+                cfg.startup_timeout_s,
+                self.service.alive,
+                lambda: self.service.tail,
+            )
         except BaseException:
             self.service.stop()
             raise
@@ -200,7 +272,7 @@ class TemporaryServer:
     def stop(self) -> None:
         self.service.stop()
 
-    def __enter__(self) -> "TemporaryServer":
+    def __enter__(self) -> TemporaryServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

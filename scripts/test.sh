@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite: unit tests, the curation pipeline, real
+# Set up (if needed), lint (scripts/lint.sh), and run the whole test suite: unit tests, the curation pipeline, real
 # 2-rank DeepSpeed training on CPU, Prefect flows against a temporary Prefect server, and the
 # tiny-cpu pipeline end to end through the CLI. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/lint.sh
 exec .venv/bin/python -m pytest -q "$@"

@@ -31,11 +31,28 @@ def chromium() -> str:
 
 def shoot(url: str, out: Path, width: int = 1500, height: int = 1400) -> None:
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                        f"--user-data-dir={profile}", "--hide-scrollbars", "--virtual-time-budget=15000",
-                        f"--window-size={width},{height}", f"--screenshot={out}", url],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--hide-scrollbars",
+                "--virtual-time-budget=15000",
+                f"--window-size={width},{height}",
+                f"--screenshot={out}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     print(f"{out}  <- {url}")
 
 
@@ -54,14 +71,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["lmforge-pipeline"])),
-                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["lmforge-pipeline"])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=1,
+        )
         keys = args.artifact or DEFAULT_ARTIFACTS
         # each key's newest version: its own page shows the content (the key's page is a timeline of
         # versions with the content folded away)
         artifacts: dict = {}
-        for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)),
-                                       sort=ArtifactSort.CREATED_DESC):
+        for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)), sort=ArtifactSort.CREATED_DESC
+        ):
             artifacts.setdefault(a.key, a)
     if runs:
         shoot(f"{ui}/runs/flow-run/{runs[0].id}", out / "pipeline-run.png")

@@ -22,33 +22,60 @@ class SloConfig(StrictModel):
     """The latency benchmark `serve/deploy` runs before promoting a model, and its targets."""
 
     enabled: bool = runtime_field(True, description="Run the SLO benchmark before promoting.")
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8], description="Concurrent streaming clients per level.")
+    concurrency: list[int] = Field(
+        default_factory=lambda: [1, 8], description="Concurrent streaming clients per level."
+    )
     requests_per_client: int = Field(4, ge=1, description="Requests each client sends per level and workload.")
-    max_tokens: int = Field(32, ge=1, description="Tokens generated per request (ignore_eos, so each request is the same length).")
-    system_prompt_words: int = Field(120, ge=0, description="Length of the shared system prompt of the prefix workload.")
-    ttft_p90_ms: float | None = runtime_field(None, description="Fail the deployment when p90 time-to-first-token exceeds this (None: report only).", gt=0)
-    tpot_p90_ms: float | None = runtime_field(None, description="Fail when p90 time-per-output-token exceeds this (None: report only).", gt=0)
+    max_tokens: int = Field(
+        32, ge=1, description="Tokens generated per request (ignore_eos, so each request is the same length)."
+    )
+    system_prompt_words: int = Field(
+        120, ge=0, description="Length of the shared system prompt of the prefix workload."
+    )
+    ttft_p90_ms: float | None = runtime_field(
+        None, description="Fail the deployment when p90 time-to-first-token exceeds this (None: report only).", gt=0
+    )
+    tpot_p90_ms: float | None = runtime_field(
+        None, description="Fail when p90 time-per-output-token exceeds this (None: report only).", gt=0
+    )
 
 
 class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
     model: Literal["auto", "quantized", "dpo", "sft", "pretrained"] = Field(
-        "auto", description="What to serve. auto: the quantized model when its gate passed, else DPO, else SFT, else pretrained.")
+        "auto",
+        description="What to serve. auto: the quantized model when its gate passed, else DPO, else SFT, else pretrained.",
+    )
     require_evaluation: bool = Field(
-        True, description="Refuse a model the evaluation stage did not evaluate (or whose gates failed).")
-    host: str = runtime_field("127.0.0.1", description="Interface to bind. Anything but loopback needs require_api_key.")
-    port: int | None = runtime_field(None, description="Port of the first server (None: a free one). A promotion starts the "
-                                     "new model on a free port and switches `serving/current.json` to it.", ge=1, le=65535)
-    require_api_key: bool = runtime_field(True, description="Requests need `Authorization: Bearer <key>`. The key comes from "
-                                          "LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600).")
+        True, description="Refuse a model the evaluation stage did not evaluate (or whose gates failed)."
+    )
+    host: str = runtime_field(
+        "127.0.0.1", description="Interface to bind. Anything but loopback needs require_api_key."
+    )
+    port: int | None = runtime_field(
+        None,
+        description="Port of the first server (None: a free one). A promotion starts the "
+        "new model on a free port and switches `serving/current.json` to it.",
+        ge=1,
+        le=65535,
+    )
+    require_api_key: bool = runtime_field(
+        True,
+        description="Requests need `Authorization: Bearer <key>`. The key comes from "
+        "LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600).",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")
-    smoke_max_tokens: int = Field(48, ge=1, description="The smoke test's answer must end (at <|im_end|>) within this many tokens.")
+    smoke_max_tokens: int = Field(
+        48, ge=1, description="The smoke test's answer must end (at <|im_end|>) within this many tokens."
+    )
     slo: SloConfig = Field(default_factory=SloConfig)
 
     @model_validator(mode="after")
-    def _exposed_needs_key(self) -> "ServeConfig":
+    def _exposed_needs_key(self) -> ServeConfig:
         if self.host not in LOOPBACK and not self.require_api_key:
-            raise ValueError(f"serve.host={self.host} exposes the server beyond this machine: "
-                             "set serve.require_api_key=true (it is refused without a key)")
+            raise ValueError(
+                f"serve.host={self.host} exposes the server beyond this machine: "
+                "set serve.require_api_key=true (it is refused without a key)"
+            )
         return self

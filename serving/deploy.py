@@ -29,7 +29,15 @@ from typing import Any
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
 from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
-from lmforge.vllm_server import NOISE, ServerFailed, plain_chat_template, request, server_command, server_env, wait_ready
+from lmforge.vllm_server import (
+    NOISE,
+    ServerFailed,
+    plain_chat_template,
+    request,
+    server_command,
+    server_env,
+    wait_ready,
+)
 from serving.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ def serving_dir(workspace: str | Path) -> Path:
 
 
 # -- the API key ------------------------------------------------------------------------------------
+
 
 def api_key(workspace: str | Path) -> tuple[str, str]:
     """(key, where it came from). LMFORGE_API_KEY wins; else one generated once, stored 0600."""
@@ -72,6 +81,7 @@ def fingerprint(key: str) -> str:
 
 # -- servers ----------------------------------------------------------------------------------------
 
+
 def current(workspace: str | Path) -> dict[str, Any] | None:
     path = serving_dir(workspace) / "current.json"
     try:
@@ -87,7 +97,11 @@ def alive(record: dict[str, Any] | None) -> bool:
 def _tail(log_file: Path, lines: int = 8) -> list[str]:
     try:
         with open(log_file, errors="replace") as handle:
-            return [l.rstrip() for l in deque(handle, maxlen=200) if l.strip() and not any(n in l for n in NOISE)][-lines:]
+            return [
+                line.rstrip()
+                for line in deque(handle, maxlen=200)
+                if line.strip() and not any(n in line for n in NOISE)
+            ][-lines:]
     except FileNotFoundError:
         return []
 
@@ -107,27 +121,63 @@ def _port(wanted: int | None, host: str) -> int:
     return free_port()
 
 
-def start(model_dir: Path, served_name: str, cfg: ServeConfig, workspace: str | Path, *, port: int | None = None,
-          lineage: dict[str, Any] | None = None) -> dict[str, Any]:
+def start(
+    model_dir: Path,
+    served_name: str,
+    cfg: ServeConfig,
+    workspace: str | Path,
+    *,
+    port: int | None = None,
+    lineage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Start a detached server for `model_dir` and wait until it is ready; returns its record."""
     key, _ = api_key(workspace)
     port = _port(port, cfg.host)
     directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
     directory.mkdir(parents=True, exist_ok=True)
     template = plain_chat_template(model_dir, directory / "chat_template.jinja")
-    command = server_command(model_dir, cfg.engine, port=port, host=cfg.host, served_name=served_name,
-                             chat_template=template)
+    command = server_command(
+        model_dir, cfg.engine, port=port, host=cfg.host, served_name=served_name, chat_template=template
+    )
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-    record = {"served_name": served_name, "model_dir": str(model_dir), "url": f"http://{host}:{port}", "host": cfg.host,
-              "port": port, "pid_file": str(directory / "server.pid"), "log_file": str(directory / "server.log"),
-              "key_fingerprint": fingerprint(key), "lineage": lineage or {}}
-    pid = start_detached(command, Path(record["log_file"]), Path(record["pid_file"]), env=server_env(cfg.engine, key),
-                         meta={"served_name": served_name})
-    log.info("starting vLLM for %s as %s on %s (pid %d, log %s)", model_dir, served_name, record["url"], pid,
-             record["log_file"])
+    record = {
+        "served_name": served_name,
+        "model_dir": str(model_dir),
+        "url": f"http://{host}:{port}",
+        "host": cfg.host,
+        "port": port,
+        "pid_file": str(directory / "server.pid"),
+        "log_file": str(directory / "server.log"),
+        "key_fingerprint": fingerprint(key),
+        "lineage": lineage or {},
+    }
+    pid = start_detached(
+        command,
+        Path(record["log_file"]),
+        Path(record["pid_file"]),
+        env=server_env(cfg.engine, key),
+        meta={"served_name": served_name},
+    )
+    log.info(
+        "starting vLLM for %s as %s on %s (pid %d, log %s)",
+        model_dir,
+        served_name,
+        record["url"],
+        pid,
+        record["log_file"],
+    )
     try:
-        record["startup_s"] = round(wait_ready(record["url"], key, served_name, cfg.engine.startup_timeout_s,
-                                               lambda: alive(record), lambda: _tail(Path(record["log_file"]))), 1)
+        record["startup_s"] = round(
+            wait_ready(
+                record["url"],
+                key,
+                served_name,
+                cfg.engine.startup_timeout_s,
+                lambda: alive(record),
+                lambda: _tail(Path(record["log_file"])),
+            ),
+            1,
+        )
     except BaseException:
         stop_detached(Path(record["pid_file"]))
         raise
@@ -145,11 +195,13 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
     messages = [{"role": "user", "content": cfg.smoke_prompt}]
     name = record["served_name"]
     try:
-        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=cfg.smoke_max_tokens,
-                                               temperature=0.0)
+        reply = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=cfg.smoke_max_tokens, temperature=0.0
+        )
         streamed, finish = [], None
-        for chunk in client.chat.completions.create(model=name, messages=messages, max_tokens=cfg.smoke_max_tokens,
-                                                    temperature=0.0, stream=True):
+        for chunk in client.chat.completions.create(
+            model=name, messages=messages, max_tokens=cfg.smoke_max_tokens, temperature=0.0, stream=True
+        ):
             if chunk.choices:
                 streamed.append(chunk.choices[0].delta.content or "")
                 finish = chunk.choices[0].finish_reason or finish
@@ -158,8 +210,10 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
     answer = reply.choices[0].message.content or ""
     problems = []
     if reply.choices[0].finish_reason != "stop":
-        problems.append(f"the answer did not end within {cfg.smoke_max_tokens} tokens "
-                        f"(finish_reason={reply.choices[0].finish_reason})")
+        problems.append(
+            f"the answer did not end within {cfg.smoke_max_tokens} tokens "
+            f"(finish_reason={reply.choices[0].finish_reason})"
+        )
     if "<|im_end|>" in answer or "<|im_start|>" in answer:
         problems.append("chat markers leaked into the answer")
     if not answer.strip():
@@ -172,8 +226,13 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
     if problems:
         raise SmokeFailed(f"smoke test of {name} failed: {'; '.join(problems)} (answer: {answer[:80]!r})")
     log.info("smoke test of %s passed: %r -> %r", name, cfg.smoke_prompt, answer)
-    return {"prompt": cfg.smoke_prompt, "answer": answer, "finish_reason": "stop", "streaming_matches": True,
-            "unauthorized_status": status}
+    return {
+        "prompt": cfg.smoke_prompt,
+        "answer": answer,
+        "finish_reason": "stop",
+        "streaming_matches": True,
+        "unauthorized_status": status,
+    }
 
 
 def promote(workspace: str | Path, record: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,8 +249,15 @@ def promote(workspace: str | Path, record: dict[str, Any]) -> dict[str, Any] | N
     return old
 
 
-def start_and_promote(model_dir: Path, served_name: str, cfg: ServeConfig, workspace: str | Path, *,
-                      lineage: dict[str, Any] | None = None, check: Any = None) -> dict[str, Any]:
+def start_and_promote(
+    model_dir: Path,
+    served_name: str,
+    cfg: ServeConfig,
+    workspace: str | Path,
+    *,
+    lineage: dict[str, Any] | None = None,
+    check: Any = None,
+) -> dict[str, Any]:
     """Start a candidate beside whatever is serving, smoke-test it (and run `check(record)`), promote it.
 
     On any failure the candidate is stopped and the current server is left as it was.
@@ -227,15 +293,22 @@ def stop(workspace: str | Path) -> bool:
 def status_lines(workspace: str | Path) -> tuple[bool, list[str]]:
     record = current(workspace)
     if record is None:
-        return False, ["no model has been served from this workspace yet (`lmforge run`, or `lmforge serve start --model DIR`)"]
+        return False, [
+            "no model has been served from this workspace yet (`lmforge run`, or `lmforge serve start --model DIR`)"
+        ]
     running = alive(record)
     pid = (read_pid_file(Path(record["pid_file"])) or {}).get("pid", record.get("pid"))
-    lines = [f"model:   {record['served_name']}  ({record['model_dir']})",
-             f"url:     {record['url']}/v1  (OpenAI-compatible; Authorization: Bearer <key {record['key_fingerprint']}>)",
-             f"state:   " + (f"running, pid {pid}, up {_uptime(time.time() - record.get('started_at', time.time()))}"
-                            if running else "NOT RUNNING (the process died or was stopped); `lmforge serve start` "
-                                            "brings the promoted model back"),
-             f"logs:    {record['log_file']}"]
+    lines = [
+        f"model:   {record['served_name']}  ({record['model_dir']})",
+        f"url:     {record['url']}/v1  (OpenAI-compatible; Authorization: Bearer <key {record['key_fingerprint']}>)",
+        "state:   "
+        + (
+            f"running, pid {pid}, up {_uptime(time.time() - record.get('started_at', time.time()))}"
+            if running
+            else "NOT RUNNING (the process died or was stopped); `lmforge serve start` brings the promoted model back"
+        ),
+        f"logs:    {record['log_file']}",
+    ]
     return running, lines
 
 
@@ -255,5 +328,6 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
         return "kept", record
     if record and record["served_name"] == want["served_name"]:
         log.warning("the promoted server %s is not running; starting it again", record["served_name"])
-    return "started", start_and_promote(Path(want["model_dir"]), want["served_name"], cfg, workspace,
-                                        lineage=want.get("lineage"))
+    return "started", start_and_promote(
+        Path(want["model_dir"]), want["served_name"], cfg, workspace, lineage=want.get("lineage")
+    )

@@ -66,8 +66,11 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
     budget = context - max_tokens - 8
 
     def longest(words: int) -> int:
-        return max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for w in WORKLOADS
-                   for p in prompts(w, 8, words, seed=1))
+        return max(
+            len(tokenizer(p, add_special_tokens=False)["input_ids"])
+            for w in WORKLOADS
+            for p in prompts(w, 8, words, seed=1)
+        )
 
     if longest(0) <= budget:  # the longest system prompt that fits, by bisection
         low, high = 0, prefix_words
@@ -77,8 +80,10 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
         return low
     from lmforge.errors import ConfigError
 
-    raise ConfigError(f"serve.slo.max_tokens: {model_dir}'s context of {context} tokens cannot hold an SLO prompt and "
-                      f"{max_tokens} generated tokens; lower serve.slo.max_tokens")
+    raise ConfigError(
+        f"serve.slo.max_tokens: {model_dir}'s context of {context} tokens cannot hold an SLO prompt and "
+        f"{max_tokens} generated tokens; lower serve.slo.max_tokens"
+    )
 
 
 @dataclass
@@ -98,8 +103,14 @@ async def _one(client: Any, model: str, prompt: str, max_tokens: int) -> Sample:
     first, tokens = None, 0
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text and first is None:
                 first = time.perf_counter()
@@ -121,10 +132,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     good = [s for s in samples if not s.error]
     tokens = sum(s.tokens for s in good)
-    row: dict[str, Any] = {"requests": len(samples), "errors": len(samples) - len(good),
-                           "output_tokens_per_s": tokens / wall_s if wall_s else 0.0}
-    for name, values in (("ttft_ms", [1000 * s.ttft_s for s in good]), ("tpot_ms", [1000 * s.tpot_s for s in good]),
-                         ("latency_ms", [1000 * s.latency_s for s in good])):
+    row: dict[str, Any] = {
+        "requests": len(samples),
+        "errors": len(samples) - len(good),
+        "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
+    }
+    for name, values in (
+        ("ttft_ms", [1000 * s.ttft_s for s in good]),
+        ("tpot_ms", [1000 * s.tpot_s for s in good]),
+        ("latency_ms", [1000 * s.latency_s for s in good]),
+    ):
         for p, v in percentiles(values).items():
             row[f"{name}_{p}"] = v
     if len(good) < len(samples):
@@ -132,8 +149,17 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     return row
 
 
-async def _level(base_url: str, api_key: str, model: str, workload: str, clients: int, per_client: int,
-                 max_tokens: int, prefix_words: int, seed: int) -> dict[str, Any]:
+async def _level(
+    base_url: str,
+    api_key: str,
+    model: str,
+    workload: str,
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+    prefix_words: int,
+    seed: int,
+) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     texts = prompts(workload, clients * per_client, prefix_words, seed)
@@ -149,14 +175,36 @@ async def _level(base_url: str, api_key: str, model: str, workload: str, clients
     return {"workload": workload, "clients": clients, **summarize([s for r in results for s in r], wall)}
 
 
-def run(base_url: str, api_key: str, model: str, concurrency: list[int], per_client: int, max_tokens: int,
-        prefix_words: int, workloads: tuple[str, ...] = WORKLOADS, seed: int = 0) -> list[dict[str, Any]]:
+def run(
+    base_url: str,
+    api_key: str,
+    model: str,
+    concurrency: list[int],
+    per_client: int,
+    max_tokens: int,
+    prefix_words: int,
+    workloads: tuple[str, ...] = WORKLOADS,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """One row per (workload, concurrency level)."""
     rows = []
     for workload in workloads:
         for clients in concurrency:
-            rows.append(asyncio.run(_level(base_url, api_key, model, workload, clients, per_client, max_tokens,
-                                           prefix_words, seed + clients)))
+            rows.append(
+                asyncio.run(
+                    _level(
+                        base_url,
+                        api_key,
+                        model,
+                        workload,
+                        clients,
+                        per_client,
+                        max_tokens,
+                        prefix_words,
+                        seed + clients,
+                    )
+                )
+            )
     return rows
 
 
@@ -175,12 +223,17 @@ def violations(rows: list[dict[str, Any]], ttft_p90_ms: float | None, tpot_p90_m
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| engine | workload | clients | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | latency p50/p90/p99 ms | out tok/s | errors |"
+    head = (
+        "| engine | workload | clients | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | latency p50/p90/p99 ms "
+        "| out tok/s | errors |"
+    )
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.get('engine', 'vllm')} | {r['workload']} | {r['clients']} | "
-                     f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} / {r['ttft_ms_p99']:.0f} | "
-                     f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p90']:.1f} / {r['tpot_ms_p99']:.1f} | "
-                     f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} / {r['latency_ms_p99']:.0f} | "
-                     f"{r['output_tokens_per_s']:.1f} | {r['errors']} |")
+        lines.append(
+            f"| {r.get('engine', 'vllm')} | {r['workload']} | {r['clients']} | "
+            f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} / {r['ttft_ms_p99']:.0f} | "
+            f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p90']:.1f} / {r['tpot_ms_p99']:.1f} | "
+            f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} / {r['latency_ms_p99']:.0f} | "
+            f"{r['output_tokens_per_s']:.1f} | {r['errors']} |"
+        )
     return "\n".join(lines)

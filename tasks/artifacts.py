@@ -30,8 +30,9 @@ def publish(spec: ArtifactSpec) -> None:
     elif spec.kind == "link":
         create_link_artifact(key=spec.key, link=spec.data, description=spec.description)
     elif spec.kind == "image":
-        create_markdown_artifact(key=spec.key, markdown=image_markdown(Path(spec.data), spec.description),
-                                 description=spec.description)
+        create_markdown_artifact(
+            key=spec.key, markdown=image_markdown(Path(spec.data), spec.description), description=spec.description
+        )
     else:
         raise ValueError(f"artifact {spec.key}: unknown kind {spec.kind!r}")
 
@@ -45,8 +46,11 @@ def image_markdown(png: Path, title: str) -> str:
 
 
 def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> None:
-    rows = [{"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m["dir"]}
-            for name, m in manifests.items() if m["stage"] == stage]
+    rows = [
+        {"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m["dir"]}
+        for name, m in manifests.items()
+        if m["stage"] == stage
+    ]
     if not rows:
         return
     create_table_artifact(key=f"{stage}-steps", table=rows, description=f"lmforge {stage}: steps and cache status")
@@ -68,29 +72,45 @@ def made_by(manifest: dict[str, Any], runs: dict[str, dict[str, Any]] | None = N
     return ", ".join(parts)
 
 
-def publish_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-                    runs: dict[str, dict[str, Any]] | None = None) -> str:
+def publish_lineage(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], runs: dict[str, dict[str, Any]] | None = None
+) -> str:
     """The chain of content addresses, who computed each output, and (as an image) the graph."""
-    lines = ["# lmforge lineage", "", "| step | key | reads | output digest | this run | computed by |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# lmforge lineage",
+        "",
+        "| step | key | reads | output digest | this run | computed by |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, m in manifests.items():
         reads = ", ".join(f"{u}@{v['key'][:8]}" for u, v in m["inputs"].items()) or "raw inputs"
-        lines.append(f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} | "
-                     f"{made_by(m, runs)} |")
+        lines.append(
+            f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} | "
+            f"{made_by(m, runs)} |"
+        )
     if runs:
-        lines += ["", "## Stage runs (runtime.dispatch: deployments)", "", "| stage | child flow run | work pool | deployment |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['stage']} | {r['flow_run']} (`{r['flow_run_id']}`) | {r['work_pool']} | {r['deployment']} |"
-                  for r in runs.values()]
+        lines += [
+            "",
+            "## Stage runs (runtime.dispatch: deployments)",
+            "",
+            "| stage | child flow run | work pool | deployment |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['stage']} | {r['flow_run']} (`{r['flow_run_id']}`) | {r['work_pool']} | {r['deployment']} |"
+            for r in runs.values()
+        ]
     markdown = "\n".join(lines)
-    create_markdown_artifact(key="pipeline-lineage", markdown=markdown,
-                             description="content addresses from raw text to model")
+    create_markdown_artifact(
+        key="pipeline-lineage", markdown=markdown, description="content addresses from raw text to model"
+    )
     _publish_lineage_graph(manifests, status, runs)
     return markdown
 
 
-def _publish_lineage_graph(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-                           runs: dict[str, dict[str, Any]] | None) -> None:
+def _publish_lineage_graph(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], runs: dict[str, dict[str, Any]] | None
+) -> None:
     import logging
 
     from tasks.lineage_graph import render_lineage
@@ -110,11 +130,22 @@ def _publish_lineage_graph(manifests: dict[str, dict[str, Any]], status: dict[st
     publish(ArtifactSpec("pipeline-lineage-graph", "image", str(png), "lineage from raw inputs to the served model"))
 
 
-def lineage_png(ui: Path, manifests: dict[str, dict[str, Any]], status: dict[str, str], computed_by: dict[str, str]) -> Path:
+def lineage_png(
+    ui: Path, manifests: dict[str, dict[str, Any]], status: dict[str, str], computed_by: dict[str, str]
+) -> Path:
     """The lineage picture's file, named by a digest of everything drawn in it and of the code drawing it."""
     from lmforge.hashing import digest, file_sha256
     from tasks import lineage_graph
 
-    drawn = {name: [m["stage"], m["key"], list(m["inputs"]), status.get(name), computed_by.get(name),
-                    {k: m.get("extra", {}).get(k) for k in ("served_name", "url")}] for name, m in manifests.items()}
+    drawn = {
+        name: [
+            m["stage"],
+            m["key"],
+            list(m["inputs"]),
+            status.get(name),
+            computed_by.get(name),
+            {k: m.get("extra", {}).get(k) for k in ("served_name", "url")},
+        ]
+        for name, m in manifests.items()
+    }
     return ui / f"lineage-{digest([drawn, file_sha256(lineage_graph.__file__)], length=16)}.png"

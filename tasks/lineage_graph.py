@@ -66,9 +66,11 @@ def layout(manifests: dict[str, dict[str, Any]], notes: tuple[str, ...] = ()) ->
     columns: dict[str, list[str]] = {}
     for name, manifest in manifests.items():
         columns.setdefault(manifest["stage"], []).append(name)
-    widest = max([_text_width_in(short_name(n), NAME_PT, weight="bold") for n in manifests]
-                 + [_text_width_in(m["key"][:12], KEY_PT, family="monospace") for m in manifests.values()]
-                 + [_text_width_in(f"{WORDS['computed']} · A", NOTE_PT)])
+    widest = max(
+        [_text_width_in(short_name(n), NAME_PT, weight="bold") for n in manifests]
+        + [_text_width_in(m["key"][:12], KEY_PT, family="monospace") for m in manifests.values()]
+        + [_text_width_in(f"{WORDS['computed']} · A", NOTE_PT)]
+    )
     box_w = max(1.35, widest + 2 * PAD)
     lines = max([_text_width_in(TITLE, TITLE_PT, weight="bold")] + [_text_width_in(n, NOTE_PT + 1) for n in notes])
     width = LEFT + max(len(columns) * box_w + (len(columns) - 1) * COL_GAP, lines) + RIGHT
@@ -98,7 +100,9 @@ def draw_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str], c
     letters = run_letters(computed_by, names)
     runs = list(letters) if letters else list(dict.fromkeys(computed_by.get(n, "") for n in names))
     notes = ["green: computed in this run · blue: reused from an earlier run · arrows: what each step read"]
-    notes += [f"{letters[r]}: {r}" for r in runs] if letters else [f"computed by: {runs[0]}"] if runs and runs[0] else []
+    notes += (
+        [f"{letters[r]}: {r}" for r in runs] if letters else [f"computed by: {runs[0]}"] if runs and runs[0] else []
+    )
     deploy = manifests.get("serve/deploy")
     if deploy is not None:
         extra = deploy.get("extra", {})
@@ -115,11 +119,28 @@ def draw_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str], c
     for stage, steps in lay.columns.items():  # a band behind each stage's steps, its name on top
         x, _ = where[steps[0]]
         bottom = where[steps[-1]][1]
-        ax.add_patch(FancyBboxPatch((x - 0.08, bottom - 0.08), lay.box_w + 0.16, lay.height - TOP - bottom + 0.16,
-                                    boxstyle="round,pad=0,rounding_size=0.08", facecolor="#f4f4f4", edgecolor="none",
-                                    zorder=0))
-        ax.text(x + lay.box_w / 2, lay.height - TOP + 0.22, stage, ha="center", va="center", fontsize=STAGE_PT,
-                fontweight="bold", color="#333333", gid=f"stage:{stage}")
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - 0.08, bottom - 0.08),
+                lay.box_w + 0.16,
+                lay.height - TOP - bottom + 0.16,
+                boxstyle="round,pad=0,rounding_size=0.08",
+                facecolor="#f4f4f4",
+                edgecolor="none",
+                zorder=0,
+            )
+        )
+        ax.text(
+            x + lay.box_w / 2,
+            lay.height - TOP + 0.22,
+            stage,
+            ha="center",
+            va="center",
+            fontsize=STAGE_PT,
+            fontweight="bold",
+            color="#333333",
+            gid=f"stage:{stage}",
+        )
 
     for name in names:  # what each step read; boxes are drawn over the lines
         x, y = where[name]
@@ -133,36 +154,101 @@ def draw_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str], c
                 style = f"arc,angleA=180,angleB=180,armA={depth},armB={depth},rad=3"
             else:
                 start, end, style = (ux + lay.box_w, uy + BOX_H / 2), (x, y + BOX_H / 2), "arc3,rad=0"
-            ax.add_patch(FancyArrowPatch(start, end, connectionstyle=style, arrowstyle="-|>", mutation_scale=8,
-                                         color="#8a8a8a", lw=0.7, alpha=0.55, zorder=1, shrinkA=0, shrinkB=1))
+            ax.add_patch(
+                FancyArrowPatch(
+                    start,
+                    end,
+                    connectionstyle=style,
+                    arrowstyle="-|>",
+                    mutation_scale=8,
+                    color="#8a8a8a",
+                    lw=0.7,
+                    alpha=0.55,
+                    zorder=1,
+                    shrinkA=0,
+                    shrinkB=1,
+                )
+            )
         if not manifests[name]["inputs"]:
-            ax.annotate("raw", xy=(x, y + BOX_H / 2), xytext=(x - 0.42, y + BOX_H / 2), fontsize=NOTE_PT, va="center",
-                        ha="left", color="#555555", arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.8})
+            ax.annotate(
+                "raw",
+                xy=(x, y + BOX_H / 2),
+                xytext=(x - 0.42, y + BOX_H / 2),
+                fontsize=NOTE_PT,
+                va="center",
+                ha="left",
+                color="#555555",
+                arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.8},
+            )
 
     for name in names:
         x, y = where[name]
         state = status.get(name, "cached")
-        ax.add_patch(FancyBboxPatch((x, y), lay.box_w, BOX_H, boxstyle="round,pad=0,rounding_size=0.06",
-                                    facecolor=COLORS.get(state, "#eeeeee"), edgecolor="#555555", lw=0.8, zorder=2,
-                                    gid=f"box:{name}"))
+        ax.add_patch(
+            FancyBboxPatch(
+                (x, y),
+                lay.box_w,
+                BOX_H,
+                boxstyle="round,pad=0,rounding_size=0.06",
+                facecolor=COLORS.get(state, "#eeeeee"),
+                edgecolor="#555555",
+                lw=0.8,
+                zorder=2,
+                gid=f"box:{name}",
+            )
+        )
         cx = x + lay.box_w / 2
-        ax.text(cx, y + BOX_H * 0.75, short_name(name), ha="center", va="center", fontsize=NAME_PT, fontweight="bold",
-                zorder=3, gid=f"name:{name}")
-        ax.text(cx, y + BOX_H * 0.45, manifests[name]["key"][:12], ha="center", va="center", fontsize=KEY_PT,
-                family="monospace", zorder=3, gid=f"key:{name}")
+        ax.text(
+            cx,
+            y + BOX_H * 0.75,
+            short_name(name),
+            ha="center",
+            va="center",
+            fontsize=NAME_PT,
+            fontweight="bold",
+            zorder=3,
+            gid=f"name:{name}",
+        )
+        ax.text(
+            cx,
+            y + BOX_H * 0.45,
+            manifests[name]["key"][:12],
+            ha="center",
+            va="center",
+            fontsize=KEY_PT,
+            family="monospace",
+            zorder=3,
+            gid=f"key:{name}",
+        )
         run = letters.get(computed_by.get(name, ""), "")
-        ax.text(cx, y + BOX_H * 0.17, WORDS.get(state, state) + (f" · {run}" if run else ""), ha="center", va="center",
-                fontsize=NOTE_PT, color="#444444", zorder=3)
+        ax.text(
+            cx,
+            y + BOX_H * 0.17,
+            WORDS.get(state, state) + (f" · {run}" if run else ""),
+            ha="center",
+            va="center",
+            fontsize=NOTE_PT,
+            color="#444444",
+            zorder=3,
+        )
 
     y = min(yy for _, yy in where.values()) - 0.1 - NOTE_STEP
     for note in notes:
-        ax.text(LEFT, y, note, fontsize=NOTE_PT + 1, va="center", color="#1a5e1a" if note.startswith("serving") else "#333333")
+        ax.text(
+            LEFT,
+            y,
+            note,
+            fontsize=NOTE_PT + 1,
+            va="center",
+            color="#1a5e1a" if note.startswith("serving") else "#333333",
+        )
         y -= NOTE_STEP
     return fig
 
 
-def render_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str], computed_by: dict[str, str],
-                   out: Path) -> Path:
+def render_lineage(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], computed_by: dict[str, str], out: Path
+) -> Path:
     import matplotlib.pyplot as plt
 
     fig = draw_lineage(manifests, status, computed_by)

@@ -55,13 +55,15 @@ class ProgressReporter:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(percent, key=progress_key(self.step_name),
-                                                        description=f"{self.step_name}: progress of this run")
+            self.artifact_id = create_progress_artifact(
+                percent, key=progress_key(self.step_name), description=f"{self.step_name}: progress of this run"
+            )
         else:
             update_progress_artifact(self.artifact_id, percent)
 
     def watch(self, read: Any) -> None:
         """Poll `read()` -> (done, total) | None every few seconds until `stop()`."""
+
         def loop() -> None:
             while not self.stop_event.wait(POLL_S):
                 try:
@@ -85,17 +87,30 @@ class ProgressReporter:
 # -- curves --------------------------------------------------------------------------------------------
 
 CURVES = {  # step -> panels: (title, [(metric key, label)])
-    "pretrain/train": [("loss", [("loss", "train"), ("val_loss", "validation")]), ("gradient norm", [("grad_norm", "")]),
-                       ("MFU", [("mfu", "")]), ("tokens/s", [("tokens_per_s", "")])],
-    "align/sft": [("loss", [("loss", "train"), ("eval_loss", "held-out")]), ("gradient norm", [("grad_norm", "")]),
-                  ("held-out exact match", [("heldout_exact_match", "")]), ("tokens/s", [("tokens_per_s", "")])],
-    "align/dpo": [("loss", [("loss", "train")]), ("rewards", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"),
-                                                            ("rewards/margins", "margin")]),
-                  ("reward accuracy", [("rewards/accuracies", "")]), ("held-out exact match", [("heldout_exact_match", "")])],
+    "pretrain/train": [
+        ("loss", [("loss", "train"), ("val_loss", "validation")]),
+        ("gradient norm", [("grad_norm", "")]),
+        ("MFU", [("mfu", "")]),
+        ("tokens/s", [("tokens_per_s", "")]),
+    ],
+    "align/sft": [
+        ("loss", [("loss", "train"), ("eval_loss", "held-out")]),
+        ("gradient norm", [("grad_norm", "")]),
+        ("held-out exact match", [("heldout_exact_match", "")]),
+        ("tokens/s", [("tokens_per_s", "")]),
+    ],
+    "align/dpo": [
+        ("loss", [("loss", "train")]),
+        ("rewards", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin")]),
+        ("reward accuracy", [("rewards/accuracies", "")]),
+        ("held-out exact match", [("heldout_exact_match", "")]),
+    ],
 }
 
 
-def render_curves(metrics_file: Path, panels: list[tuple[str, list[tuple[str, str]]]], title: str, out: Path) -> Path | None:
+def render_curves(
+    metrics_file: Path, panels: list[tuple[str, list[tuple[str, str]]]], title: str, out: Path
+) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,6 +183,12 @@ def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
             continue
         if png is not None:
             key = step.replace("/", "-") + "-curves"
-            specs.append(ArtifactSpec(key, "image", str(png),
-                                      f"{step} curves (TensorBoard: tensorboard --logdir {directory / 'tensorboard'})"))
+            specs.append(
+                ArtifactSpec(
+                    key,
+                    "image",
+                    str(png),
+                    f"{step} curves (TensorBoard: tensorboard --logdir {directory / 'tensorboard'})",
+                )
+            )
     return specs

@@ -20,7 +20,12 @@ def should_retry(task: Any, task_run: Any, state: Any) -> bool:
         state.result()
     except Exception as exc:  # the failure we are judging
         retry = is_retryable(exc)
-        log.info("%s failed with %s: %s -> %s", task_run.name, type(exc).__name__, exc,
-                 "retrying (resumes from completed work)" if retry else "not retrying (would fail the same way)")
+        log.info(
+            "%s failed with %s: %s -> %s",
+            task_run.name,
+            type(exc).__name__,
+            exc,
+            "retrying (resumes from completed work)" if retry else "not retrying (would fail the same way)",
+        )
         return retry
     return True

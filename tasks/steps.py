@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
-import concurrent.futures.process
 import functools
 import logging
 import threading
@@ -32,8 +31,17 @@ from prefect.futures import as_completed
 from prefect.states import Completed, State
 
 from lmforge.console import step_progress
-from lmforge.executor import (capture_level, execute_step, graph, make_pool, replay_logs, run_unit, run_unit_with_logs,
-                              step_timeout, unit_outcome)
+from lmforge.executor import (
+    capture_level,
+    execute_step,
+    graph,
+    make_pool,
+    replay_logs,
+    run_unit,
+    run_unit_with_logs,
+    step_timeout,
+    unit_outcome,
+)
 from lmforge.graph import StepContext
 from lmforge.store import StageStore
 from tasks.progress import ProgressReporter
@@ -60,10 +68,17 @@ def _discard_pool(workers: int) -> None:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-@task(name="unit", task_run_name="{step_name}[{unit}]", cache_policy=NO_CACHE,
-      retries=2, retry_delay_seconds=1, retry_condition_fn=should_retry)
-def run_unit_task(step_name: str, unit: str, ctx: StepContext, workers: int, verify: str,
-                  inline: bool = False) -> dict[str, Any]:
+@task(
+    name="unit",
+    task_run_name="{step_name}[{unit}]",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=should_retry,
+)
+def run_unit_task(
+    step_name: str, unit: str, ctx: StepContext, workers: int, verify: str, inline: bool = False
+) -> dict[str, Any]:
     if inline:  # on a Dask worker: this process is the worker; its domain loggers are wired here
         from tasks.logs import connect_library_loggers
 
@@ -94,9 +109,18 @@ def dask_runner(address: str | None, workers: int) -> Any:
     name = address or f"local:{workers}"
     with _pool_lock:
         if name not in _dask_runners:
-            kwargs = {"address": address} if address else {
-                "cluster_kwargs": {"n_workers": workers, "threads_per_worker": 1, "processes": True,
-                                   "dashboard_address": None}}
+            kwargs = (
+                {"address": address}
+                if address
+                else {
+                    "cluster_kwargs": {
+                        "n_workers": workers,
+                        "threads_per_worker": 1,
+                        "processes": True,
+                        "dashboard_address": None,
+                    }
+                }
+            )
             runner = DaskTaskRunner(**kwargs)
             runner.__enter__()
             atexit.register(runner.__exit__, None, None, None)
@@ -110,9 +134,20 @@ def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-unt
         total = len(graph().get(ctx.step).units(ctx))
         if runtime.task_runner == "dask":
             runner = dask_runner(runtime.dask_address, runtime.workers)
-            futures = {u: runner.submit(run_unit_task, parameters={
-                "step_name": ctx.step, "unit": u, "ctx": ctx, "workers": runtime.workers, "verify": runtime.verify,
-                "inline": True}) for u in todo}
+            futures = {
+                u: runner.submit(
+                    run_unit_task,
+                    parameters={
+                        "step_name": ctx.step,
+                        "unit": u,
+                        "ctx": ctx,
+                        "workers": runtime.workers,
+                        "verify": runtime.verify,
+                        "inline": True,
+                    },
+                )
+                for u in todo
+            }
         else:
             futures = {u: run_unit_task.submit(ctx.step, u, ctx, runtime.workers, runtime.verify) for u in todo}
         # every unit must have finished before the lock is released: a retry of this step
@@ -126,8 +161,15 @@ def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-unt
     return run_units
 
 
-@task(name="step", task_run_name="{step_name}", cache_policy=NO_CACHE, persist_result=False,
-      retries=2, retry_delay_seconds=2, retry_condition_fn=should_retry)
+@task(
+    name="step",
+    task_run_name="{step_name}",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=should_retry,
+)
 def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> State:
     store = StageStore(config.workspace, config.runtime.verify)
     step = graph().get(step_name)
@@ -156,7 +198,7 @@ def step_task(step_name: str, config: Any):  # type: ignore[no-untyped-def]
     return _run_step_with(step.retries, limit + 60 if limit else None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run_step_with(retries: int, timeout_seconds: float | None):  # type: ignore[no-untyped-def]
     """One task object per option set: `with_options` builds a new one, reading the task's source, each time."""
     return run_step.with_options(retries=retries, timeout_seconds=timeout_seconds)

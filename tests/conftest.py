@@ -14,32 +14,59 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # A demo corpus small enough to curate in seconds, still with every kind of noise.
 SMALL_CURATE = [
-    "curate.demo.max_stdlib_files=25", "curate.demo.max_pypi_docs=60", "curate.demo.num_exact_duplicates=30",
-    "curate.demo.num_near_duplicates=48", "curate.demo.num_boilerplate=16", "curate.demo.num_spam=16",
-    "curate.demo.num_encoding_junk=10", "curate.demo.num_short=10", "curate.demo.num_long=1",
-    "curate.demo.num_pii_docs=10", "curate.demo.num_contaminated=6", "curate.docs_per_shard=300",
-    "curate.tokenizer.vocab_size=1024", "curate.pack.val_fraction=0.1",
+    "curate.demo.max_stdlib_files=25",
+    "curate.demo.max_pypi_docs=60",
+    "curate.demo.num_exact_duplicates=30",
+    "curate.demo.num_near_duplicates=48",
+    "curate.demo.num_boilerplate=16",
+    "curate.demo.num_spam=16",
+    "curate.demo.num_encoding_junk=10",
+    "curate.demo.num_short=10",
+    "curate.demo.num_long=1",
+    "curate.demo.num_pii_docs=10",
+    "curate.demo.num_contaminated=6",
+    "curate.docs_per_shard=300",
+    "curate.tokenizer.vocab_size=1024",
+    "curate.pack.val_fraction=0.1",
 ]
 # A model that trains in seconds on 2 CPU ranks (head dim 32 and widths in multiples of 32: what vLLM serves on CPU).
 SMALL_PRETRAIN = [
-    "pretrain.model.hidden_size=64", "pretrain.model.intermediate_size=192", "pretrain.model.num_layers=2",
-    "pretrain.model.num_heads=2", "pretrain.model.num_kv_heads=1", "pretrain.seq_len=64",
-    "pretrain.global_batch_size=8", "pretrain.distributed.micro_batch_size=4", "pretrain.max_steps=160",
-    "pretrain.optim.warmup_steps=5", "pretrain.optim.lr=1e-2", "pretrain.checkpoint.every_steps=20",
-    "pretrain.eval_every=40", "pretrain.eval_batches=4", "pretrain.log_every=20",
+    "pretrain.model.hidden_size=64",
+    "pretrain.model.intermediate_size=192",
+    "pretrain.model.num_layers=2",
+    "pretrain.model.num_heads=2",
+    "pretrain.model.num_kv_heads=1",
+    "pretrain.seq_len=64",
+    "pretrain.global_batch_size=8",
+    "pretrain.distributed.micro_batch_size=4",
+    "pretrain.max_steps=160",
+    "pretrain.optim.warmup_steps=5",
+    "pretrain.optim.lr=1e-2",
+    "pretrain.checkpoint.every_steps=20",
+    "pretrain.eval_every=40",
+    "pretrain.eval_batches=4",
+    "pretrain.log_every=20",
 ]
 
 
 # Alignment that finishes in seconds on the small model (the CLI test runs tiny-cpu's real settings).
 SMALL_ALIGN = [
-    "align.builtin.per_task=60", "align.builtin.dialogue_conversations=30", "align.sft.max_steps=40",
-    "align.sft.save_steps=10", "align.sft.eval_every=20", "align.dpo.max_steps=20", "align.dpo.save_steps=10",
-    "align.dpo.eval_every=10", "align.eval_generations=40",
+    "align.builtin.per_task=60",
+    "align.builtin.dialogue_conversations=30",
+    "align.sft.max_steps=40",
+    "align.sft.save_steps=10",
+    "align.sft.eval_every=20",
+    "align.dpo.max_steps=20",
+    "align.dpo.save_steps=10",
+    "align.dpo.eval_every=10",
+    "align.eval_generations=40",
 ]
 
 # Evaluation on few items (the metric runs; contamination still checks every item).
 SMALL_EVAL = [
-    "evaluate.builtin.continuation_items=40", "evaluate.builtin.ppl_docs=8", "evaluate.builtin.ppl_max_chars=1500",
+    "evaluate.builtin.continuation_items=40",
+    "evaluate.builtin.ppl_docs=8",
+    "evaluate.builtin.ppl_max_chars=1500",
     "evaluate.limit={lmforge_continuation: 20, lmforge_chat_exact: 20, lmforge_preference: 20, lmforge_humaneval: 3}",
     "evaluate.bootstrap_iters=100",
 ]
@@ -54,8 +81,11 @@ SMALL_SERVE = ["serve.smoke_max_tokens=24", "serve.slo.max_tokens=8", "serve.slo
 def small_config(workspace: Path, *extra: str):
     from lmforge.config import load_config
 
-    return load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE,
-                                    *extra], str(workspace))
+    return load_config(
+        "tiny-cpu",
+        [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE, *extra],
+        str(workspace),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -31,9 +31,9 @@ def test_builtin_data_is_verifiable_split_by_id_and_written_for_evaluation(tmp_p
 
     manifest = _run_data_step(tmp_path)
     out = Path(manifest["dir"])
-    sft = [json.loads(l) for l in (out / "sft" / "train.jsonl").read_text().splitlines()]
-    heldout = [json.loads(l) for l in (out / "heldout_sft.jsonl").read_text().splitlines()]
-    prefs = [json.loads(l) for l in (out / "heldout_preferences.jsonl").read_text().splitlines()]
+    sft = [json.loads(line) for line in (out / "sft" / "train.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line) for line in (out / "heldout_sft.jsonl").read_text().splitlines()]
+    prefs = [json.loads(line) for line in (out / "heldout_preferences.jsonl").read_text().splitlines()]
     assert {r["task"] for r in sft} == set(GENERATORS) | {"dialogue"}
     assert not {r["id"] for r in sft} & {r["id"] for r in heldout}
     add = next(r for r in heldout + sft if r["task"] == "add")
@@ -48,31 +48,54 @@ def test_builtin_data_is_verifiable_split_by_id_and_written_for_evaluation(tmp_p
 
 def test_malformed_user_records_are_quarantined_and_counted(tmp_path: Path) -> None:
     sft = tmp_path / "chat.jsonl"
-    good = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
-            for w in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
-    sft.write_text("\n".join([json.dumps(g) for g in good] + [
-        '{"messages": [{"role": "user", "content": "broken',
-        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
-        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}),
-        json.dumps({"prompt": "2+2?", "completion": "4"}),
-    ]) + "\n")
+    good = [
+        {"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+    ]
+    sft.write_text(
+        "\n".join(
+            [json.dumps(g) for g in good]
+            + [
+                '{"messages": [{"role": "user", "content": "broken',
+                json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+                json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}),
+                json.dumps({"prompt": "2+2?", "completion": "4"}),
+            ]
+        )
+        + "\n"
+    )
     dpo = tmp_path / "prefs.jsonl"
-    dpo.write_text("\n".join([
-        json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}),
-        json.dumps({"prompt": "3+3?", "rejected": "7"}),
-        json.dumps({"prompt": "4+4?", "chosen": "8", "rejected": "8"}),
-        json.dumps({"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
-                    "rejected": [{"role": "assistant", "content": "3"}]}),
-    ]) + "\n")
+    dpo.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}),
+                json.dumps({"prompt": "3+3?", "rejected": "7"}),
+                json.dumps({"prompt": "4+4?", "chosen": "8", "rejected": "8"}),
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": "1+1?"}],
+                        "chosen": [{"role": "assistant", "content": "2"}],
+                        "rejected": [{"role": "assistant", "content": "3"}],
+                    }
+                ),
+            ]
+        )
+        + "\n"
+    )
     manifest = _run_data_step(tmp_path / "ws", f"align.sft.inputs=[{sft}]", f"align.dpo.inputs=[{dpo}]")
     counts = manifest["counts"]
     assert counts["sft"]["input"] == 14 and counts["sft"]["quarantined"] == 3
     assert counts["sft"]["train"] + counts["sft"]["heldout"] == 11
     assert counts["dpo"]["input"] == 4 and counts["dpo"]["quarantined"] == 2
-    quarantine = [json.loads(l) for l in (Path(manifest["dir"]) / "quarantine.jsonl").read_text().splitlines()]
+    quarantine = [json.loads(line) for line in (Path(manifest["dir"]) / "quarantine.jsonl").read_text().splitlines()]
     reasons = sorted((q["dataset"], q["reason"].split(" ")[0], q["line"]) for q in quarantine)
-    assert reasons == [("dpo", "identical_pair", 3), ("dpo", "missing_chosen", 2), ("sft", "empty_assistant_turn", 13),
-                       ("sft", "invalid_json", 11), ("sft", "unknown_role", 12)]
+    assert reasons == [
+        ("dpo", "identical_pair", 3),
+        ("dpo", "missing_chosen", 2),
+        ("sft", "empty_assistant_turn", 13),
+        ("sft", "invalid_json", 11),
+        ("sft", "unknown_role", 12),
+    ]
     assert all(q["file"].endswith(("chat.jsonl", "prefs.jsonl")) for q in quarantine)
 
 
@@ -91,24 +114,39 @@ def test_sft_and_dpo_train_on_two_ranks_and_export_models_that_stop_at_end_of_tu
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         assert im_end in model.generation_config.eos_token_id
         assert tokenizer.model_max_length == model.config.max_position_embeddings
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is 2 + 3?"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
 
         class EndAt(LogitsProcessor):  # the model says <|im_end|> as its 4th token: generation must stop there
             def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
-                if input_ids.shape[1] - prompt["input_ids"].shape[1] == 3:
+                if input_ids.shape[1] - prompt["input_ids"].shape[1] == 3:  # noqa: B023 - used within this iteration
                     scores[:] = -float("inf")
-                    scores[:, im_end] = 0
+                    scores[:, im_end] = 0  # noqa: B023
                 return scores
 
         with torch.no_grad():
-            out = model.generate(**prompt, max_new_tokens=20, do_sample=False, logits_processor=LogitsProcessorList([EndAt()]))
-        new = out[0, prompt["input_ids"].shape[1]:].tolist()
+            out = model.generate(
+                **prompt, max_new_tokens=20, do_sample=False, logits_processor=LogitsProcessorList([EndAt()])
+            )
+        new = out[0, prompt["input_ids"].shape[1] :].tolist()
         assert len(new) == 4 and new[-1] == im_end
-    metrics = [json.loads(l) for l in (Path(aligned["align/dpo"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line) for line in (Path(aligned["align/dpo"]["dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     logged = set().union(*metrics)
-    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "kl_chosen",
-            "tokens_per_s", "heldout_exact_match"} <= logged
+    assert {
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "kl_chosen",
+        "tokens_per_s",
+        "heldout_exact_match",
+    } <= logged
     assert list((Path(aligned["align/sft"]["dir"]) / "tensorboard").rglob("events.out.tfevents.*"))
 
 
@@ -150,7 +188,7 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
     """SIGKILL one alignment rank once SFT has logged `step`."""
     while not done.is_set():
         for metrics in workspace.glob("align/sft/*/metrics.jsonl"):
-            rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             if any(r.get("step", 0) >= step and "loss" in r for r in rows):
                 for proc in psutil.process_iter(["cmdline"]):
                     cmd = " ".join(proc.info["cmdline"] or [])
@@ -166,7 +204,8 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
 
 @pytest.mark.slow
 def test_a_killed_rank_is_retried_and_resumes_to_the_same_held_out_loss(
-        aligned: dict, tmp_path: Path, prefect_server) -> None:
+    aligned: dict, tmp_path: Path, prefect_server
+) -> None:
     from flows.pipeline import pipeline
     from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_PRETRAIN
 
@@ -177,12 +216,19 @@ def test_a_killed_rank_is_retried_and_resumes_to_the_same_held_out_loss(
     done = threading.Event()
     killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
     killer.start()
-    result = pipeline(preset="tiny-cpu", overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, "align.dpo.enabled=false"],
-                      workspace=str(workspace), stages=["align"])
+    result = pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, "align.dpo.enabled=false"],
+        workspace=str(workspace),
+        stages=["align"],
+    )
     done.set()
     manifest = result["manifests"]["align/sft"]
     assert manifest["key"] == aligned["align/sft"]["key"]
     assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
     assert "resuming from checkpoint-20" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
-    resumed, reference = manifest["metrics"]["heldout_loss_after"], aligned["align/sft"]["metrics"]["heldout_loss_after"]
+    resumed, reference = (
+        manifest["metrics"]["heldout_loss_after"],
+        aligned["align/sft"]["metrics"]["heldout_loss_after"],
+    )
     assert abs(resumed - reference) < 1e-4, (resumed, reference)

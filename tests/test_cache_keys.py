@@ -15,13 +15,41 @@ from lmforge.config import load_config
 from lmforge.executor import graph
 from lmforge.hashing import digest
 
-ALL_STEPS = ["curate/demo", "curate/ingest", "curate/minhash", "curate/langid", "curate/heuristics",
-             "curate/quality-model", "curate/quality", "curate/decontaminate", "curate/select", "curate/tokenizer",
-             "curate/pack", "pretrain/train", "align/data", "align/sft", "align/dpo", "evaluate/tasks",
-             "evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo", "evaluate/contamination",
-             "evaluate/pretrained-hf", "evaluate/pretrained-vllm", "evaluate/sft-hf", "evaluate/sft-vllm",
-             "evaluate/dpo-hf", "evaluate/dpo-vllm", "evaluate/report", "quantize/calibration", "quantize/w8a8-int8",
-             "quantize/w4a16", "quantize/w8a16", "quantize/gate", "serve/deploy"]
+ALL_STEPS = [
+    "curate/demo",
+    "curate/ingest",
+    "curate/minhash",
+    "curate/langid",
+    "curate/heuristics",
+    "curate/quality-model",
+    "curate/quality",
+    "curate/decontaminate",
+    "curate/select",
+    "curate/tokenizer",
+    "curate/pack",
+    "pretrain/train",
+    "align/data",
+    "align/sft",
+    "align/dpo",
+    "evaluate/tasks",
+    "evaluate/index-documents",
+    "evaluate/index-sft",
+    "evaluate/index-dpo",
+    "evaluate/contamination",
+    "evaluate/pretrained-hf",
+    "evaluate/pretrained-vllm",
+    "evaluate/sft-hf",
+    "evaluate/sft-vllm",
+    "evaluate/dpo-hf",
+    "evaluate/dpo-vllm",
+    "evaluate/report",
+    "quantize/calibration",
+    "quantize/w8a8-int8",
+    "quantize/w4a16",
+    "quantize/w8a16",
+    "quantize/gate",
+    "serve/deploy",
+]
 EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
 QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
 
@@ -68,8 +96,10 @@ ROWS = [
     ("curate.decontaminate.tasks=[lmforge_humaneval]", {"curate/decontaminate"}),
     ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks", "quantize/gate"}),  # the gate runs evaluate.tasks
     ("evaluate.limit={lmforge_continuation: 5}", EVAL_RUNS | {"quantize/gate"}),  # the gate measures the same way
-    ("evaluate.contamination.ngram=10", {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo",
-                                         "evaluate/contamination"}),
+    (
+        "evaluate.contamination.ngram=10",
+        {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo", "evaluate/contamination"},
+    ),
     ("evaluate.contamination.max_fraction=0.5", {"evaluate/contamination", "evaluate/report"}),  # the verdict says it
     ("quantize.calibration.num_samples=32", {"quantize/calibration"}),
     ("quantize.calibration.smoothing_strength=0.5", {"quantize/w8a8-int8"}),  # SmoothQuant is W8A8's alone
@@ -82,8 +112,10 @@ ROWS = [
     ("serve.model=sft", {"serve/deploy"}),
     # the hf backend reads the served context length too (its windows match what will be served)
     ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/deploy"}),
-    ("serve.engine.dtype=float32", EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")}
-     | {"quantize/gate", "serve/deploy"}),
+    (
+        "serve.engine.dtype=float32",
+        EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")} | {"quantize/gate", "serve/deploy"},
+    ),
     # how work is run, not what it produces: no key changes
     ("runtime.workers=8", set()),
     ("runtime.verify=size", set()),
@@ -103,8 +135,11 @@ ROWS = [
     ("pretrain.distributed.launcher=torchrun", set()),
     ("pretrain.distributed.hostfile=pyproject.toml", set()),
     # a second node needs a hostfile, and the batch must still split: 4 x 2 ranks x 2 nodes = 16
-    ("pretrain.distributed.num_nodes=2;pretrain.distributed.hostfile=pyproject.toml;"
-     "pretrain.distributed.micro_batch_size=4", set()),
+    (
+        "pretrain.distributed.num_nodes=2;pretrain.distributed.hostfile=pyproject.toml;"
+        "pretrain.distributed.micro_batch_size=4",
+        set(),
+    ),
     ("pretrain.distributed.master_port=29999", set()),
     ("pretrain.distributed.offload=optimizer", set()),
     ("pretrain.distributed.memory_headroom=0.5", set()),
@@ -123,8 +158,11 @@ ROWS = [
     ("align.distributed.zero_stage=2", set()),
     ("align.distributed.master_port=29998", set()),
     ("align.distributed.launcher=deepspeed;align.distributed.hostfile=pyproject.toml", set()),
-    ("align.distributed.launcher=deepspeed;align.distributed.num_nodes=2;align.distributed.hostfile=pyproject.toml;"
-     "align.sft.micro_batch_size=4;align.dpo.micro_batch_size=2", set()),
+    (
+        "align.distributed.launcher=deepspeed;align.distributed.num_nodes=2;align.distributed.hostfile=pyproject.toml;"
+        "align.sft.micro_batch_size=4;align.dpo.micro_batch_size=2",
+        set(),
+    ),
     ("align.lora.merge_parity_tolerance=0.01", set()),
     ("align.eval_generations=10", set()),
     ("align.distributed.node_launcher=slurm", set()),
@@ -183,7 +221,9 @@ def test_every_runtime_field_is_pinned_above() -> None:
 
     pinned = {part.split("=")[0] for override, changed in ROWS if not changed for part in override.split(";")}
     # debug: fault injection, keyed apart only when set (test_debug_settings_key_a_step_apart)
-    structural = {"name", "workspace", "stages", "debug"} | {p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")}
+    structural = {"name", "workspace", "stages", "debug"} | {
+        p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")
+    }
     assert set(runtime_paths(PipelineConfig)) - structural - pinned == set()
 
 
@@ -236,7 +276,11 @@ def _candidates(value: object, annotation: object = None) -> list[str]:
     if value is None:
         return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
     if isinstance(value, list):
-        return [json.dumps(value[:-1]), json.dumps(value + value[-1:])] if value else ['["pyproject.toml"]', '["x"]', "[1]"]
+        return (
+            [json.dumps(value[:-1]), json.dumps(value + value[-1:])]
+            if value
+            else ['["pyproject.toml"]', '["x"]', "[1]"]
+        )
     if isinstance(value, dict):
         return [json.dumps({k: v for k, v in list(value.items())[:-1]})] if value else ['{"x": 0.5}', '{"2": 0.3}']
     return []
@@ -246,17 +290,23 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
     """The other direction: no field outside the runtime set can change a result without changing a key."""
     from lmforge.config import pipeline_model
 
-    @functools.lru_cache(maxsize=None)  # most fields share the empty context: compute its keys once
+    @functools.cache  # most fields share the empty context: compute its keys once
     def keys(overrides: tuple[str, ...]) -> tuple[object, dict[str, str]]:
         config = load_config("tiny-cpu", list(overrides), "/tmp/lmforge-keys-test", check_paths=False)
         return config, {step.name: digest([step.version, step.identity(config)]) for step in graph().steps}
 
     base_config, _ = keys(())
-    sections = [name for name in pipeline_model().model_fields
-                if name not in ("name", "workspace", "stages", "runtime", "debug")]
+    sections = [
+        name
+        for name in pipeline_model().model_fields
+        if name not in ("name", "workspace", "stages", "runtime", "debug")
+    ]
     unkeyed, untried = [], []
-    for path, annotation in [leaf for section in sections
-                             for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")]:
+    for path, annotation in [
+        leaf
+        for section in sections
+        for leaf in _leaves(pipeline_model().model_fields[section].annotation, f"{section}.")
+    ]:
         value = base_config
         for part in path.split("."):
             value = getattr(value, part)
@@ -265,8 +315,12 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
         tried = []
         for candidate in _candidates(value, annotation):
             try:
-                config = load_config("tiny-cpu", [*context, f"{path}={candidate}", *COMPANIONS.get(path, [])],
-                                     "/tmp/lmforge-keys-test", check_paths=False)
+                config = load_config(
+                    "tiny-cpu",
+                    [*context, f"{path}={candidate}", *COMPANIONS.get(path, [])],
+                    "/tmp/lmforge-keys-test",
+                    check_paths=False,
+                )
             except Exception:  # noqa: BLE001 - not a valid value for this field; try the next
                 continue
             after = config

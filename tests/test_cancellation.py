@@ -33,8 +33,13 @@ def _start(workspace: Path) -> subprocess.Popen:
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     args = [a for s in SETTINGS for a in ("--set", s)]
-    return subprocess.Popen([sys.executable, "-m", "lmforge.cli", "stage", "pretrain", "--workspace", str(workspace), *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmforge.cli", "stage", "pretrain", "--workspace", str(workspace), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _trained_past(workspace: Path, step: int, process: subprocess.Popen, timeout: float = 240) -> Path:
@@ -77,8 +82,11 @@ def _pretrain_run_id() -> str:
 
     async def find():
         async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))))
+            runs = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+                )
+            )
             flows = {f.id: f.name for f in await client.read_flows()}
             return [r for r in runs if flows.get(r.flow_id) == "lmforge-pretrain"]
 
@@ -115,8 +123,9 @@ def _stopped_within(process: subprocess.Popen, workspace: Path, out_dir: Path, s
             return time.time() - started
         time.sleep(0.2)
     left = [" ".join(p.cmdline()) for p in _ranks(workspace)]
-    raise AssertionError(f"after {seconds}s: process exit {process.poll()}, left running {left}, "
-                         f"lock free {_lock_is_free(out_dir)}")
+    raise AssertionError(
+        f"after {seconds}s: process exit {process.poll()}, left running {left}, lock free {_lock_is_free(out_dir)}"
+    )
 
 
 def _resumes(workspace: Path, out_dir: Path) -> None:
@@ -131,7 +140,8 @@ def _resumes(workspace: Path, out_dir: Path) -> None:
 
 
 def test_cancel_through_the_api_stops_every_rank_and_the_next_run_resumes(
-        curated: tuple[Path, dict], tmp_path: Path, prefect_server) -> None:
+    curated: tuple[Path, dict], tmp_path: Path, prefect_server
+) -> None:
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
     process = _start(workspace)
@@ -152,7 +162,8 @@ def test_cancel_through_the_api_stops_every_rank_and_the_next_run_resumes(
 
 
 def test_sigterm_to_the_flow_process_stops_every_rank_and_the_next_run_resumes(
-        curated: tuple[Path, dict], tmp_path: Path, prefect_server) -> None:
+    curated: tuple[Path, dict], tmp_path: Path, prefect_server
+) -> None:
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
     process = _start(workspace)
@@ -168,14 +179,17 @@ def test_sigterm_to_the_flow_process_stops_every_rank_and_the_next_run_resumes(
 
 
 def test_a_killed_flow_process_takes_its_ranks_with_it_and_holds_the_lock_until_they_are_gone(
-        curated: tuple[Path, dict], tmp_path: Path) -> None:
+    curated: tuple[Path, dict], tmp_path: Path
+) -> None:
     """SIGKILL leaves no chance for hooks: the supervisor notices its parent is gone."""
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
     args = [a for s in SETTINGS for a in ("--set", s)]
-    process = subprocess.Popen([sys.executable, "-m", "lmforge.cli", "stage", "pretrain", "--local",
-                                "--workspace", str(workspace), *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lmforge.cli", "stage", "pretrain", "--local", "--workspace", str(workspace), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         out_dir = _trained_past(workspace, 25, process)
         process.kill()
@@ -195,19 +209,24 @@ def test_a_launcher_that_blocks_sigterm_still_stops_its_commands_gracefully(tmp_
     import textwrap
 
     script = tmp_path / "launch.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import signal, sys, time
         from pathlib import Path
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
         from lmforge.launcher import start_detached, stop_detached
-        child = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'got')!r}, 'w').write('term'), sys.exit(0)));\\nwhile True: time.sleep(0.1)"
-        pid_file = Path({str(tmp_path / 'svc.pid')!r})
-        start_detached([sys.executable, "-c", child], Path({str(tmp_path / 'svc.log')!r}), pid_file)
+        got = {str(tmp_path / "got")!r}
+        child = ("import signal, sys, time; "
+                 "signal.signal(signal.SIGTERM, lambda *a: (open(%r, 'w').write('term'), sys.exit(0)));\\n"
+                 "while True: time.sleep(0.1)") % got
+        pid_file = Path({str(tmp_path / "svc.pid")!r})
+        start_detached([sys.executable, "-c", child], Path({str(tmp_path / "svc.log")!r}), pid_file)
         time.sleep(2)
         started = time.time()
         assert stop_detached(pid_file)
         print(round(time.time() - started, 2))
-    """))
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.strip()) < 10  # not the 20 s grace then SIGKILL
@@ -223,8 +242,9 @@ def test_a_detached_service_is_alive_the_moment_it_starts_and_stops_by_its_pid_f
     pids = []
     for i in range(25):
         pid_file = tmp_path / f"svc-{i}.pid"
-        pid = start_detached([sys.executable, "-c", "import time; time.sleep(60)", f"svc-{i}"], tmp_path / f"svc-{i}.log",
-                             pid_file)
+        pid = start_detached(
+            [sys.executable, "-c", "import time; time.sleep(60)", f"svc-{i}"], tmp_path / f"svc-{i}.log", pid_file
+        )
         pids.append(pid)
         assert detached_alive(read_pid_file(pid_file)), f"start {i}: a starting service was called dead"
         assert stop_detached(pid_file, wait_s=10)

@@ -37,8 +37,11 @@ def small() -> list[str]:
     """The session fixtures' settings, as --set arguments."""
     from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN, SMALL_QUANT, SMALL_SERVE
 
-    return [a for o in [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE]
-            for a in ("--set", o)]
+    return [
+        a
+        for o in [*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_EVAL, *SMALL_QUANT, *SMALL_SERVE]
+        for a in ("--set", o)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,8 @@ def raw_post(url: str, body: bytes, key: str | None) -> int:
 
 
 def test_the_run_covers_the_lifecycle_and_computes_only_the_deployment(
-        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
     assert first_run.returncode == 0, first_run.stderr[-3000:]
     rows = statuses(first_run.stdout)
     assert {name.split("/")[0] for name in rows} == {"curate", "pretrain", "align", "evaluate", "quantize", "serve"}
@@ -88,7 +92,8 @@ def test_the_run_covers_the_lifecycle_and_computes_only_the_deployment(
 
 
 def test_the_run_ends_with_a_served_model_that_answers_through_openai(
-        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
     from openai import OpenAI
 
     record, key = served(workspace)
@@ -98,8 +103,9 @@ def test_the_run_ends_with_a_served_model_that_answers_through_openai(
     reply = client.chat.completions.create(model=record["served_name"], messages=messages, max_tokens=48, temperature=0)
     answer = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop" and answer.strip() and "<|im_end|>" not in answer
-    stream = client.chat.completions.create(model=record["served_name"], messages=messages, max_tokens=48,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=record["served_name"], messages=messages, max_tokens=48, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
     status = lmforge("serve", "status", "--workspace", str(workspace))
     assert status.returncode == 0 and "running, pid" in status.stdout and record["served_name"] in status.stdout
@@ -107,13 +113,21 @@ def test_the_run_ends_with_a_served_model_that_answers_through_openai(
     # the key: 0600, never printed in full by the run or the status command
     assert (workspace / "serving" / "api_key").stat().st_mode & 0o777 == 0o600
     assert key not in first_run.stdout + first_run.stderr + status.stdout + status.stderr
-    assert raw_post(f"{record['url']}/v1/chat/completions", json.dumps(
-        {"model": record["served_name"], "messages": messages}).encode(), None) == 401
+    assert (
+        raw_post(
+            f"{record['url']}/v1/chat/completions",
+            json.dumps({"model": record["served_name"], "messages": messages}).encode(),
+            None,
+        )
+        == 401
+    )
     deploy = json.loads(next(workspace.glob("serve/deploy/*/manifest.json")).read_text())
     assert deploy["counts"]["slo_levels"] >= 4 and deploy["counts"]["slo_errors"] == 0
 
 
-def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
     import asyncio
 
     from openai import APIConnectionError, APIStatusError, AsyncOpenAI
@@ -126,11 +140,13 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(first_run: subprocess.Co
 
     cases = {
         "malformed JSON": raw_post(chat, b'{"model": "x", "messages": [', key),
-        "prompt longer than max_model_len": raw_post(chat, json.dumps({"model": name, "messages": [
-            {"role": "user", "content": "word " * 20000}]}).encode(), key),
+        "prompt longer than max_model_len": raw_post(
+            chat, json.dumps({"model": name, "messages": [{"role": "user", "content": "word " * 20000}]}).encode(), key
+        ),
         "max_tokens < 0": raw_post(chat, body(max_tokens=-1), key),
-        "unknown model": raw_post(chat, json.dumps({"model": "no-such-model", "messages": [
-            {"role": "user", "content": "hi"}]}).encode(), key),
+        "unknown model": raw_post(
+            chat, json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), key
+        ),
         "wrong key": raw_post(chat, body(max_tokens=4), "sk-wrong"),
     }
     assert all(400 <= code < 500 for code in cases.values()), cases
@@ -144,8 +160,11 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(first_run: subprocess.Co
                 nonlocal done
                 while time.perf_counter() < deadline:
                     try:
-                        await client.chat.completions.create(model=name, max_tokens=16, messages=[
-                            {"role": "user", "content": f"What is {k} + {done % 7}?"}])
+                        await client.chat.completions.create(
+                            model=name,
+                            max_tokens=16,
+                            messages=[{"role": "user", "content": f"What is {k} + {done % 7}?"}],
+                        )
                         done += 1
                     except (APIStatusError, APIConnectionError) as exc:
                         failures.append(f"{type(exc).__name__}: {exc}"[:120])
@@ -159,7 +178,8 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(first_run: subprocess.Co
 
 
 def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
-        first_run: subprocess.CompletedProcess, workspace: Path, tmp_path: Path) -> None:
+    first_run: subprocess.CompletedProcess, workspace: Path, tmp_path: Path
+) -> None:
     import shutil
     import threading
 
@@ -174,8 +194,13 @@ def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
 
     def probe() -> None:
         while not stop.is_set():
-            answers.append(request(f"{before['url']}/v1/completions", key,
-                                   {"model": before["served_name"], "prompt": "a", "max_tokens": 1})[0])
+            answers.append(
+                request(
+                    f"{before['url']}/v1/completions",
+                    key,
+                    {"model": before["served_name"], "prompt": "a", "max_tokens": 1},
+                )[0]
+            )
             time.sleep(0.5)
 
     prober = threading.Thread(target=probe)
@@ -193,7 +218,8 @@ def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
 
 
 def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
-        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
     before, _ = served(workspace)
     started = time.perf_counter()
     second = lmforge("run", "--workspace", str(workspace), *small())
@@ -208,14 +234,17 @@ def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
 def test_explain_names_the_changed_field(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
     result = lmforge("explain", "all", "--workspace", str(workspace), *small(), "--set", "pretrain.optim.lr=1e-3")
     assert result.returncode == 0, result.stderr
-    lines = {l.split()[0]: l for l in result.stdout.splitlines() if l.startswith(STAGE_PREFIXES)}
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(STAGE_PREFIXES)}
     assert all("reuse" in lines[name] for name in lines if name.startswith("curate/"))
-    assert "recompute" in lines["pretrain/train"] and "pretrain.optim.lr changed 0.01 -> 0.001" in lines["pretrain/train"]
+    assert (
+        "recompute" in lines["pretrain/train"] and "pretrain.optim.lr changed 0.01 -> 0.001" in lines["pretrain/train"]
+    )
     assert all(lines[name].split()[2] == "recompute" for name in lines if name.startswith(("align/sft", "align/dpo")))
 
 
 def test_deleted_model_file_is_rebuilt_by_resuming_from_the_final_checkpoint(
-        first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
     out = next(workspace.glob("pretrain/train/*/"))
     (out / "hf" / "model.safetensors").unlink()
     started = time.perf_counter()
@@ -232,7 +261,8 @@ def test_bad_config_fails_fast_with_one_line(workspace: Path) -> None:
     result = lmforge("run", "--workspace", str(workspace), "--set", "curate.langid.min_scor=0.3")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "config error: --set curate.langid.min_scor=0.3: curate.langid.min_scor: unknown field (did you mean 'min_score'?)")
+        "config error: --set curate.langid.min_scor=0.3: curate.langid.min_scor: unknown field (did you mean 'min_score'?)"
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -246,5 +276,5 @@ def test_a_config_error_found_mid_run_is_one_line_without_traceback(tmp_path: Pa
     result = lmforge("stage", "curate", "--workspace", str(tmp_path / "ws"), *overrides)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    errors = [l for l in result.stderr.splitlines() if l.startswith("config error:")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
     assert errors == ["config error: curate.quality_classifier.reference: no reference documents to train on"]

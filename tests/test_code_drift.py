@@ -15,8 +15,9 @@ from tests.conftest import small_config
 def _edit(monkeypatch: pytest.MonkeyPatch, module_path: str) -> None:
     """As if `module_path` had been edited: its content now hashes differently."""
     real = codeprint.file_sha256
-    monkeypatch.setattr(codeprint, "file_sha256",
-                        lambda path: ("0" * 64) if str(path).endswith(module_path) else real(path))
+    monkeypatch.setattr(
+        codeprint, "file_sha256", lambda path: ("0" * 64) if str(path).endswith(module_path) else real(path)
+    )
     codeprint._fingerprint.cache_clear()
 
 
@@ -28,14 +29,18 @@ def test_every_manifest_records_its_code_and_libraries(curated: tuple[Path, dict
     assert set(manifests["curate/tokenizer"]["code"]["libraries"]) == {"tokenizers", "transformers"}
 
 
-def test_an_edited_module_shows_as_drift_and_rerun_recomputes(curated_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_edited_module_shows_as_drift_and_rerun_recomputes(
+    curated_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _edit(monkeypatch, "data_prep/heuristics.py")
     try:
         config = small_config(curated_copy)
         lines = {e.step: e for e in explain(config, ["curate"])}
         assert lines["curate/heuristics"].reuse  # default: warn, reuse
-        assert any("code of curate/heuristics changed since this output was made (data_prep/heuristics.py)" in r
-                   for r in lines["curate/heuristics"].reasons)
+        assert any(
+            "code of curate/heuristics changed since this output was made (data_prep/heuristics.py)" in r
+            for r in lines["curate/heuristics"].reasons
+        )
         assert not any("changed" in r for r in lines["curate/minhash"].reasons)
 
         rerun = small_config(curated_copy, "runtime.on_code_drift=rerun")

@@ -27,22 +27,35 @@ def test_gpu_preset_extends_tiny_and_overrides() -> None:
 
 
 def test_set_overrides_parse_yaml_values() -> None:
-    config = load_config("tiny-cpu", ["pretrain.optim.lr=1e-3", "curate.langid.keep=[en,fr]",
-                                      "curate.near_dedup.enabled=false", "runtime.workers=1"])
+    config = load_config(
+        "tiny-cpu",
+        [
+            "pretrain.optim.lr=1e-3",
+            "curate.langid.keep=[en,fr]",
+            "curate.near_dedup.enabled=false",
+            "runtime.workers=1",
+        ],
+    )
     assert config.pretrain.optim.lr == pytest.approx(1e-3)
     assert config.curate.langid.keep == ["en", "fr"]
     assert config.curate.near_dedup.enabled is False
     assert config.runtime.workers == 1
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("curate.near_dedup.treshold=0.7", "--set curate.near_dedup.treshold=0.7: curate.near_dedup.treshold: unknown field (did you mean 'threshold'?)"),
-    ("pretrain.optim.lr=fast", "pretrain.optim.lr: Input should be a valid number"),
-    ("pretrain.lr=1e-3", "--set pretrain.lr=1e-3: pretrain.lr: unknown field (did you mean 'pretrain.optim.lr'?)"),
-    ("pretrain.model.num_heads=3", "pretrain.model: hidden_size 256 is not divisible by num_heads 3"),
-    ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
-    ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "curate.near_dedup.treshold=0.7",
+            "--set curate.near_dedup.treshold=0.7: curate.near_dedup.treshold: unknown field (did you mean 'threshold'?)",
+        ),
+        ("pretrain.optim.lr=fast", "pretrain.optim.lr: Input should be a valid number"),
+        ("pretrain.lr=1e-3", "--set pretrain.lr=1e-3: pretrain.lr: unknown field (did you mean 'pretrain.optim.lr'?)"),
+        ("pretrain.model.num_heads=3", "pretrain.model: hidden_size 256 is not divisible by num_heads 3"),
+        ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
+        ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
+    ],
+)
 def test_bad_values_give_one_line_naming_the_field(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("tiny-cpu", [override])
@@ -73,10 +86,13 @@ def test_extends_cycle_is_reported(tmp_path: Path) -> None:
 
 
 def test_cli_bad_config_exits_nonzero_with_one_line_and_no_traceback() -> None:
-    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "config", "validate",
-                             "--set", "pretrain.optim.lr=abc"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", "config", "validate", "--set", "pretrain.optim.lr=abc"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
-    lines = [l for l in result.stderr.splitlines() if l.strip() and "accelerator" not in l]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "accelerator" not in line]
     assert lines == [lines[0]] and lines[0].startswith("config error: --set pretrain.optim.lr=abc: pretrain.optim.lr:")
     assert "Traceback" not in result.stderr
 
@@ -84,8 +100,21 @@ def test_cli_bad_config_exits_nonzero_with_one_line_and_no_traceback() -> None:
 def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
     from lmforge.executor import graph
 
-    switches = ["near_dedup", "langid", "quality_classifier", "gopher_quality", "gopher_repetition", "c4",
-                "fineweb", "length", "encoding", "pii", "mix", "exact_dedup", "normalize"]
+    switches = [
+        "near_dedup",
+        "langid",
+        "quality_classifier",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+        "length",
+        "encoding",
+        "pii",
+        "mix",
+        "exact_dedup",
+        "normalize",
+    ]
     config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
     active = {s.name for s in graph().active(config, ["curate"])}
     assert active == {"curate/demo", "curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}
@@ -97,7 +126,11 @@ def test_quality_classifier_needs_exactly_one_selection_rule() -> None:
     assert QualityClassifierConfig(threshold=0.4).keep_fraction is None  # a threshold alone replaces the default
     with pytest.raises(ConfigError, match="keep_fraction=null to use a threshold"):
         load_config("tiny-cpu", ["curate.quality_classifier.threshold=0.4"])  # the preset sets keep_fraction
-    assert load_config("tiny-cpu", ["curate.quality_classifier.threshold=0.4",
-                                    "curate.quality_classifier.keep_fraction=null"]).curate.quality_classifier.threshold == 0.4
+    assert (
+        load_config(
+            "tiny-cpu", ["curate.quality_classifier.threshold=0.4", "curate.quality_classifier.keep_fraction=null"]
+        ).curate.quality_classifier.threshold
+        == 0.4
+    )
     with pytest.raises(ConfigError, match="needs a rule to select by"):
         load_config("tiny-cpu", ["curate.quality_classifier.keep_fraction=null"])

@@ -18,9 +18,11 @@ from lmforge.executor import execute_step
 from lmforge.graph import Graph, Step, StepContext
 from lmforge.store import StageStore
 
-CHATTER = ["[lm-eval] WARNING Overwriting default num_fewshot of lmforge_continuation from None to 0",
-           "Running loglikelihood requests: 100%|##########| 40/40",
-           "[deepspeed] Setting ds_accelerator to cpu (auto detect)"]
+CHATTER = [
+    "[lm-eval] WARNING Overwriting default num_fewshot of lmforge_continuation from None to 0",
+    "Running loglikelihood requests: 100%|##########| 40/40",
+    "[deepspeed] Setting ds_accelerator to cpu (auto detect)",
+]
 
 
 def _chatty(ctx: StepContext, results: dict) -> dict:
@@ -37,8 +39,9 @@ def _broken(ctx: StepContext, results: dict) -> dict:
     raise ValueError("no such metric: acc_norm_stderr\nsecond line of detail")
 
 
-def _run(step: Step, workspace: Path, verbose: bool,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict | None, BaseException | None]:
+def _run(
+    step: Step, workspace: Path, verbose: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, dict | None, BaseException | None]:
     """Run `step` (this module's own, not a registered one) the way both run paths do, under a terminal."""
     from lmforge import executor
     from lmforge.config import load_config
@@ -56,21 +59,24 @@ def _run(step: Step, workspace: Path, verbose: bool,
 
 
 def test_the_terminal_shows_one_line_per_step_and_warnings_but_no_process_output(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     step = Step("evaluate/chatty", 1, "talks a lot", finalize=_chatty)
     shown, manifest, _ = _run(step, tmp_path, False, monkeypatch)
     lines = shown.splitlines()
-    assert [l.split()[:2] for l in lines if l.startswith(("computed", "cached", "FAILED"))] == [["computed", "evaluate/chatty"]]
+    assert [ln.split()[:2] for ln in lines if ln.startswith(("computed", "cached", "FAILED"))] == [
+        ["computed", "evaluate/chatty"]
+    ]
     assert manifest is not None and lines[-1].split()[-1] == console.where(manifest["dir"])
     assert "warning: evaluate/chatty: task lmforge_humaneval has 3 items only" in lines
-    assert not [l for l in lines if any(c in l for c in CHATTER) or "launching:" in l]
+    assert not [line for line in lines if any(c in line for c in CHATTER) or "launching:" in line]
     assert len(lines) == 2, shown
     # nothing is lost: the step's own log file has every line the process printed
     log = (Path(manifest["dir"]) / "logs" / "step.log").read_text()
     assert all(c in log for c in CHATTER) and "launching:" in log and "3 items only" in log
 
     again, _, _ = _run(step, tmp_path, False, monkeypatch)
-    assert [l.split()[:2] for l in again.splitlines()] == [["cached", "evaluate/chatty"]]
+    assert [line.split()[:2] for line in again.splitlines()] == [["cached", "evaluate/chatty"]]
 
 
 def test_verbose_brings_the_process_output_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,7 +84,7 @@ def test_verbose_brings_the_process_output_back(tmp_path: Path, monkeypatch: pyt
     for line in CHATTER:
         assert line in shown
     assert "launching:" in shown and "3 items only" in shown
-    assert sum(l.startswith("computed  evaluate/chatty") for l in shown.splitlines()) == 1
+    assert sum(line.startswith("computed  evaluate/chatty") for line in shown.splitlines()) == 1
 
 
 def test_a_failed_step_is_one_line_with_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,9 +102,14 @@ def test_prefect_run_state_lines_stay_off_the_terminal_but_the_run_link_is_shown
     terminal = Terminal(io.StringIO(), verbose=False, tty=False)
     assert terminal.brief(_record("prefect.task_runs", logging.INFO, "Finished in state Completed()")) is None
     assert terminal.brief(_record("prefect.flow_runs", logging.ERROR, "Finished in state Failed('boom')")) is None
-    assert terminal.brief(_record("prefect", logging.INFO, "Starting temporary server on http://127.0.0.1:8190")) is None
+    assert (
+        terminal.brief(_record("prefect", logging.INFO, "Starting temporary server on http://127.0.0.1:8190")) is None
+    )
     link = "View at http://127.0.0.1:4200/runs/flow-run/0b6e"
-    assert terminal.brief(_record("prefect.flow_runs", logging.INFO, link)) == "Prefect run: http://127.0.0.1:4200/runs/flow-run/0b6e"
+    assert (
+        terminal.brief(_record("prefect.flow_runs", logging.INFO, link))
+        == "Prefect run: http://127.0.0.1:4200/runs/flow-run/0b6e"
+    )
     assert terminal.brief(_record("prefect.flow_runs", logging.INFO, link + "-subflow")) is None  # only the top run's
     assert terminal.brief(_record("prefect.client", logging.WARNING, "API slow")) == "warning: API slow"
     assert terminal.brief(_record("training.launcher", logging.INFO, CHATTER[2])) is None
@@ -115,7 +126,9 @@ class _Clock:
 def test_progress_in_a_pipe_is_a_plain_line_at_most_every_interval(tmp_path: Path) -> None:
     out, clock = io.StringIO(), _Clock()
     terminal = Terminal(out, tty=False, pipe_every_s=30, clock=clock)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 4.5}\n{"step": 20, "loss": 3.25}\n{"step": 20, "val_loss": 3.9}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 10, "loss": 4.5}\n{"step": 20, "loss": 3.25}\n{"step": 20, "val_loss": 3.9}\n'
+    )
     terminal.step_computing("pretrain/train", tmp_path, lambda: (20, 200))
     for second in range(0, 95, 1):
         clock.now = float(second)
@@ -154,19 +167,32 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_cli_prints_one_line_per_step_and_the_chatter_only_with_verbose(
-        curated_copy: Path, curated: tuple[Path, dict], small_curate: list[str]) -> None:
+    curated_copy: Path, curated: tuple[Path, dict], small_curate: list[str]
+) -> None:
     steps = [name for name in curated[1] if name.startswith("curate/")]
     # a changed split reruns packing only; its units' progress lines are INFO: off the terminal
-    quiet = _cli("stage", "curate", "--local", "-w", str(curated_copy), *small_curate, "--set", "curate.pack.val_fraction=0.2")
+    quiet = _cli(
+        "stage", "curate", "--local", "-w", str(curated_copy), *small_curate, "--set", "curate.pack.val_fraction=0.2"
+    )
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     lines = quiet.stderr.splitlines()
-    assert [l.split()[1] for l in lines] == steps, quiet.stderr
-    rows = {l.split()[1]: l.split() for l in lines}  # status, step, time, output folder
+    assert [line.split()[1] for line in lines] == steps, quiet.stderr
+    rows = {line.split()[1]: line.split() for line in lines}  # status, step, time, output folder
     assert rows["curate/pack"][0] == "computed" and {r[0] for r in rows.values()} == {"cached", "computed"}
     assert "units done" in (Path(rows["curate/pack"][3]) / "logs" / "step.log").read_text()
     assert "10 steps, 9 cache hits, 1 computed" in quiet.stdout  # the summary is unchanged
 
-    loud = _cli("stage", "curate", "--local", "-v", "-w", str(curated_copy), *small_curate, "--set", "curate.pack.val_fraction=0.3")
+    loud = _cli(
+        "stage",
+        "curate",
+        "--local",
+        "-v",
+        "-w",
+        str(curated_copy),
+        *small_curate,
+        "--set",
+        "curate.pack.val_fraction=0.3",
+    )
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert re.search(r"curate/pack: \d+/\d+ units done", loud.stderr) and "cache hit" in loud.stderr
-    assert sum(l.startswith(("computed ", "cached ")) for l in loud.stderr.splitlines()) == len(steps)
+    assert sum(line.startswith(("computed ", "cached ")) for line in loud.stderr.splitlines()) == len(steps)

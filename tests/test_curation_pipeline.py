@@ -15,7 +15,7 @@ from tests.conftest import small_config
 
 def _labels(manifests: dict) -> list[dict]:
     path = Path(manifests["curate/demo"]["dir"]) / "labels.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _rows(directory: Path, folder: str) -> list[dict]:
@@ -37,8 +37,19 @@ def test_every_filter_has_something_real_to_catch(curated) -> None:
     _, manifests = curated
     removed = manifests["curate/select"]["counts"]["removed"]
     families = {reason.split(":")[0] for reason in removed}
-    assert {"exact_dedup", "near_dedup", "length", "langid", "encoding", "quality_classifier", "mix",
-            "gopher_quality", "gopher_repetition", "c4", "fineweb"} <= families
+    assert {
+        "exact_dedup",
+        "near_dedup",
+        "length",
+        "langid",
+        "encoding",
+        "quality_classifier",
+        "mix",
+        "gopher_quality",
+        "gopher_repetition",
+        "c4",
+        "fineweb",
+    } <= families
     assert {"exact_dedup:url", "langid:low_confidence", "length:too_short", "length:too_long"} <= set(removed)
     quarantine = manifests["curate/ingest"]["counts"]["quarantined_by_reason"]
     assert {"invalid_json", "invalid_utf8", "missing_text", "text_not_string", "empty_text"} <= set(quarantine)
@@ -50,11 +61,11 @@ def test_planted_noise_is_removed_and_pii_redacted(curated) -> None:
     kept = {r["id"]: r for r in _rows(select_dir, "kept")}
     labels = _labels(manifests)
     for kind in ("encoding_junk", "spam", "short", "long"):
-        planted = [l["id"] for l in labels if l["kind"] == kind]
+        planted = [line["id"] for line in labels if line["kind"] == kind]
         assert planted and not set(planted) & set(kept), kind
-    duplicates = [l for l in labels if l["kind"] == "exact_duplicate"]
-    assert duplicates and not any(l["id"] in kept and l["base_id"] in kept for l in duplicates)
-    for label in (l for l in labels if l["kind"] == "pii" and l["id"] in kept):
+    duplicates = [line for line in labels if line["kind"] == "exact_duplicate"]
+    assert duplicates and not any(line["id"] in kept and line["base_id"] in kept for line in duplicates)
+    for label in (line for line in labels if line["kind"] == "pii" and line["id"] in kept):
         for value in label["emails"] + label["ips"]:
             assert value not in kept[label["id"]]["text"]
     assert sum(manifests["curate/select"]["counts"]["pii"].values()) > 0
@@ -65,11 +76,16 @@ def test_near_duplicates_are_found_at_the_threshold(curated) -> None:
     select_dir = Path(manifests["curate/select"]["dir"])
     kept = {r["id"] for r in _rows(select_dir, "kept")}
     removed = {r["id"]: r for r in _rows(select_dir, "removed")}
-    near = [l for l in _labels(manifests) if l["kind"] == "near_duplicate" and l["jaccard"] >= 0.85]
+    near = [line for line in _labels(manifests) if line["kind"] == "near_duplicate" and line["jaccard"] >= 0.85]
     assert near
     # filters run first; of a pair that passes them, one copy goes as a near-duplicate
-    assert sum(not (l["id"] in kept and l["base_id"] in kept) for l in near) / len(near) >= 0.95
-    dedup = [removed[i] for l in near for i in (l["id"], l["base_id"]) if removed.get(i, {}).get("reason") == "near_dedup"]
+    assert sum(not (line["id"] in kept and line["base_id"] in kept) for line in near) / len(near) >= 0.95
+    dedup = [
+        removed[i]
+        for line in near
+        for i in (line["id"], line["base_id"])
+        if removed.get(i, {}).get("reason") == "near_dedup"
+    ]
     assert dedup and all(r["duplicate_of"] in kept for r in dedup)
 
 
@@ -83,8 +99,15 @@ def test_threshold_change_reselects_without_recomputing_attributes(curated_copy:
     manifests = run_pipeline_locally(config, ["curate"])
     recomputed = {n for n, m in manifests.items() if m["timings"]["finished_at"] >= started}
     assert "curate/select" in recomputed
-    assert not recomputed & {"curate/demo", "curate/ingest", "curate/minhash", "curate/langid",
-                             "curate/heuristics", "curate/quality-model", "curate/quality"}
+    assert not recomputed & {
+        "curate/demo",
+        "curate/ingest",
+        "curate/minhash",
+        "curate/langid",
+        "curate/heuristics",
+        "curate/quality-model",
+        "curate/quality",
+    }
 
 
 def test_deleted_file_makes_only_that_step_recompute(curated_copy: Path) -> None:
@@ -110,24 +133,40 @@ def test_explain_downstream_of_a_rerun_lists_only_fields_that_changed(curated_co
     explained = {e.step: e for e in explain(config, ["curate"])}
     assert not explained["curate/heuristics"].reuse
     assert explained["curate/heuristics"].reasons == [
-        "upstream curate/ingest will be recomputed (reused after all if it reproduces the same bytes)"]
+        "upstream curate/ingest will be recomputed (reused after all if it reproduces the same bytes)"
+    ]
 
 
 def test_the_default_preset_curates_a_users_own_single_domain_file(tmp_path: Path) -> None:
     """What a new user does first: tiny-cpu (written for the demo's four domains) on their own JSONL."""
     import subprocess
     import sys
-
     from pydoc_data.topics import topics
 
     docs = [text for text in topics.values() if len(text.split()) > 100]
     data = tmp_path / "my.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "stage", "curate", "--local", "--workspace",
-                             str(tmp_path / "ws"), "--set", f"curate.inputs=[{data}]", "--set", "curate.tokenizer.vocab_size=1024"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "stage",
+            "curate",
+            "--local",
+            "--workspace",
+            str(tmp_path / "ws"),
+            "--set",
+            f"curate.inputs=[{data}]",
+            "--set",
+            "curate.tokenizer.vocab_size=1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    warnings = [l for l in result.stderr.splitlines() if "negative_domains" in l]
+    warnings = [line for line in result.stderr.splitlines() if "negative_domains" in line]
     assert len(warnings) == 1 and "sampling negatives from the whole pool" in warnings[0]
     select = json.loads(next((tmp_path / "ws" / "curate" / "select").glob("*/manifest.json")).read_text())["counts"]
     assert select["input"] == len(docs) and select["kept_by_domain"] == {"my": select["kept"]}
@@ -153,10 +192,15 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
 
     docs: list[dict] = []
     for shard in manifests["curate/select"]["extra"]["shards"]:
-        base = pq.read_table(shard_path(step_dir["curate/ingest"], shard),
-                             columns=["id", "domain", "text_hash", "url_norm", "n_chars"]).to_pylist()
-        for doc, lang, stats, quality in zip(base, attributes("curate/langid", shard), attributes("curate/heuristics", shard),
-                                             attributes("curate/quality", shard)):
+        base = pq.read_table(
+            shard_path(step_dir["curate/ingest"], shard), columns=["id", "domain", "text_hash", "url_norm", "n_chars"]
+        ).to_pylist()
+        for doc, lang, stats, quality in zip(
+            base,
+            attributes("curate/langid", shard),
+            attributes("curate/heuristics", shard),
+            attributes("curate/quality", shard),
+        ):
             reasons = _rule_failures(cfg, doc["domain"], stats, lang["lang"], lang["lang_score"])
             docs.append({**doc, "reasons": reasons, "quality": quality["quality_score"], "dup": None, "repeat": 1})
     seen_text: dict = {}
@@ -212,11 +256,17 @@ def test_selection_matches_a_plain_reference_implementation(curated) -> None:
     select_dir = Path(manifests["curate/select"]["dir"])
     kept = _rows(select_dir, "kept")
     assert [(r["id"], r["repeat"]) for r in kept] == [(d["id"], d["repeat"]) for d in docs if not d["reasons"]]
-    removed = {r["id"]: (r["reason"], json.loads(r["reasons"]), r["duplicate_of"]) for r in _rows(select_dir, "removed")}
-    assert removed == {d["id"]: (d["reasons"][0], d["reasons"], docs[d["dup"]]["id"] if d["dup"] is not None else None)
-                       for d in docs if d["reasons"]}
-    assert manifests["curate/select"]["counts"]["removed"] == dict(sorted(Counter(d["reasons"][0] for d in docs
-                                                                                  if d["reasons"]).items()))
+    removed = {
+        r["id"]: (r["reason"], json.loads(r["reasons"]), r["duplicate_of"]) for r in _rows(select_dir, "removed")
+    }
+    assert removed == {
+        d["id"]: (d["reasons"][0], d["reasons"], docs[d["dup"]]["id"] if d["dup"] is not None else None)
+        for d in docs
+        if d["reasons"]
+    }
+    assert manifests["curate/select"]["counts"]["removed"] == dict(
+        sorted(Counter(d["reasons"][0] for d in docs if d["reasons"]).items())
+    )
 
 
 def test_a_retried_selection_keeps_the_shards_it_wrote(curated_copy: Path) -> None:

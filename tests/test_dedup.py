@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import pydoc_data.topics
 import random
 
 import numpy as np
-import pydoc_data.topics
 
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs, estimated_jaccard, exact_jaccard
 from data_prep.textnorm import jaccard, shingle_set
@@ -23,7 +23,9 @@ def test_shingle_hashes_give_the_exact_jaccard_of_shingle_sets() -> None:
     hasher = MinHasher()
     for base in PROSE[:5]:
         other = _edit(base, 0.1, rng)
-        assert exact_jaccard(hasher.shingles(base), hasher.shingles(other)) == jaccard(shingle_set(base, 5), shingle_set(other, 5))
+        assert exact_jaccard(hasher.shingles(base), hasher.shingles(other)) == jaccard(
+            shingle_set(base, 5), shingle_set(other, 5)
+        )
 
 
 def test_signature_agreement_estimates_jaccard() -> None:

@@ -21,9 +21,18 @@ from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
 from data_prep.textnorm import jaccard, normalize_document, shingle_set
 
 SMALL = dict(
-    max_stdlib_files=20, max_pypi_docs=20, num_exact_duplicates=20, num_near_duplicates=36,
-    num_boilerplate=8, num_spam=8, num_encoding_junk=6, num_short=6, num_long=1,
-    num_pii_docs=6, num_contaminated=5, num_malformed_lines=8,
+    max_stdlib_files=20,
+    max_pypi_docs=20,
+    num_exact_duplicates=20,
+    num_near_duplicates=36,
+    num_boilerplate=8,
+    num_spam=8,
+    num_encoding_junk=6,
+    num_short=6,
+    num_long=1,
+    num_pii_docs=6,
+    num_contaminated=5,
+    num_malformed_lines=8,
 )
 DOMAINS = {"prose", "web", "code", "dialogue"}
 PHONE = re.compile(r"^(\(\d{3}\) \d{3}-\d{4}|\+1 \d{3} \d{3} \d{4}|\+44 20 \d{4} \d{4})$")
@@ -54,7 +63,15 @@ def corpus(tmp_path_factory):
     by_kind = defaultdict(list)
     for label in labels:
         by_kind[label["kind"]].append(label)
-    return {"cfg": cfg, "out": out, "counts": counts, "lines": lines, "labels": labels, "records": records, "by_kind": by_kind}
+    return {
+        "cfg": cfg,
+        "out": out,
+        "counts": counts,
+        "lines": lines,
+        "labels": labels,
+        "records": records,
+        "by_kind": by_kind,
+    }
 
 
 def _assert_same_files(a: Path, b: Path) -> None:
@@ -77,7 +94,9 @@ def test_same_config_gives_byte_identical_files_in_another_process(corpus, tmp_p
         "build_demo_corpus(DemoCorpusConfig.model_validate_json(sys.argv[1]), Path(sys.argv[2]))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, "-c", code, corpus["cfg"].model_dump_json(), str(tmp_path)], check=True, env=env, cwd=root)
+    subprocess.run(
+        [sys.executable, "-c", code, corpus["cfg"].model_dump_json(), str(tmp_path)], check=True, env=env, cwd=root
+    )
     _assert_same_files(tmp_path, corpus["out"])
 
 
@@ -109,10 +128,17 @@ def test_every_domain_and_source_is_present(corpus):
 def test_planted_counts_follow_the_config(corpus):
     cfg, kinds = corpus["cfg"], corpus["counts"]["kind"]
     expected = {
-        "exact_duplicate": cfg.num_exact_duplicates, "url_duplicate": round(cfg.num_exact_duplicates / 10),
-        "near_duplicate": cfg.num_near_duplicates, "boilerplate": cfg.num_boilerplate, "spam": cfg.num_spam,
-        "encoding_junk": cfg.num_encoding_junk, "short": cfg.num_short, "long": cfg.num_long,
-        "pii": cfg.num_pii_docs, "contamination": cfg.num_contaminated, "malformed": cfg.num_malformed_lines,
+        "exact_duplicate": cfg.num_exact_duplicates,
+        "url_duplicate": round(cfg.num_exact_duplicates / 10),
+        "near_duplicate": cfg.num_near_duplicates,
+        "boilerplate": cfg.num_boilerplate,
+        "spam": cfg.num_spam,
+        "encoding_junk": cfg.num_encoding_junk,
+        "short": cfg.num_short,
+        "long": cfg.num_long,
+        "pii": cfg.num_pii_docs,
+        "contamination": cfg.num_contaminated,
+        "malformed": cfg.num_malformed_lines,
     }
     for kind, n in expected.items():
         assert kinds[kind] == n == len(corpus["by_kind"][kind]), kind
@@ -138,7 +164,14 @@ def test_malformed_lines_are_exactly_the_labelled_ones(corpus):
     labelled = {label["line"]: label["defect"] for label in corpus["by_kind"]["malformed"]}
     assert broken == set(labelled)
     assert set(labelled.values()) == {
-        "truncated_json", "invalid_utf8", "missing_text", "text_number", "text_null", "text_list", "empty_text", "json_array",
+        "truncated_json",
+        "invalid_utf8",
+        "missing_text",
+        "text_number",
+        "text_null",
+        "text_list",
+        "empty_text",
+        "json_array",
     }
     for n, defect in labelled.items():
         line = corpus["lines"][n - 1]
@@ -201,7 +234,9 @@ def test_humaneval_contamination_is_planted(corpus):
         record = corpus["records"][label["id"]]
         assert record["source"] == "humaneval" and record["meta"]["domain"] == "code"
         assert record["meta"]["task_id"] == label["task_id"]
-        assert record["text"].startswith(prompts[label["task_id"]]) and len(record["text"]) > len(prompts[label["task_id"]])
+        assert record["text"].startswith(prompts[label["task_id"]]) and len(record["text"]) > len(
+            prompts[label["task_id"]]
+        )
 
 
 def test_pii_pages_hold_the_labelled_values_in_decent_prose(corpus):
@@ -210,7 +245,9 @@ def test_pii_pages_hold_the_labelled_values_in_decent_prose(corpus):
         assert label["emails"] and label["phones"] and label["ips"]
         assert all(value in text for key in ("emails", "phones", "ips") for value in label[key])
         assert all(PHONE.match(p) for p in label["phones"])
-        assert all(ipaddress.IPv4Address(ip).is_global and not ipaddress.IPv4Address(ip).is_multicast for ip in label["ips"])
+        assert all(
+            ipaddress.IPv4Address(ip).is_global and not ipaddress.IPv4Address(ip).is_multicast for ip in label["ips"]
+        )
         assert len(text.split()) >= 80 and all(p.endswith(".") for p in text.split("\n\n"))
 
 

@@ -49,14 +49,22 @@ def test_planted_contamination_is_found_and_clean_items_are_not(tmp_path: Path) 
     false_rate = sum(r["contaminated"] for r in clean) / len(clean)
     assert recall >= 0.95 and false_rate <= 0.01, (recall, false_rate)
     hit = next(r for r in records if (r["task"], r["doc_id"]) in planted and r["contaminated"])
-    assert hit["source"] == "documents" and hit["train_doc_id"].startswith("planted") and hit["span"] and hit["overlap"] > 0.5
+    assert (
+        hit["source"] == "documents"
+        and hit["train_doc_id"].startswith("planted")
+        and hit["span"]
+        and hit["overlap"] > 0.5
+    )
     assert len(records) == sum(len(v) for v in items.values())  # one record per item
 
 
 def test_short_items_are_matched_whole_not_by_a_single_shared_phrase(tmp_path: Path) -> None:
     settings = Settings()
-    build_index([("t1", "What is 3 + 5? 8"), ("t2", "a long unrelated sentence about rivers and hills and the sea")],
-                tmp_path / "index", settings)
+    build_index(
+        [("t1", "What is 3 + 5? 8"), ("t2", "a long unrelated sentence about rivers and hills and the sea")],
+        tmp_path / "index",
+        settings,
+    )
     items = {"chat": [{"id": "a", "text": "What is 3 + 5? 8"}, {"id": "b", "text": "What is 4 + 5? 9"}]}
     records = {r["doc_id"]: r for r in check_tasks(items, {"sft": Index(tmp_path / "index", settings)})}
     assert records["a"]["contaminated"] and records["a"]["checked_by"] == "whole-text"
@@ -98,15 +106,25 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
             raise NotImplementedError
 
     build(tmp_path, ["lmforge_humaneval"], {}, {})
-    result = lm_eval.simple_evaluate(model="lmforge-test-oracle", tasks=["lmforge_humaneval"], limit=len(problems),
-                                     task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-                                     confirm_run_unsafe_code=True, log_samples=True)
+    result = lm_eval.simple_evaluate(
+        model="lmforge-test-oracle",
+        tasks=["lmforge_humaneval"],
+        limit=len(problems),
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        confirm_run_unsafe_code=True,
+        log_samples=True,
+    )
     assert result["results"]["lmforge_humaneval"]["pass@1,sandbox"] == pytest.approx(2 / len(problems))
     verdicts = [json.loads(s["filtered_resps"][0]) for s in result["samples"]["lmforge_humaneval"]]
     assert [v["passed"] for v in verdicts] == [True, True] + [False] * len(HOSTILE)
     statuses = dict(zip(HOSTILE, (v["status"] for v in verdicts[2:])))
     assert statuses["early_exit"] == "passed"  # it exited 0 before the tests ran: the marker is missing, so 0
-    assert {s for k, s in statuses.items() if k != "early_exit"} <= {"failed", "timeout", "killed:SIGXCPU", "killed:SIGKILL"}
+    assert {s for k, s in statuses.items() if k != "early_exit"} <= {
+        "failed",
+        "timeout",
+        "killed:SIGXCPU",
+        "killed:SIGKILL",
+    }
     assert not Path("/tmp/lmforge-sandbox-canary").exists()
 
 
@@ -116,13 +134,20 @@ def test_every_model_is_evaluated_on_both_backends_with_intervals(evaluated: dic
     seen = {(r["model"], r["backend"], r["task"]) for r in report["results"]}
     for model in ("pretrained", "sft", "dpo"):
         for backend in ("hf", "vllm"):
-            for task in ("lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference",
-                         "lmforge_humaneval"):
+            for task in (
+                "lmforge_continuation",
+                "lmforge_heldout_ppl",
+                "lmforge_chat_exact",
+                "lmforge_preference",
+                "lmforge_humaneval",
+            ):
                 assert (model, backend, task) in seen
     row = next(r for r in report["results"] if r["task"] == "lmforge_continuation" and r["backend"] == "hf")
     assert row["ci_low"] <= row["value"] <= row["ci_high"] and row["stderr"] is not None and row["items"] == 20
     assert {(d["from"], d["to"]) for d in report["deltas"]} == {("pretrained", "sft"), ("sft", "dpo")}
-    assert all(a["agree"] for a in report["backend_agreement"] if a["task"] in ("lmforge_continuation", "lmforge_preference"))
+    assert all(
+        a["agree"] for a in report["backend_agreement"] if a["task"] in ("lmforge_continuation", "lmforge_preference")
+    )
     card = (Path(evaluated["evaluate/report"]["dir"]) / "comparison.md").read_text()
     assert "pretrained -> sft" in card and "hf vs vLLM" in card
     samples = Path(evaluated["evaluate/dpo-vllm"]["dir"]) / "results" / "lmforge_chat_exact" / "samples.jsonl"
@@ -137,13 +162,39 @@ def test_the_metric_equals_what_the_lm_eval_command_line_prints(evaluated: dict,
     model = evaluated["evaluate/sft-hf"]["extra"]["model_dir"]
     context = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
     tasks = evaluated["evaluate/tasks"]["dir"]
-    cli = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-                          f"pretrained={model},dtype=float32,max_length={context - 2}", "--device", "cpu",
-                          "--include_path", tasks, "--tasks", "lmforge_continuation", "--limit", "20", "--seed", "0,0,0,0",
-                          "--output_path", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model},dtype=float32,max_length={context - 2}",
+            "--device",
+            "cpu",
+            "--include_path",
+            tasks,
+            "--tasks",
+            "lmforge_continuation",
+            "--limit",
+            "20",
+            "--seed",
+            "0,0,0,0",
+            "--output_path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     result = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]["lmforge_continuation"]
-    assert result["acc_norm,none"] == mine["results"]["acc_norm,none"] and result["acc,none"] == mine["results"]["acc,none"]
+    assert (
+        result["acc_norm,none"] == mine["results"]["acc_norm,none"]
+        and result["acc,none"] == mine["results"]["acc,none"]
+    )
     import re
 
     printed = re.search(r"\|acc_norm\|[^|]*\|\s*([0-9.]+)\|", cli.stdout)  # the table the command line prints
@@ -159,16 +210,21 @@ def test_adding_a_task_computes_only_that_task_and_a_rerun_is_all_cache_hits(eva
 
     workspace = tmp_path / "ws"
     shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
-    fewer = small_config(workspace, "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact]", "evaluate.backends=[hf]")
+    fewer = small_config(
+        workspace, "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact]", "evaluate.backends=[hf]"
+    )
     first = run_pipeline_locally(fewer, ["evaluate"])  # every task result exists already: nothing is evaluated
-    more = small_config(workspace, "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact, lmforge_preference]",
-                        "evaluate.backends=[hf]")
+    more = small_config(
+        workspace,
+        "evaluate.tasks=[lmforge_continuation, lmforge_chat_exact, lmforge_preference]",
+        "evaluate.backends=[hf]",
+    )
     for name in ("lmforge_preference",):  # forget that task's results, as if it were new
         for manifest in (workspace / "evaluate" / "results").glob("*/manifest.json"):
             if json.loads(manifest.read_text())["task"] == name:
                 shutil.rmtree(manifest.parent)
     second = run_pipeline_locally(more, ["evaluate"])
-    log = (Path(second["evaluate/dpo-hf"]["dir"]) / "lmeval_spec_hf.json")
+    log = Path(second["evaluate/dpo-hf"]["dir"]) / "lmeval_spec_hf.json"
     assert [t["name"] for t in json.loads(log.read_text())["tasks"]] == ["lmforge_preference"]
     assert not (Path(first["evaluate/dpo-hf"]["dir"]) / "lmeval_spec_hf.json").exists()
     again = run_pipeline_locally(more, ["evaluate"])
@@ -186,14 +242,24 @@ def test_the_contamination_gate_fails_naming_the_task_and_the_source(evaluated: 
 
     workspace = tmp_path / "ws"
     shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
-    strict = small_config(workspace, "evaluate.contamination.action=fail",
-                          "evaluate.contamination.max_fraction={lmforge_humaneval: 0.0}")
-    with pytest.raises(ContaminationGateFailed, match=r"lmforge_humaneval has \d+\.\d% of its items in training data "
-                                                      r"\(limit 0\.0%\), most from documents") as info:
+    strict = small_config(
+        workspace, "evaluate.contamination.action=fail", "evaluate.contamination.max_fraction={lmforge_humaneval: 0.0}"
+    )
+    with pytest.raises(
+        ContaminationGateFailed,
+        match=r"lmforge_humaneval has \d+\.\d% of its items in training data "
+        r"\(limit 0\.0%\), most from documents",
+    ) as info:
         run_pipeline_locally(strict, ["evaluate"])
     assert not is_retryable(info.value)
-    records = [json.loads(l) for l in (workspace / "evaluate" / "contamination").glob("*/contamination.jsonl").__next__()
-               .read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (workspace / "evaluate" / "contamination")
+        .glob("*/contamination.jsonl")
+        .__next__()
+        .read_text()
+        .splitlines()
+    ]
     planted = [r for r in records if r["task"] == "lmforge_humaneval" and r["contaminated"]]
     assert planted and all(r["doc_id"].startswith("HumanEval/") and r["train_doc_id"] and r["span"] for r in planted)
 
@@ -245,10 +311,10 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
     manifests = _run_steps(config, ["evaluate/contamination"])
     select = manifests["curate/select"]
     removed = pq.read_table(Path(select["dir"]) / "removed").to_pylist()
-    planted = [json.loads(l) for l in next(workspace.glob("curate/demo/*/labels.jsonl")).read_text().splitlines()]
+    planted = [json.loads(line) for line in next(workspace.glob("curate/demo/*/labels.jsonl")).read_text().splitlines()]
     planted_ids = {p["id"] for p in planted if p["kind"] == "contamination"}
     dropped = {r["id"] for r in removed if r["reason"] == "decontaminated"}
-    assert planted_ids and planted_ids <= dropped, (planted_ids - dropped)
+    assert planted_ids and planted_ids <= dropped, planted_ids - dropped
     assert select["counts"]["removed"]["decontaminated"] == len(dropped)
     counts = select["counts"]
     assert counts["input"] == counts["kept"] + counts["removed_total"] + counts["quarantined"]

@@ -44,7 +44,7 @@ def _ingest(path: Path, tmp_path: Path, **cfg) -> tuple[list[dict], list[dict], 
     files, result = ingest_file(str(path), 0, CurateConfig(**cfg), out)
     docs = [row for s in result["shards"] for row in iter_rows(shard_path(out, s["name"]))]
     qfile = out / "quarantine" / "f0000.jsonl"
-    quarantined = [json.loads(l) for l in qfile.read_text().splitlines()] if qfile.exists() else []
+    quarantined = [json.loads(line) for line in qfile.read_text().splitlines()] if qfile.exists() else []
     return docs, quarantined, result
 
 
@@ -91,8 +91,12 @@ def test_parquet_text_folder_and_hf_dataset(tmp_path: Path) -> None:
 
 def test_normalization_and_metadata(tmp_path: Path) -> None:
     path = tmp_path / "n.jsonl"
-    record = {"id": "n1", "text": "Cafe\u0301\u00a0au lait\x07  \r\n\r\n\r\n\r\n    indented code  ",
-              "url": "HTTPS://Example.COM:443/Page/#frag", "meta": {"domain": "web", "lang": "fr"}}
+    record = {
+        "id": "n1",
+        "text": "Cafe\u0301\u00a0au lait\x07  \r\n\r\n\r\n\r\n    indented code  ",
+        "url": "HTTPS://Example.COM:443/Page/#frag",
+        "meta": {"domain": "web", "lang": "fr"},
+    }
     path.write_text(json.dumps(record) + "\n" + json.dumps({"id": "n2", "text": "Already clean."}) + "\n")
     docs, _, result = _ingest(path, tmp_path)
     assert docs[0]["text"] == "Caf\u00e9 au lait\n\n    indented code" and docs[1]["text"] == "Already clean."
@@ -108,9 +112,11 @@ def test_url_normalization_keeps_what_identifies_a_page() -> None:
 
 def test_records_that_break_encoding_or_parsing_are_quarantined_too(tmp_path: Path) -> None:
     path = tmp_path / "odd.jsonl"
-    path.write_text('{"id": "s", "text": "lone surrogate \\ud800 here"}\n'
-                    '{"id": "u", "text": "fine text", "url": "http://[bad-ipv6/x"}\n'
-                    '{"id": "ok", "text": "fine text two", "meta": {"when": {"nested": [1, 2]}}}\n')
+    path.write_text(
+        '{"id": "s", "text": "lone surrogate \\ud800 here"}\n'
+        '{"id": "u", "text": "fine text", "url": "http://[bad-ipv6/x"}\n'
+        '{"id": "ok", "text": "fine text two", "meta": {"when": {"nested": [1, 2]}}}\n'
+    )
     docs, quarantined, _ = _ingest(path, tmp_path)
     assert [q["reason"].split(" ")[0] for q in quarantined] == ["invalid_unicode"]
     assert [d["id"] for d in docs] == ["u", "ok"] and docs[0]["url_norm"] is None
@@ -164,8 +170,8 @@ def test_corrupt_parquet_is_quarantined_not_a_crash(tmp_path: Path) -> None:
 def test_folders_stand_for_the_data_files_inside_and_datasetdicts_are_read(tmp_path: Path) -> None:
     import datasets
 
-    from lmforge.inputs import expand_inputs, read_input
     from lmforge.errors import ConfigError
+    from lmforge.inputs import expand_inputs, read_input
 
     corpus = tmp_path / "corpus"
     (corpus / "part2").mkdir(parents=True)
@@ -182,8 +188,12 @@ def test_folders_stand_for_the_data_files_inside_and_datasetdicts_are_read(tmp_p
     assert [p for p in expand_inputs([str(corpus / "**")]) if Path(p).is_dir()] == [str(corpus)]
 
     saved = tmp_path / "dd"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["split train"]}),
-                          "test": datasets.Dataset.from_dict({"text": ["split test"]})}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["split train"]}),
+            "test": datasets.Dataset.from_dict({"text": ["split test"]}),
+        }
+    ).save_to_disk(str(saved))
     assert expand_inputs([str(saved)]) == [str(saved)]
     assert [r.data["text"] for r in read_input(str(saved))] == ["split train"]
 
@@ -203,8 +213,8 @@ def test_unsupported_input_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_path: Path) -> None:
-    from lmforge.inputs import read_input
     from lmforge.errors import DataError, SourceUnavailable, is_retryable
+    from lmforge.inputs import read_input
 
     with pytest.raises(SourceUnavailable, match="hf:nosuch/dataset: cannot load") as hub:
         list(read_input("hf:nosuch/dataset"))  # the tests run with HF_HUB_OFFLINE=1
@@ -220,9 +230,9 @@ def test_an_unreachable_hub_is_retryable_and_a_damaged_local_dataset_is_not(tmp_
 def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    from lmforge.executor import graph
     from lmforge.config import load_config
     from lmforge.errors import SourceUnavailable, is_retryable
+    from lmforge.executor import graph
 
     commit = {"sha": "aaaa"}
 
@@ -231,7 +241,9 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
             return type("Info", (), {"sha": commit["sha"]})()
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    config = load_config("tiny-cpu", ["curate.inputs=[hf:org/corpus, hf:org/pinned@v1.0]"], str(tmp_path), check_paths=False)
+    config = load_config(
+        "tiny-cpu", ["curate.inputs=[hf:org/corpus, hf:org/pinned@v1.0]"], str(tmp_path), check_paths=False
+    )
     first = graph().get("curate/ingest").identity(config)["input_files"]
     assert first == {"hf:org/corpus": "hf:org/corpus@aaaa", "hf:org/pinned@v1.0": "hf:org/pinned@v1.0"}
     commit["sha"] = "bbbb"  # the dataset was updated on the hub: a new key
@@ -249,8 +261,8 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
 
 def test_a_glob_is_expanded_once_and_the_expansion_is_what_is_read(tmp_path: Path) -> None:
     from data_prep.steps import _input_paths
-    from lmforge.executor import graph
     from lmforge.config import load_config
+    from lmforge.executor import graph
     from lmforge.graph import StepContext
 
     for name in ("a", "b"):
@@ -261,13 +273,17 @@ def test_a_glob_is_expanded_once_and_the_expansion_is_what_is_read(tmp_path: Pat
     (tmp_path / "c.jsonl").write_text(json.dumps(GOOD[1]) + "\n")  # arrives while the step runs
     ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws", identity=identity)
     assert _input_paths(ctx) == list(identity["input_files"])
-    assert str(tmp_path / "c.jsonl") in graph().get("curate/ingest").identity(config)["input_files"]  # the next run's key has it
+    assert (
+        str(tmp_path / "c.jsonl") in graph().get("curate/ingest").identity(config)["input_files"]
+    )  # the next run's key has it
 
 
 def test_fix_encoding_repairs_mojibake_with_ftfy(tmp_path: Path) -> None:
     from data_prep.heuristics import StatParams, compute_stats
 
-    broken = "Caf\u00c3\u00a9 au lait and na\u00c3\u00afve \u00e2\u20ac\u0153quotes\u00e2\u20ac\u009d in M\u00c3\u00bcnchen."
+    broken = (
+        "Caf\u00c3\u00a9 au lait and na\u00c3\u00afve \u00e2\u20ac\u0153quotes\u00e2\u20ac\u009d in M\u00c3\u00bcnchen."
+    )
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"id": "m", "text": broken}) + "\n")
     docs, _, _ = _ingest(path, tmp_path)

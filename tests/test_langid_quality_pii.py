@@ -35,7 +35,9 @@ def test_language_id_is_unsure_about_noise() -> None:
 @pytest.fixture(scope="module")
 def quality_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spam = [("buy cheap watches best price free shipping click here " * 8 + str(i)) for i in range(150)]
-    menus = [("Home | About | Contact | Login | Cart | Privacy Policy | Terms of Use\n" * 5 + str(i)) for i in range(150)]
+    menus = [
+        ("Home | About | Contact | Login | Cart | Privacy Policy | Terms of Use\n" * 5 + str(i)) for i in range(150)
+    ]
     path = tmp_path_factory.mktemp("q") / "model.bin"
     metrics = train_classifier(builtin_reference()[:300], spam + menus, QualityClassifierConfig(epochs=5), path)
     assert metrics["heldout_accuracy"] > 0.9
@@ -44,16 +46,20 @@ def quality_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_quality_classifier_prefers_reference_prose(quality_model: Path) -> None:
     scorer = QualityScorer(quality_model)
-    prose = ("An assignment statement evaluates the expression list and assigns the single resulting object "
-             "to each of the target lists, from left to right.")
+    prose = (
+        "An assignment statement evaluates the expression list and assigns the single resulting object "
+        "to each of the target lists, from left to right."
+    )
     junk = "cheap watches best price free shipping click here buy now cheap watches"
     good, bad = scorer.score([prose, junk])
     assert good > 0.5 > bad
 
 
 def test_pii_redaction_counts_each_kind_and_keeps_private_addresses() -> None:
-    text = ("Write to jane.doe@example.org or call (555) 123-4567 / +44 20 7946 0958. "
-            "The server is 93.184.216.34; localhost is 127.0.0.1 and the LAN 192.168.1.10. Python 3.11.7 is used.")
+    text = (
+        "Write to jane.doe@example.org or call (555) 123-4567 / +44 20 7946 0958. "
+        "The server is 93.184.216.34; localhost is 127.0.0.1 and the LAN 192.168.1.10. Python 3.11.7 is used."
+    )
     redacted, counts = redact(text, PIIConfig())
     assert counts == {"email": 1, "phone": 2, "ip": 1}
     assert "<EMAIL>" in redacted and "127.0.0.1" in redacted and "192.168.1.10" in redacted and "3.11.7" in redacted
@@ -67,8 +73,11 @@ def test_pii_redaction_counts_each_kind_and_keeps_private_addresses() -> None:
 
 
 def test_mixing_reaches_target_shares_and_respects_the_repeat_cap() -> None:
-    docs = [(f"c{i}", "code", 100) for i in range(60)] + [(f"p{i}", "prose", 100) for i in range(20)] \
+    docs = (
+        [(f"c{i}", "code", 100) for i in range(60)]
+        + [(f"p{i}", "prose", 100) for i in range(20)]
         + [(f"d{i}", "dialogue", 100) for i in range(20)]
+    )
     repeats, report = plan_mix(docs, MixConfig(weights={"code": 0.5, "prose": 0.3, "dialogue": 0.2}))
     for domain, target in {"code": 0.5, "prose": 0.3, "dialogue": 0.2}.items():
         assert report[domain]["achieved_share"] == pytest.approx(target, abs=0.02)
@@ -81,8 +90,10 @@ def test_mixing_reaches_target_shares_and_respects_the_repeat_cap() -> None:
 
 
 def test_ipv6_is_redacted_in_every_written_form_and_code_is_left_alone() -> None:
-    text = ("Reach 2001:db8::1 or 2001:0db8:0000:0000:0000:0000:0002:0001, DNS 2606:4700:4700::1111, "
-            "mapped ::ffff:93.184.216.34. Local ::1, fe80::1 and fd00::5 stay; x[1::2], std::vector and 12:30:45 too.")
+    text = (
+        "Reach 2001:db8::1 or 2001:0db8:0000:0000:0000:0000:0002:0001, DNS 2606:4700:4700::1111, "
+        "mapped ::ffff:93.184.216.34. Local ::1, fe80::1 and fd00::5 stay; x[1::2], std::vector and 12:30:45 too."
+    )
     redacted, counts = redact(text, PIIConfig())
     assert counts == {"ip": 4}
     assert "2001:db8::1" not in redacted and "2606:4700" not in redacted and "93.184.216.34" not in redacted
@@ -98,8 +109,11 @@ def test_redact_stored_removes_pii_from_ingested_removed_and_quarantined_text(tm
     from data_prep.records import iter_rows, shard_path
 
     source = tmp_path / "in.jsonl"
-    source.write_text(json.dumps({"id": "a", "text": "Mail jane.doe@example.org about host 2001:db8::1 today."}) + "\n"
-                      + '{"id": "b", "text": "broken record from bob@example.com\n')
+    source.write_text(
+        json.dumps({"id": "a", "text": "Mail jane.doe@example.org about host 2001:db8::1 today."})
+        + "\n"
+        + '{"id": "b", "text": "broken record from bob@example.com\n'
+    )
     for stored, expect_pii in ((False, True), (True, False)):
         out = tmp_path / f"out-{stored}"
         _, result = ingest_file(str(source), 0, CurateConfig(pii={"redact_stored": stored}), out)

@@ -21,8 +21,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_domain_packages_never_import_prefect_or_the_wrappers() -> None:
-    offenders = {str(p.relative_to(ROOT)): sorted(_imports(p) & {"prefect", "tasks", "flows"})
-                 for package in DOMAIN for p in (ROOT / package).rglob("*.py")}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(_imports(p) & {"prefect", "tasks", "flows"})
+        for package in DOMAIN
+        for p in (ROOT / package).rglob("*.py")
+    }
     offenders = {path: names for path, names in offenders.items() if names}
     assert offenders == {}
     assert list((ROOT / "data_prep").rglob("*.py")) and list((ROOT / "training").rglob("*.py"))
@@ -97,8 +100,11 @@ def forbidden_imports(source: str, path: Path) -> list[str]:
 
 
 def _packages() -> set[str]:
-    return {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() or
-            (p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py")))}
+    return {
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").is_file() or (p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py")))
+    }
 
 
 def test_every_package_has_a_place_in_the_allow_list() -> None:
@@ -106,25 +112,38 @@ def test_every_package_has_a_place_in_the_allow_list() -> None:
 
 
 def test_packages_import_only_what_the_allow_list_permits() -> None:
-    offenders = [line for package in ALLOWED if "." not in package for path in sorted((ROOT / package).rglob("*.py"))
-                 for line in forbidden_imports(path.read_text(), path)]
+    offenders = [
+        line
+        for package in ALLOWED
+        if "." not in package
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line in forbidden_imports(path.read_text(), path)
+    ]
     assert not offenders, "imports against the layering:\n" + "\n".join(offenders)
 
 
 def test_the_layering_check_reports_a_planted_import() -> None:
     """The check can fail: imports a stage may not make, at module level and inside a function."""
-    planted = ("from lmforge.hashing import digest\n"
-               "import numpy\n"
-               "def run():\n"
-               "    from evaluation.runs import evaluate_model\n"
-               "    import serving.deploy\n")
+    planted = (
+        "from lmforge.hashing import digest\n"
+        "import numpy\n"
+        "def run():\n"
+        "    from evaluation.runs import evaluate_model\n"
+        "    import serving.deploy\n"
+    )
     assert forbidden_imports(planted, ROOT / "data_prep" / "planted.py") == [
-        "data_prep/planted.py:4 imports evaluation.runs", "data_prep/planted.py:5 imports serving.deploy"]
+        "data_prep/planted.py:4 imports evaluation.runs",
+        "data_prep/planted.py:5 imports serving.deploy",
+    ]
     # the gate may use evaluation's metric runs, not its steps, and the serve stage may use neither
     gate = "from evaluation import runs, steps\nfrom . import schemes\n"
     assert forbidden_imports(gate, ROOT / "serving" / "quantize" / "planted.py") == [
-        "serving/quantize/planted.py:1 imports evaluation.steps"]
+        "serving/quantize/planted.py:1 imports evaluation.steps"
+    ]
     assert forbidden_imports(gate, ROOT / "serving" / "planted.py") == [
-        "serving/planted.py:1 imports evaluation.runs", "serving/planted.py:1 imports evaluation.steps"]
+        "serving/planted.py:1 imports evaluation.runs",
+        "serving/planted.py:1 imports evaluation.steps",
+    ]
     assert forbidden_imports("from flows.pipeline import pipeline\n", ROOT / "lmforge" / "executor.py") == [
-        "lmforge/executor.py:1 imports flows.pipeline"]
+        "lmforge/executor.py:1 imports flows.pipeline"
+    ]

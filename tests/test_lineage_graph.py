@@ -23,13 +23,19 @@ def lineage(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]
     manifests: dict[str, dict] = {}
     for step in graph().active(config, config.stages):
         key = digest(step.name, length=16)
-        manifests[step.name] = {"stage": step.stage, "key": key, "dir": f"/ws/{step.name}/{key}",
-                                "inputs": {u: {"key": manifests[u]["key"]} for u in graph().upstream(step, config)},
-                                "extra": {}}
+        manifests[step.name] = {
+            "stage": step.stage,
+            "key": key,
+            "dir": f"/ws/{step.name}/{key}",
+            "inputs": {u: {"key": manifests[u]["key"]} for u in graph().upstream(step, config)},
+            "extra": {},
+        }
     manifests["serve/deploy"]["extra"] = {"served_name": "lmforge-0123456789ab", "url": "http://127.0.0.1:8000"}
     status = {n: "computed" if i % 3 else "cached" for i, n in enumerate(manifests)}
-    computed_by = {n: "outside Prefect (--local), host ci" if i < 11 else "run tiny-cpu (brave-otter), host ci"
-                   for i, n in enumerate(manifests)}
+    computed_by = {
+        n: "outside Prefect (--local), host ci" if i < 11 else "run tiny-cpu (brave-otter), host ci"
+        for i, n in enumerate(manifests)
+    }
     return manifests, status, computed_by
 
 
@@ -51,7 +57,10 @@ def test_every_step_name_and_key_is_readable_at_the_pages_width(lineage: tuple[d
                 text = by_gid[f"{kind}:{name}"]
                 assert px[id(text)] >= least, (name, kind, px[id(text)])
                 extent = text.get_window_extent()
-                assert box.x0 < extent.x0 and extent.x1 < box.x1 and box.y0 < extent.y0 and extent.y1 < box.y1, (name, kind)
+                assert box.x0 < extent.x0 and extent.x1 < box.x1 and box.y0 < extent.y0 and extent.y1 < box.y1, (
+                    name,
+                    kind,
+                )
         width, height = fig.canvas.get_width_height()
         for text in texts:
             assert px[id(text)] >= MIN_TEXT_PX, text.get_text()

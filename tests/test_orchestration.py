@@ -23,30 +23,62 @@ REPO = Path(__file__).resolve().parent.parent
 
 # -- SLURM --------------------------------------------------------------------------------------------
 
+
 def test_slurm_script_is_valid_bash_and_builds_the_hostfile_from_the_nodelist(tmp_path: Path) -> None:
-    render = subprocess.run([sys.executable, "-m", "lmforge.cli", "slurm", "render", "pretrain", "-c", "gpu-multinode",
-                             "--set", "cluster.nodes=4", "--set", "cluster.gpus_per_node=8", "--set", "cluster.partition=gpu",
-                             "--workspace", str(tmp_path / "ws")], capture_output=True, text=True, cwd=REPO)
+    render = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmforge.cli",
+            "slurm",
+            "render",
+            "pretrain",
+            "-c",
+            "gpu-multinode",
+            "--set",
+            "cluster.nodes=4",
+            "--set",
+            "cluster.gpus_per_node=8",
+            "--set",
+            "cluster.partition=gpu",
+            "--workspace",
+            str(tmp_path / "ws"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert render.returncode == 0, render.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(render.stdout)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --requeue",
-                 "#SBATCH --signal=B:TERM@180"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:TERM@180",
+    ):
         assert line in render.stdout
-    exec_line = next(l for l in render.stdout.splitlines() if l.startswith("exec "))
+    exec_line = next(line for line in render.stdout.splitlines() if line.startswith("exec "))
     assert "stage pretrain" in exec_line and "pretrain.distributed.node_launcher=slurm" in exec_line
     assert 'pretrain.distributed.num_nodes="$SLURM_JOB_NUM_NODES"' in exec_line
     # run the script's hostfile logic against a faked allocation and a stub scontrol
     stub = tmp_path / "bin"
     stub.mkdir()
-    (stub / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
-                                   'case "$3" in "gpu[01-03],big7") printf "gpu01\\ngpu02\\ngpu03\\nbig7\\n" ;; *) exit 3 ;; esac\n')
+    (stub / "scontrol").write_text(
+        '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
+        'case "$3" in "gpu[01-03],big7") printf "gpu01\\ngpu02\\ngpu03\\nbig7\\n" ;; *) exit 3 ;; esac\n'
+    )
     (stub / "scontrol").chmod(0o755)
-    function = render.stdout[render.stdout.index("lmforge_hostfile() {"):]
+    function = render.stdout[render.stdout.index("lmforge_hostfile() {") :]
     function = function[: function.index("\n}\n") + 3]
-    ran = subprocess.run(["bash", "-c", function + "lmforge_hostfile 8"], capture_output=True, text=True,
-                         env={**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[01-03],big7"})
+    ran = subprocess.run(
+        ["bash", "-c", function + "lmforge_hostfile 8"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[01-03],big7"},
+    )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "gpu01 slots=8\ngpu02 slots=8\ngpu03 slots=8\nbig7 slots=8\n"
 
@@ -64,6 +96,7 @@ def test_slurm_refuses_several_nodes_for_a_single_node_stage() -> None:
 
 
 # -- work pools and deployments as data ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("worker_type", ["process", "docker", "kubernetes"])
 def test_gpu_pool_job_templates_render_with_their_defaults(worker_type: str) -> None:
@@ -95,6 +128,7 @@ def test_prefect_yaml_is_what_lmforge_deploy_applies() -> None:
 
 # -- real workers on two pools --------------------------------------------------------------------------
 
+
 def _api_url() -> str:
     from prefect.settings import PREFECT_API_URL
 
@@ -102,11 +136,20 @@ def _api_url() -> str:
 
 
 def _start_worker(pool: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_API_URL": _api_url(), "PREFECT_WORKER_QUERY_SECONDS": "2",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
-                             "--name", f"test-{pool}"], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO, start_new_session=True)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": _api_url(),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--name", f"test-{pool}"],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def _stop(*processes: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -133,7 +176,9 @@ def _child_runs(parent_id) -> dict[str, object]:  # type: ignore[no-untyped-def]
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+        )
         flows = {f.id: f.name for f in client.read_flows()}
     return {flows[r.flow_id]: r for r in runs}
 
@@ -152,8 +197,13 @@ def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
 
     tmp_path = tmp_path_factory.mktemp("pools")
     workspace = tmp_path / "ws"
-    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "runtime.dispatch=deployments", "stages=[curate, pretrain]",
-                 "runtime.deployment=orchestration-test"]
+    overrides = [
+        *SMALL_CURATE,
+        *SMALL_PRETRAIN,
+        "runtime.dispatch=deployments",
+        "stages=[curate, pretrain]",
+        "runtime.deployment=orchestration-test",
+    ]
     saved_home = os.environ.get("LMFORGE_HOME")
     os.environ["LMFORGE_HOME"] = str(tmp_path / "home")
     url = server.start("127.0.0.1", free_port())
@@ -185,7 +235,9 @@ def test_pipeline_deployment_dispatches_each_stage_to_its_pool_and_reruns_from_c
     assert children["lmforge-curate"].work_pool_name == "lmforge-cpu"
     assert children["lmforge-pretrain"].work_pool_name == "lmforge-gpu"
     train = json.loads(next(workspace.glob("pretrain/train/*/manifest.json")).read_text())
-    assert train["made_by"]["work_pool"] == "lmforge-gpu" and train["made_by"]["flow_run_id"] == str(children["lmforge-pretrain"].id)
+    assert train["made_by"]["work_pool"] == "lmforge-gpu" and train["made_by"]["flow_run_id"] == str(
+        children["lmforge-pretrain"].id
+    )
     before = _manifest_times(workspace)
     again = run_deployment("lmforge-pipeline/orchestration-test", timeout=600)
     assert again.state.is_completed() and _manifest_times(workspace) == before  # all cache hits
@@ -205,8 +257,11 @@ def test_a_failing_child_stage_fails_the_pipeline_naming_the_child_run(two_pools
     from prefect.deployments import run_deployment
 
     _, overrides, _ = two_pools
-    run = run_deployment("lmforge-pipeline/orchestration-test", timeout=600,
-                         parameters={"overrides": [*overrides, "curate.length.min_chars=400000"]})
+    run = run_deployment(
+        "lmforge-pipeline/orchestration-test",
+        timeout=600,
+        parameters={"overrides": [*overrides, "curate.length.min_chars=400000"]},
+    )
     assert run.state.is_failed(), run.state
     children = _child_runs(run.id)
     assert "lmforge-curate" in children, (run.state.message, children)
@@ -240,12 +295,20 @@ def test_a_killed_stage_process_is_dispatched_again_and_resumes(two_pools) -> No
     # the thread needs this context: the API URL is a context setting here
     killer = threading.Thread(target=contextvars.copy_context().run, args=(kill_the_training_flow_run,), daemon=True)
     killer.start()
-    run = run_deployment("lmforge-pipeline/orchestration-test", timeout=900,
-                         parameters={"overrides": [*overrides, "pretrain.max_steps=200"]})
+    run = run_deployment(
+        "lmforge-pipeline/orchestration-test",
+        timeout=900,
+        parameters={"overrides": [*overrides, "pretrain.max_steps=200"]},
+    )
     killed.set()
     assert run.state.is_completed(), run.state.message
-    manifest = json.loads(next(p for p in workspace.glob("pretrain/train/*/manifest.json")
-                               if json.loads(p.read_text())["counts"]["steps"] == 200).read_text())
+    manifest = json.loads(
+        next(
+            p
+            for p in workspace.glob("pretrain/train/*/manifest.json")
+            if json.loads(p.read_text())["counts"]["steps"] == 200
+        ).read_text()
+    )
     assert manifest["counts"]["attempts"] >= 2  # the second dispatch resumed from a checkpoint
     assert "resumed from step-" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
 
@@ -271,27 +334,38 @@ def _is_pretrain(flow_run_id: str) -> bool:
 
 # -- Dask -----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-def test_curation_on_a_local_dask_cluster_is_byte_identical(curated: tuple[Path, dict], tmp_path: Path, prefect_server) -> None:
+def test_curation_on_a_local_dask_cluster_is_byte_identical(
+    curated: tuple[Path, dict], tmp_path: Path, prefect_server
+) -> None:
     from flows.pipeline import pipeline
     from lmforge.store import StageStore
 
     workspace, reference = curated
-    result = pipeline(preset="tiny-cpu", overrides=[*SMALL_CURATE, "runtime.task_runner=dask", "runtime.workers=2"],
-                      workspace=str(tmp_path / "dask"), stages=["curate"])
+    result = pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, "runtime.task_runner=dask", "runtime.workers=2"],
+        workspace=str(tmp_path / "dask"),
+        stages=["curate"],
+    )
     dask = result["manifests"]
     assert {n: m["key"] for n, m in dask.items()} == {n: m["key"] for n, m in reference.items()}
     assert {n: m["digest"] for n, m in dask.items()} == {n: m["digest"] for n, m in reference.items()}
     kept = sorted((Path(dask["curate/select"]["dir"]) / "kept").glob("*.parquet"))
-    assert kept and all(p.read_bytes() == (Path(reference["curate/select"]["dir"]) / "kept" / p.name).read_bytes() for p in kept)
+    assert kept and all(
+        p.read_bytes() == (Path(reference["curate/select"]["dir"]) / "kept" / p.name).read_bytes() for p in kept
+    )
     assert StageStore(tmp_path / "dask").check("curate/select", dask["curate/select"]["key"])[0] is not None
 
 
 # -- progress ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[Path, dict], tmp_path: Path,
-                                                                 prefect_server) -> None:
+def test_the_pretraining_progress_artifact_advances_during_a_run(
+    curated: tuple[Path, dict], tmp_path: Path, prefect_server
+) -> None:
     import shutil
 
     from prefect.client.orchestration import get_client
@@ -306,12 +380,15 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[
     done = threading.Event()
     import datetime
 
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
 
     def read() -> None:
         with get_client(sync_client=True) as client:  # the newest progress artifact of the key: this run's
-            found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-pretrain-train"])),
-                                          sort=ArtifactSort.CREATED_DESC, limit=1)
+            found = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["progress-pretrain-train"])),
+                sort=ArtifactSort.CREATED_DESC,
+                limit=1,
+            )
         values = [float(a.data) for a in found if a.type == "progress" and a.created >= started]
         if values and (not seen or values[0] != seen[-1]):
             seen.append(values[0])
@@ -330,8 +407,12 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[
     context = contextvars.copy_context()
     watcher = threading.Thread(target=context.run, args=(poll,), daemon=True)
     watcher.start()
-    pipeline(preset="tiny-cpu", overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, "pretrain.max_steps=240"],
-             workspace=str(workspace), stages=["pretrain"])
+    pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, "pretrain.max_steps=240"],
+        workspace=str(workspace),
+        stages=["pretrain"],
+    )
     done.set()
     watcher.join()
     read()  # the finished value, after the last poll
@@ -340,6 +421,7 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(curated: tuple[
 
 
 # -- pictures ---------------------------------------------------------------------------------------------
+
 
 def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path, dict], tmp_path: Path) -> None:
     import matplotlib.image
@@ -355,11 +437,27 @@ def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path,
     columns = layout(manifests)
     assert columns.box("curate/demo")[0] == columns.box("curate/pack")[0]  # one column per stage
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s, "loss": 7 - s / 10, "grad_norm": 1.0, "mfu": 0.5, "tokens_per_s": 100,
-                                           **({"val_loss": 6.5 - s / 10} if s % 5 == 0 else {})}) + "\n"
-                               for s in range(1, 21)))
+    metrics.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "loss": 7 - s / 10,
+                    "grad_norm": 1.0,
+                    "mfu": 0.5,
+                    "tokens_per_s": 100,
+                    **({"val_loss": 6.5 - s / 10} if s % 5 == 0 else {}),
+                }
+            )
+            + "\n"
+            for s in range(1, 21)
+        )
+    )
     curves = render_curves(metrics, CURVES["pretrain/train"], "pretrain/train", tmp_path / "curves.png")
-    assert curves is not None and matplotlib.image.imread(curves).shape[1] > 4 * matplotlib.image.imread(curves).shape[0] / 2
+    assert (
+        curves is not None
+        and matplotlib.image.imread(curves).shape[1] > 4 * matplotlib.image.imread(curves).shape[0] / 2
+    )
 
 
 def test_progress_is_read_off_the_step_output(tmp_path: Path) -> None:

@@ -17,8 +17,12 @@ from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 def _run(workspace: Path, *extra: str) -> dict:
     from flows.pipeline import pipeline
 
-    return pipeline(preset="tiny-cpu", overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *extra],
-                    workspace=str(workspace), stages=["curate"])
+    return pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *extra],
+        workspace=str(workspace),
+        stages=["curate"],
+    )
 
 
 def test_outputs_built_without_prefect_are_cache_hits_under_prefect(curated_copy: Path, prefect_server) -> None:
@@ -60,9 +64,9 @@ def test_a_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefect_server
 
 
 def test_artifacts_are_published_under_stable_keys(curated_copy: Path, prefect_server) -> None:
-    from prefect.client.orchestration import get_client
-
     import json
+
+    from prefect.client.orchestration import get_client
 
     result = _run(curated_copy)
 
@@ -81,8 +85,9 @@ def test_artifacts_are_published_under_stable_keys(curated_copy: Path, prefect_s
     removed = sum(v for k, v in stats.items() if k.startswith("removed: "))
     assert stats["input records"] == stats["kept"] + removed + stats["quarantined (malformed)"]
     steps = {row["step"]: row for row in table("curate-steps")}
-    assert set(steps) == set(result["steps"]) and all(row["output"] == result["steps"][name]["dir"]
-                                                      for name, row in steps.items())
+    assert set(steps) == set(result["steps"]) and all(
+        row["output"] == result["steps"][name]["dir"] for name, row in steps.items()
+    )
     card, lineage = artifacts["curate-card"].data, artifacts["pipeline-lineage"].data
     assert all(f"`{row['output']}`" in card for row in steps.values())
     assert all(f"`{name}`" in lineage and result["steps"][name]["key"] in lineage for name in result["steps"])
@@ -96,7 +101,7 @@ def _logged(run_id: str, wanted: str) -> bool:
     async def messages() -> list[str]:
         async with get_client() as client:
             logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-            return [l.message for l in logs]
+            return [line.message for line in logs]
 
     for _ in range(20):
         if any(wanted in m for m in asyncio.run(messages())):
@@ -110,8 +115,9 @@ def test_library_logs_reach_the_prefect_run_log(curated_copy: Path, prefect_serv
 
     @flow
     def emit() -> str:
-        import tasks  # noqa: F401  (connects the domain loggers)
         from prefect.runtime import flow_run
+
+        import tasks  # noqa: F401  (connects the domain loggers)
 
         logging.getLogger("data_prep.unit_test").info("hello from the domain")
         return flow_run.id
@@ -150,13 +156,21 @@ def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_s
     from lmforge.executor import graph
     from lmforge.graph import config_identity
 
-    ctx = StepContext("curate/ingest", "k", tmp_path / "out", config, {}, tmp_path / "ws",
-                      identity=config_identity(graph().get("curate/ingest"), config))
+    ctx = StepContext(
+        "curate/ingest",
+        "k",
+        tmp_path / "out",
+        config,
+        {},
+        tmp_path / "ws",
+        identity=config_identity(graph().get("curate/ingest"), config),
+    )
 
     @flow
     def one_unit() -> str:
-        import tasks  # noqa: F401  (connects the domain loggers)
         from prefect.runtime import flow_run
+
+        import tasks  # noqa: F401  (connects the domain loggers)
 
         assert run_unit_task("curate/ingest", "f0000", ctx, 2, "checksum")["quarantined"] == {"invalid_json": 1}
         return flow_run.id
@@ -166,7 +180,8 @@ def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_s
 
 
 def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
-        curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--local recomputes the tokenizer with different bytes under the same key (a non-deterministic
     rerun); the next Prefect run must see the new digest, not the manifest Prefect cached before."""
     import data_prep.steps
@@ -178,10 +193,15 @@ def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
     assert _run(curated_copy)["steps"]["curate/tokenizer"]["status"] == "cached"
     store = StageStore(curated_copy)
     old = store.latest("curate/tokenizer")
-    store.invalidate(store.step_dir("curate/tokenizer", old["key"]))  # as if lost; the rerun below makes other bytes under the same key
+    store.invalidate(
+        store.step_dir("curate/tokenizer", old["key"])
+    )  # as if lost; the rerun below makes other bytes under the same key
     original = data_prep.steps.train_bpe
-    monkeypatch.setattr(data_prep.steps, "train_bpe",
-                        lambda texts, vocab, freq, out: original(texts[: len(texts) // 2], vocab, freq, out))
+    monkeypatch.setattr(
+        data_prep.steps,
+        "train_bpe",
+        lambda texts, vocab, freq, out: original(texts[: len(texts) // 2], vocab, freq, out),
+    )
     local = run_pipeline_locally(small_config(curated_copy), ["curate"])
     monkeypatch.setattr(data_prep.steps, "train_bpe", original)
     assert local["curate/tokenizer"]["key"] == old["key"] and local["curate/tokenizer"]["digest"] != old["digest"]
@@ -193,7 +213,9 @@ def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
     assert pack["key"] == local["curate/pack"]["key"] != before["steps"]["curate/pack"]["key"]
 
 
-def test_each_output_is_hashed_once_per_run(curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_output_is_hashed_once_per_run(
+    curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import lmforge.store
 
     _run(curated_copy)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def _metrics(manifest: dict) -> list[dict]:
-    return [json.loads(l) for l in (Path(manifest["dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(manifest["dir"]) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_two_ranks_train_and_the_loss_falls(trained: dict) -> None:
@@ -79,7 +79,8 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
 
 
 def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
-        curated: tuple[Path, dict], trained: dict, tmp_path: Path, prefect_server) -> None:
+    curated: tuple[Path, dict], trained: dict, tmp_path: Path, prefect_server
+) -> None:
     from flows.pipeline import pipeline
 
     workspace = tmp_path / "ws"
@@ -89,8 +90,9 @@ def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
     killer.start()
     from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 
-    result = pipeline(preset="tiny-cpu", overrides=SMALL_CURATE + SMALL_PRETRAIN, workspace=str(workspace),
-                      stages=["pretrain"])
+    result = pipeline(
+        preset="tiny-cpu", overrides=SMALL_CURATE + SMALL_PRETRAIN, workspace=str(workspace), stages=["pretrain"]
+    )
     done.set()
     step = result["steps"]["pretrain/train"]
     manifest = json.loads((Path(step["dir"]) / "manifest.json").read_text())
@@ -143,8 +145,12 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, d
 
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "debug.pretrain.nan_at_batches=[52,53,54]", "pretrain.max_steps=60",
-                          "pretrain.guardrails.max_consecutive_spikes=3")
+    config = small_config(
+        workspace,
+        "debug.pretrain.nan_at_batches=[52,53,54]",
+        "pretrain.max_steps=60",
+        "pretrain.guardrails.max_consecutive_spikes=3",
+    )
     with pytest.raises(TrainingDiverged, match="3 anomalies in a row") as info:
         run_pipeline_locally(config, ["pretrain"])
     assert not is_retryable(info.value)
@@ -164,8 +170,12 @@ def test_zero3_with_activation_checkpointing_trains_and_exports(curated: tuple[P
     """Parameters sharded over both ranks: the export has to gather them (a collective)."""
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "pretrain.distributed.zero_stage=3", "pretrain.max_steps=20",
-                          "pretrain.distributed.activation_checkpointing=true")
+    config = small_config(
+        workspace,
+        "pretrain.distributed.zero_stage=3",
+        "pretrain.max_steps=20",
+        "pretrain.distributed.activation_checkpointing=true",
+    )
     manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
     assert manifest["extra"]["plan"]["zero_stage"] == 3
     assert manifest["metrics"]["parity_max_abs_logit_diff"] <= 1e-3
@@ -189,8 +199,9 @@ def _reopen(trained: dict, tmp_path: Path, drop: tuple[str, ...]) -> tuple[Path,
 def test_resume_with_a_different_micro_batch_split(trained: dict, tmp_path: Path) -> None:
     """micro-batch 4 x 2 ranks -> 2 x 2 ranks x 2 accumulation steps: same windows per step."""
     copy, out = _reopen(trained, tmp_path, ("step-00000160", "step-00000140"))
-    manifest = run_pipeline_locally(small_config(copy, "pretrain.distributed.micro_batch_size=2"),
-                                    ["pretrain"])["pretrain/train"]
+    manifest = run_pipeline_locally(small_config(copy, "pretrain.distributed.micro_batch_size=2"), ["pretrain"])[
+        "pretrain/train"
+    ]
     assert "resumed from step-00000120 (step 120)" in (out / "logs" / "rank-0.log").read_text()
     assert manifest["extra"]["plan"]["grad_accum"] == 2
     resumed, reference = _metrics(manifest), _metrics(trained)
@@ -239,7 +250,8 @@ def test_deleted_metrics_are_rebuilt_from_the_checkpoint_history(trained: dict, 
 
 
 def test_divergence_under_prefect_still_publishes_the_anomaly_report(
-        curated: tuple[Path, dict], tmp_path: Path, prefect_server) -> None:
+    curated: tuple[Path, dict], tmp_path: Path, prefect_server
+) -> None:
     import asyncio
 
     from prefect.client.orchestration import get_client
@@ -250,8 +262,13 @@ def test_divergence_under_prefect_still_publishes_the_anomaly_report(
 
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    overrides = [*SMALL_CURATE, *SMALL_PRETRAIN, "debug.pretrain.nan_at_batches=[52,53]", "pretrain.max_steps=60",
-                 "pretrain.guardrails.max_consecutive_spikes=2"]
+    overrides = [
+        *SMALL_CURATE,
+        *SMALL_PRETRAIN,
+        "debug.pretrain.nan_at_batches=[52,53]",
+        "pretrain.max_steps=60",
+        "pretrain.guardrails.max_consecutive_spikes=2",
+    ]
     with pytest.raises(TrainingDiverged, match="2 anomalies in a row"):
         pipeline(preset="tiny-cpu", overrides=overrides, workspace=str(workspace), stages=["pretrain"])
 
@@ -269,8 +286,9 @@ def test_torchrun_launches_the_same_training(curated: tuple[Path, dict], trained
     """launcher: torchrun starts the same entry point; with the same config it is the same run."""
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    manifest = run_pipeline_locally(small_config(workspace, "pretrain.distributed.launcher=torchrun"),
-                                    ["pretrain"])["pretrain/train"]
+    manifest = run_pipeline_locally(small_config(workspace, "pretrain.distributed.launcher=torchrun"), ["pretrain"])[
+        "pretrain/train"
+    ]
     assert manifest["key"] == trained["key"]  # the launcher is how, not what: same cache identity
     attempt = Path(manifest["dir"]) / "logs" / "attempt-1"
     assert json.loads((attempt / "launch.json").read_text())["command"][1:3] == ["-m", "torch.distributed.run"]
@@ -286,9 +304,17 @@ def test_planner_memory_matches_what_a_real_run_uses(curated: tuple[Path, dict],
     the end of training (peak RSS) is what the planner said the rank needs, within 30%."""
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "pretrain.model.hidden_size=512", "pretrain.model.intermediate_size=1376",
-                          "pretrain.model.num_layers=4", "pretrain.model.num_heads=8", "pretrain.model.num_kv_heads=4",
-                          "pretrain.max_steps=4", "pretrain.checkpoint.every_steps=4", "pretrain.eval_every=4")
+    config = small_config(
+        workspace,
+        "pretrain.model.hidden_size=512",
+        "pretrain.model.intermediate_size=1376",
+        "pretrain.model.num_layers=4",
+        "pretrain.model.num_heads=8",
+        "pretrain.model.num_kv_heads=4",
+        "pretrain.max_steps=4",
+        "pretrain.checkpoint.every_steps=4",
+        "pretrain.eval_every=4",
+    )
     manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
     planned_mb = sum(manifest["extra"]["plan"]["per_rank_gib"].values()) * 1024
     measured_mb = manifest["metrics"]["mem_peak_mb"] - manifest["metrics"]["mem_before_engine_mb"]

@@ -14,8 +14,16 @@ from tests.conftest import small_config
 
 
 def _chat_file(path: Path, count: int) -> Path:
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                                         {"role": "assistant", "content": str(i + 1)}]} for i in range(count)]
+    rows = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 1?"},
+                {"role": "assistant", "content": str(i + 1)},
+            ],
+        }
+        for i in range(count)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -38,7 +46,9 @@ def test_calibration_is_drawn_by_seed_from_documents_and_chats(curated: tuple[Pa
     assert all(len(s["text"]) <= 500 for s in first if s["source"] == "documents")
     # adding records to a source does not reshuffle the ones already drawn from the rest
     more = draw(kept, _chat_file(tmp_path / "more.jsonl", 80), tokenizer, 12, 0.5, seed=0, max_chars=500)
-    assert [s["id"] for s in more if s["source"] == "documents"] == [s["id"] for s in first if s["source"] == "documents"]
+    assert [s["id"] for s in more if s["source"] == "documents"] == [
+        s["id"] for s in first if s["source"] == "documents"
+    ]
 
 
 @pytest.mark.slow
@@ -65,10 +75,14 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
         model = AutoModelForCausalLM.from_pretrained(manifest["extra"]["model_dir"], dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(input_ids=batch).logits
-        assert torch.allclose(logits.argmax(-1), reference.argmax(-1)) or \
-            float((logits - reference).abs().mean() / reference.abs().mean()) < limit
-    bits = {s: json.loads((Path(quantized[f"quantize/{s}"]["dir"]) / "report.json").read_text())["bits_per_parameter"]
-            for s in ("w8a8-int8", "w4a16")}
+        assert (
+            torch.allclose(logits.argmax(-1), reference.argmax(-1))
+            or float((logits - reference).abs().mean() / reference.abs().mean()) < limit
+        )
+    bits = {
+        s: json.loads((Path(quantized[f"quantize/{s}"]["dir"]) / "report.json").read_text())["bits_per_parameter"]
+        for s in ("w8a8-int8", "w4a16")
+    }
     assert bits["w4a16"] < bits["w8a8-int8"]
     verdict = json.loads((Path(quantized["quantize/gate"]["dir"]) / "verdict.json").read_text())
     for scheme in ("w8a8-int8", "w4a16"):  # vLLM served each checkpoint: the gate has its per-task results
@@ -156,9 +170,16 @@ def test_checkpoints_of_a_100m_parameter_model_shrink_as_promised(tmp_path: Path
     from serving.quantize.report import bf16_bytes_and_params, weight_bytes
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     base = tmp_path / "base"
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(base))
     bf16, params = bf16_bytes_and_params(base)
@@ -167,11 +188,23 @@ def test_checkpoints_of_a_100m_parameter_model_shrink_as_promised(tmp_path: Path
     for scheme in ("w8a8-int8", "w4a16"):
         out = tmp_path / scheme
         out.mkdir()
-        spec = {"scheme": scheme, "method": "rtn", "group_size": 128, "model_dir": str(base), "out_dir": str(out),
-                "seed": 0, "max_seq_len": 64, "calibration_file": None}
+        spec = {
+            "scheme": scheme,
+            "method": "rtn",
+            "group_size": 128,
+            "model_dir": str(base),
+            "out_dir": str(out),
+            "seed": 0,
+            "max_seq_len": 64,
+            "calibration_file": None,
+        }
         (out / "spec.json").write_text(json.dumps(spec))
-        done = subprocess.run([sys.executable, "-m", "serving.quantize.entry", "--spec", str(out / "spec.json")],
-                              capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-m", "serving.quantize.entry", "--spec", str(out / "spec.json")],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         ratios[scheme] = weight_bytes(out / "model") / bf16
     assert ratios["w8a8-int8"] <= 0.55 and ratios["w4a16"] <= 0.35, ratios

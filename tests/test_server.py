@@ -51,16 +51,34 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         assert "tiny-cpu" in asyncio.run(flow_run_names())
 
         # the same pipeline as a deployment, triggered the way users do: `prefect deployment run`
-        served = subprocess.Popen([*cli, "deploy", "--serve", "--workspace", str(curated_copy), "--set", "stages=[curate]",
-                                   *overrides], env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        served = subprocess.Popen(
+            [*cli, "deploy", "--serve", "--workspace", str(curated_copy), "--set", "stages=[curate]", *overrides],
+            env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             triggered = None
             for _ in range(30):  # the deployment is registered a few seconds after serving starts
-                triggered = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run",
-                                            "lmforge-pipeline/tiny-cpu", "--watch", "--watch-timeout", "240"],
-                                           capture_output=True, text=True, timeout=300,
-                                           env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+                triggered = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "prefect",
+                        "deployment",
+                        "run",
+                        "lmforge-pipeline/tiny-cpu",
+                        "--watch",
+                        "--watch-timeout",
+                        "240",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+                )
                 if triggered.returncode == 0 or "not found" not in (triggered.stdout + triggered.stderr).lower():
                     break
                 time.sleep(2)
@@ -80,8 +98,13 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
 def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
     env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
-    result = subprocess.run([sys.executable, "-m", "lmforge.cli", "server", "start", "--host", "0.0.0.0"],
-                            capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", "server", "start", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 2 and "PREFECT_SERVER_API_AUTH_STRING" in result.stderr
 
 
@@ -94,8 +117,9 @@ def test_a_stale_pid_file_never_signals_an_unrelated_process(tmp_path: Path, mon
     bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
         server.home().mkdir(parents=True)
-        (server.home() / "server.json").write_text(json.dumps(
-            {"pid": bystander.pid, "api_url": "http://[::1]:1/api", "ui_url": "http://[::1]:1"}))
+        (server.home() / "server.json").write_text(
+            json.dumps({"pid": bystander.pid, "api_url": "http://[::1]:1/api", "ui_url": "http://[::1]:1"})
+        )
         assert server.status().startswith("not running")
         assert server.running_api_url() is None
         assert server.stop() is False

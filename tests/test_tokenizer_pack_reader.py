@@ -14,8 +14,11 @@ from training.reader import BatchSchedule, TokenWindows
 
 def _dirs(curated: tuple[Path, dict]) -> tuple[Path, Path, Path]:
     _, manifests = curated
-    return (Path(manifests["curate/tokenizer"]["dir"]), Path(manifests["curate/pack"]["dir"]),
-            Path(manifests["curate/select"]["dir"]))
+    return (
+        Path(manifests["curate/tokenizer"]["dir"]),
+        Path(manifests["curate/pack"]["dir"]),
+        Path(manifests["curate/select"]["dir"]),
+    )
 
 
 def test_tokenizer_loads_with_autotokenizer_and_has_a_chat_template(curated) -> None:
@@ -53,8 +56,10 @@ def test_packed_stream_is_documents_separated_by_eos(curated) -> None:
 def test_validation_split_is_disjoint_and_stable(curated) -> None:
     _, pack_dir, _ = _dirs(curated)
     index = json.loads((pack_dir / "index.json").read_text())
-    ids = {split: {r["id"] for s in index["splits"][split] for r in pq.read_table(pack_dir / s["docs"]).to_pylist()}
-           for split in ("train", "val")}
+    ids = {
+        split: {r["id"] for s in index["splits"][split] for r in pq.read_table(pack_dir / s["docs"]).to_pylist()}
+        for split in ("train", "val")
+    }
     assert ids["val"] and not ids["train"] & ids["val"]
 
 

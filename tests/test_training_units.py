@@ -9,14 +9,21 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import load_config
-from lmforge.errors import (ConfigError, DeterministicError, ParityError, RetryableError, TrainingDiverged,
-                            TrainingInterrupted, is_retryable)
+from lmforge.errors import (
+    ConfigError,
+    DeterministicError,
+    ParityError,
+    RetryableError,
+    TrainingDiverged,
+    TrainingInterrupted,
+    is_retryable,
+)
+from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify
 from training import checkpoint
 from training.config import GuardrailConfig, PretrainConfig
 from training.device import DeviceInfo
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
-from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify
 from training.planner import count_parameters, plan_parallelism
 
 GIB = 1024**3
@@ -38,9 +45,16 @@ def test_planner_picks_the_least_sharded_strategy_that_fits() -> None:
     """For each rung of the ladder, a GPU just big enough for it (and too small for the one before)."""
     from training.planner import STRATEGIES, memory_per_rank
 
-    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.memory_headroom=0",
-                                    "pretrain.distributed.activation_checkpointing=true",
-                                    "pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    cfg = load_config(
+        "gpu-1node",
+        [
+            "pretrain.distributed.num_ranks=8",
+            "pretrain.distributed.memory_headroom=0",
+            "pretrain.distributed.activation_checkpointing=true",
+            "pretrain.distributed.micro_batch_size=1",
+        ],
+        check_paths=False,
+    ).pretrain
     params = count_parameters(cfg.model, 50304)
     totals = [sum(memory_per_rank(params, cfg, "bf16", 8, st, off, 50304)[0].values()) for st, off in STRATEGIES]
     assert totals == sorted(totals, reverse=True)
@@ -59,7 +73,12 @@ def test_planner_memory_follows_deepspeeds_layout() -> None:
 
     cfg = load_config("gpu-1node", ["pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
     n, world = count_parameters(cfg.model, 50304), 8
-    expected = {0: (2, 2, 16), 1: (2, 2, 16 / world), 2: (2, 2 / world, 16 / world), 3: (2 / world, 2 / world, 16 / world)}
+    expected = {
+        0: (2, 2, 16),
+        1: (2, 2, 16 / world),
+        2: (2, 2 / world, 16 / world),
+        3: (2 / world, 2 / world, 16 / world),
+    }
     for stage, (w, g, o) in expected.items():
         parts, host = memory_per_rank(n, cfg, "bf16", world, stage, "none", 50304)
         assert parts["weights"] * GIB == pytest.approx(w * n)
@@ -70,7 +89,8 @@ def test_planner_memory_follows_deepspeeds_layout() -> None:
     parts, _ = memory_per_rank(n, cfg, "bf16", world, 2, "none", 50304)
     assert parts["buckets"] * GIB == pytest.approx(2 * (min(REDUCE_BUCKET, n) + min(ALLGATHER_BUCKET, n)))
     assert "fp32_build_copy" not in parts and memory_per_rank(n, cfg, "bf16", world, 2, "none", 50304, cpu=True)[0][
-        "fp32_build_copy"] * GIB == pytest.approx(4 * n)
+        "fp32_build_copy"
+    ] * GIB == pytest.approx(4 * n)
     parts, host = memory_per_rank(n, cfg, "bf16", world, 2, "optimizer", 50304)
     assert parts["optimizer"] == 0 and host * GIB == pytest.approx(16 * n / world)
     # activations: 34*s*b*h bytes per layer (16-bit, no stored attention scores) plus fp32 logits and their grads
@@ -96,8 +116,9 @@ def test_planner_agrees_with_deepspeeds_own_estimates() -> None:
 
     _, zero2 = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=world, cpu_offload=False)
     assert states(2) == pytest.approx(zero2, rel=0.001)
-    _, zero3, _ = estimate_zero3_model_states_mem_needs(n, layer_parameters(cfg.model), num_gpus_per_node=world,
-                                                     cpu_offload=False, cpu_offload_params=False)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(
+        n, layer_parameters(cfg.model), num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
+    )
     assert states(3) == pytest.approx(zero3, rel=0.15)  # DeepSpeed counts 18 B/N plus a gathered layer
 
 
@@ -106,9 +127,16 @@ def test_planner_checks_offloaded_states_against_host_ram() -> None:
 
     from training.planner import STRATEGIES, memory_per_rank
 
-    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.memory_headroom=0",
-                                    "pretrain.distributed.activation_checkpointing=true",
-                                    "pretrain.distributed.micro_batch_size=1"], check_paths=False).pretrain
+    cfg = load_config(
+        "gpu-1node",
+        [
+            "pretrain.distributed.num_ranks=8",
+            "pretrain.distributed.memory_headroom=0",
+            "pretrain.distributed.activation_checkpointing=true",
+            "pretrain.distributed.micro_batch_size=1",
+        ],
+        check_paths=False,
+    ).pretrain
     params = count_parameters(cfg.model, 50304)
     stage, offload = STRATEGIES[-2]  # optimizer offload: the device fits it, the host must hold the Adam states
     parts, host = memory_per_rank(params, cfg, "bf16", 8, stage, offload, 50304)
@@ -124,8 +152,12 @@ def test_planner_checks_offloaded_states_against_host_ram() -> None:
 def test_planner_reports_the_compute_budget() -> None:
     cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     plan = plan_parallelism(cfg, 50304, gpu(80), peak_tflops=989)
-    tied = plan_parallelism(cfg.model_copy(update={"model": cfg.model.model_copy(update={"tie_embeddings": True})}),
-                            50304, gpu(80), peak_tflops=989)
+    tied = plan_parallelism(
+        cfg.model_copy(update={"model": cfg.model.model_copy(update={"tie_embeddings": True})}),
+        50304,
+        gpu(80),
+        peak_tflops=989,
+    )
     assert tied.budget["flops_6nd"] == 6 * tied.params * cfg.max_steps * cfg.global_batch_size * cfg.seq_len
     n, d = plan.params, cfg.max_steps * cfg.global_batch_size * cfg.seq_len
     untied_embedding = 50304 * cfg.model.hidden_size  # gpu-1node unties embeddings: the input one is a lookup
@@ -136,23 +168,33 @@ def test_planner_reports_the_compute_budget() -> None:
 
 
 def test_planner_override_and_errors() -> None:
-    cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.zero_stage=3"],
-                      check_paths=False).pretrain
+    cfg = load_config(
+        "gpu-1node", ["pretrain.distributed.num_ranks=8", "pretrain.distributed.zero_stage=3"], check_paths=False
+    ).pretrain
     assert plan_parallelism(cfg, 50304, gpu(80)).zero_stage == 3
     tight = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
     with pytest.raises(ConfigError, match="no strategy fits"):
         plan_parallelism(tight, 50304, gpu(4))
-    with pytest.raises(ConfigError, match="pretrain: global_batch_size 10 is not a multiple of micro_batch_size x ranks"):
+    with pytest.raises(
+        ConfigError, match="pretrain: global_batch_size 10 is not a multiple of micro_batch_size x ranks"
+    ):
         load_config("tiny-cpu", ["pretrain.global_batch_size=10"])  # fixed rank count: caught when the config loads
     odd = load_config("tiny-cpu", ["pretrain.global_batch_size=24", "pretrain.distributed.num_ranks=auto"]).pretrain
-    with pytest.raises(ConfigError, match="not a multiple of micro_batch_size x world size"):  # auto: once devices are known
+    with pytest.raises(
+        ConfigError, match="not a multiple of micro_batch_size x world size"
+    ):  # auto: once devices are known
         plan_parallelism(odd, 4096, DeviceInfo("cuda", "H100", 4, 80 * GIB, True, 64))
 
 
 def test_deepspeed_config_follows_the_plan() -> None:
     cfg = load_config("gpu-1node", ["pretrain.distributed.num_ranks=8"], check_paths=False).pretrain
-    plan = plan_parallelism(cfg.model_copy(update={"distributed": cfg.distributed.model_copy(
-        update={"zero_stage": 3, "offload": "optimizer"})}), 50304, gpu(80))
+    plan = plan_parallelism(
+        cfg.model_copy(
+            update={"distributed": cfg.distributed.model_copy(update={"zero_stage": 3, "offload": "optimizer"})}
+        ),
+        50304,
+        gpu(80),
+    )
     ds = build_ds_config(cfg, plan)
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["bf16"] == {"enabled": True}
@@ -239,19 +281,40 @@ def test_exit_classification_separates_retryable_from_deterministic() -> None:
     with pytest.raises(TrainingInterrupted, match="1 rank\\(s\\) died without a record"):
         classify(RANKS, 247, [{"rank": 0, "status": "crash", "message": "gloo: Connection reset by peer"}], 2)
     with pytest.raises(TrainingDiverged):
-        classify(RANKS, 3, [{"rank": 0, "status": "diverged", "message": "4 anomalies"},
-                            {"rank": 1, "status": "diverged", "message": ""}], 2)
+        classify(
+            RANKS,
+            3,
+            [
+                {"rank": 0, "status": "diverged", "message": "4 anomalies"},
+                {"rank": 1, "status": "diverged", "message": ""},
+            ],
+            2,
+        )
     with pytest.raises(ParityError):
         classify(RANKS, 4, [{"rank": 0, "status": "parity_failed", "message": "gap"}], 2)
     with pytest.raises(ConfigError):
         classify(RANKS, 2, [{"rank": 0, "status": "config_error", "message": "bad"}], 2)
     # every rank alive and recorded, one crashed with a code error (not a dead peer): not retried
     with pytest.raises(DeterministicError, match="rank 1 crashed with IndexError: index 9"):
-        classify(RANKS, 1, [{"rank": 0, "status": "crash", "message": "gloo: Connection closed by peer"},
-                            {"rank": 1, "status": "crash", "message": "IndexError: index 9 is out of bounds"}], 2)
+        classify(
+            RANKS,
+            1,
+            [
+                {"rank": 0, "status": "crash", "message": "gloo: Connection closed by peer"},
+                {"rank": 1, "status": "crash", "message": "IndexError: index 9 is out of bounds"},
+            ],
+            2,
+        )
     with pytest.raises(TrainingInterrupted):  # communication or I/O failures on every rank: worth a retry
-        classify(RANKS, 1, [{"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
-                            {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"}], 2)
+        classify(
+            RANKS,
+            1,
+            [
+                {"rank": 0, "status": "crash", "message": "RuntimeError: [gloo] Connection reset by peer"},
+                {"rank": 1, "status": "crash", "message": "OSError: [Errno 28] No space left on device"},
+            ],
+            2,
+        )
     # the launcher failed before any rank started (busy port, unreachable node, bad hostfile): a retry
     # costs seconds, and the message quotes the launcher's own last words
     with pytest.raises(TrainingInterrupted, match="before any process started; its last output: ssh: no route"):
@@ -270,8 +333,18 @@ def test_single_process_policy() -> None:
     with pytest.raises(DeterministicError, match="^the quantizer crashed with KeyError"):
         classify(SINGLE, 1, [{"rank": 0, "status": "crash", "message": "KeyError: 'x'"}], 1, what="the quantizer")
     with pytest.raises(ConfigError, match="^quantize.group_size 128 does not divide"):
-        classify(SINGLE, 2, [{"rank": 0, "status": "config_error",
-                              "message": "quantize.group_size 128 does not divide q_proj's 96 input columns"}], 1)
+        classify(
+            SINGLE,
+            2,
+            [
+                {
+                    "rank": 0,
+                    "status": "config_error",
+                    "message": "quantize.group_size 128 does not divide q_proj's 96 input columns",
+                }
+            ],
+            1,
+        )
 
 
 def test_entry_main_records_outcomes(tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ def latest_verified(root: Path) -> Path | None:
         problem = verify(candidate)
         if problem is None:
             return candidate
-        log.warning("checkpoint %s is damaged (%s); setting it aside and trying the previous one", candidate.name, problem)
+        log.warning(
+            "checkpoint %s is damaged (%s); setting it aside and trying the previous one", candidate.name, problem
+        )
         candidate.rename(candidate.with_name(f".corrupt-{candidate.name}"))
     return None
 
@@ -95,8 +97,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def save(engine: Any, root: Path, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
-         rank: int, keep_last: int, barrier: Any, extra_files: dict[str, Path] | None = None) -> Path:
+def save(
+    engine: Any,
+    root: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    rank_state: dict[str, Any],
+    rank: int,
+    keep_last: int,
+    barrier: Any,
+    extra_files: dict[str, Path] | None = None,
+) -> Path:
     """Collective: every rank calls this. Returns the final checkpoint directory.
 
     `extra_files` (rank 0): {name: path} copied in when they exist, e.g. the metrics history,
@@ -136,8 +147,9 @@ def load(engine: Any, directory: Path, rank: int) -> tuple[dict[str, Any], dict[
     A rank that did not exist when the checkpoint was written (the run now has more ranks)
     takes rank 0's record: the data position is the same on every rank.
     """
-    path, _ = engine.load_checkpoint(str(directory / "engine"), tag=ENGINE_TAG,
-                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    path, _ = engine.load_checkpoint(
+        str(directory / "engine"), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {directory}")
     own = directory / f"rank-{rank:05d}.json"

@@ -19,7 +19,11 @@ class ModelConfig(StrictModel):
     """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
     hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(768, ge=8, description="SwiGLU width (about 8/3 of hidden_size, rounded up; vLLM's CPU 4-bit kernel needs a multiple of 32).")
+    intermediate_size: int = Field(
+        768,
+        ge=8,
+        description="SwiGLU width (about 8/3 of hidden_size, rounded up; vLLM's CPU 4-bit kernel needs a multiple of 32).",
+    )
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads for grouped-query attention.")
@@ -28,7 +32,7 @@ class ModelConfig(StrictModel):
     init_std: float = Field(0.02, gt=0)
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -55,16 +59,26 @@ class GuardrailConfig(StrictModel):
     enabled: bool = True
     spike_mode: Literal["ratio", "zscore"] = Field("zscore", description="How a spike is recognised.")
     spike_ratio: float = Field(2.0, gt=1, description="ratio mode: loss above this multiple of the window mean.")
-    spike_zscore: float = Field(6.0, gt=0, description="zscore mode: loss this many standard deviations above the window mean.")
+    spike_zscore: float = Field(
+        6.0, gt=0, description="zscore mode: loss this many standard deviations above the window mean."
+    )
     window: int = Field(20, ge=2, description="Recent steps the spike statistics are taken over.")
     min_history: int = Field(10, ge=2, description="Steps of history needed before spikes are judged.")
-    lr_scale_on_spike: float = Field(1.0, gt=0, le=1, description="Multiply the learning rate by this after each rollback.")
-    max_consecutive_spikes: int = Field(3, ge=1, description="Stop (non-retryable) at this many anomalies in a row (each within `window` steps of the previous one).")
+    lr_scale_on_spike: float = Field(
+        1.0, gt=0, le=1, description="Multiply the learning rate by this after each rollback."
+    )
+    max_consecutive_spikes: int = Field(
+        3,
+        ge=1,
+        description="Stop (non-retryable) at this many anomalies in a row (each within `window` steps of the previous one).",
+    )
 
     @model_validator(mode="after")
-    def _history_fits_window(self) -> "GuardrailConfig":
+    def _history_fits_window(self) -> GuardrailConfig:
         if self.min_history > self.window:
-            raise ValueError(f"min_history {self.min_history} exceeds window {self.window}: spikes would never be judged")
+            raise ValueError(
+                f"min_history {self.min_history} exceeds window {self.window}: spikes would never be judged"
+            )
         return self
 
 
@@ -78,26 +92,35 @@ class DistributedConfig(StrictModel):
 
     launcher: Literal["deepspeed", "torchrun"] = runtime_field("deepspeed", description="Process launcher.")
     num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
-        "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
+        "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU."
+    )
     hostfile: str | None = runtime_field(None, description="DeepSpeed hostfile for multi-node runs.")
     num_nodes: int = runtime_field(1, description="Nodes to use from the hostfile.", ge=1)
     node_launcher: Literal["pdsh", "slurm", "openmpi"] = runtime_field(
-        "pdsh", description="How DeepSpeed starts the ranks of other nodes: pdsh (passwordless SSH), slurm (srun inside "
-                            "a SLURM job; `lmforge slurm` sets it) or openmpi.")
+        "pdsh",
+        description="How DeepSpeed starts the ranks of other nodes: pdsh (passwordless SSH), slurm (srun inside "
+        "a SLURM job; `lmforge slurm` sets it) or openmpi.",
+    )
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
     zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field("auto", description="ZeRO stage; auto asks the planner.")
     offload: Literal["auto", "none", "optimizer", "optimizer+params"] = runtime_field(
         "auto", description="CPU offload; auto asks the planner."
     )
     micro_batch_size: int = runtime_field(8, description="Sequences per rank per forward pass.", ge=1)
-    activation_checkpointing: bool = runtime_field(False, description="Recompute activations in backward to save memory.")
-    memory_headroom: float = runtime_field(0.2, description="Fraction of device memory the planner leaves free.", ge=0, lt=1)
+    activation_checkpointing: bool = runtime_field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    memory_headroom: float = runtime_field(
+        0.2, description="Fraction of device memory the planner leaves free.", ge=0, lt=1
+    )
 
     @model_validator(mode="after")
-    def _multinode_needs_deepspeed(self) -> "DistributedConfig":
+    def _multinode_needs_deepspeed(self) -> DistributedConfig:
         if self.launcher == "torchrun" and (self.hostfile or self.num_nodes > 1):
-            raise ValueError("multi-node runs (hostfile, num_nodes) need launcher: deepspeed; "
-                             "torchrun here starts the ranks of one node")
+            raise ValueError(
+                "multi-node runs (hostfile, num_nodes) need launcher: deepspeed; "
+                "torchrun here starts the ranks of one node"
+            )
         if self.num_nodes > 1 and not self.hostfile:
             raise ValueError("num_nodes > 1 needs a hostfile naming the nodes")
         return self
@@ -106,7 +129,9 @@ class DistributedConfig(StrictModel):
 class FaultInjectionConfig(StrictModel):
     """Test hooks that make failures reproducible (`debug.pretrain:`; never in a normal run's key)."""
 
-    nan_at_batches: list[int] = Field(default_factory=list, description="Global micro-batch indices whose loss is made NaN.")
+    nan_at_batches: list[int] = Field(
+        default_factory=list, description="Global micro-batch indices whose loss is made NaN."
+    )
 
 
 class PretrainConfig(StrictModel):
@@ -114,10 +139,14 @@ class PretrainConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     seq_len: int = Field(256, ge=8, description="Training sequence length in tokens.")
-    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, over all ranks and accumulation.")
+    global_batch_size: int = Field(
+        16, ge=1, description="Sequences per optimizer step, over all ranks and accumulation."
+    )
     max_steps: int = Field(300, ge=1)
     seed: int = 1234
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = bf16 where the hardware has it (recent GPUs; CPUs with AVX512-BF16/AMX), else fp32.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = bf16 where the hardware has it (recent GPUs; CPUs with AVX512-BF16/AMX), else fp32."
+    )
     checkpoint: CheckpointConfig = CheckpointConfig()
     guardrails: GuardrailConfig = GuardrailConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -127,17 +156,23 @@ class PretrainConfig(StrictModel):
     resume: Literal["auto", "never"] = runtime_field(
         "auto", description="auto resumes from the latest verified checkpoint; never wipes the output and restarts."
     )
-    peak_tflops: float | None = runtime_field(None, description="Device peak for MFU; measured with a matmul when unset.")
-    parity_tolerance: float = runtime_field(1e-3, description="Max |logit difference| allowed between engine and export.", gt=0)
+    peak_tflops: float | None = runtime_field(
+        None, description="Device peak for MFU; measured with a matmul when unset."
+    )
+    parity_tolerance: float = runtime_field(
+        1e-3, description="Max |logit difference| allowed between engine and export.", gt=0
+    )
     assumed_mfu: float = runtime_field(0.4, description="MFU the planner assumes for its time estimate.", gt=0, le=1)
 
     @model_validator(mode="after")
-    def _batch_splits_evenly(self) -> "PretrainConfig":
+    def _batch_splits_evenly(self) -> PretrainConfig:
         """Checked here when the rank count is fixed (the planner checks `auto` once it knows the devices)."""
         d = self.distributed
         if d.num_ranks != "auto":
             per_step = d.micro_batch_size * int(d.num_ranks) * d.num_nodes
             if self.global_batch_size % per_step:
-                raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
-                                 f"ranks x nodes = {d.micro_batch_size} x {d.num_ranks} x {d.num_nodes}")
+                raise ValueError(
+                    f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
+                    f"ranks x nodes = {d.micro_batch_size} x {d.num_ranks} x {d.num_nodes}"
+                )
         return self

@@ -11,16 +11,24 @@ from pathlib import Path
 # Dense bf16 peak per GPU (TFLOP/s) from vendor data sheets, used when not measured. Matched
 # against the CUDA device name in this order, so the PCIe and NVL parts are found before the
 # SXM ones they share a prefix with ("NVIDIA H100 PCIe" vs "NVIDIA H100 80GB HBM3").
-KNOWN_GPU_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "A100": 312.0,
-                         "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+KNOWN_GPU_PEAK_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+    "L4": 121.0,
+}
 
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    kind: str             # "cuda" or "cpu"
+    kind: str  # "cuda" or "cpu"
     name: str
-    count: int            # GPUs on this node; 1 for the CPU host
-    memory_bytes: int     # per GPU, or the host's RAM for CPU
+    count: int  # GPUs on this node; 1 for the CPU host
+    memory_bytes: int  # per GPU, or the host's RAM for CPU
     bf16: bool
     cores: int
     host_memory_bytes: int | None = None  # the node's RAM; None when planning for a machine described by hand
@@ -33,8 +41,15 @@ def detect_device() -> DeviceInfo:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return DeviceInfo("cuda", props.name, torch.cuda.device_count(), props.total_memory,
-                          torch.cuda.is_bf16_supported(), cores, psutil.virtual_memory().total)
+        return DeviceInfo(
+            "cuda",
+            props.name,
+            torch.cuda.device_count(),
+            props.total_memory,
+            torch.cuda.is_bf16_supported(),
+            cores,
+            psutil.virtual_memory().total,
+        )
     ram = psutil.virtual_memory().total
     return DeviceInfo("cpu", _cpu_name(), 1, ram, _cpu_bf16(), cores, ram)
 

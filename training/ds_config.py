@@ -34,13 +34,23 @@ def build_ds_config(cfg: PretrainConfig, plan: Plan) -> dict[str, Any]:
             # torch's AdamW instead of the JIT-built fused CPU Adam: the fused op recomputes
             # its bias corrections differently after a checkpoint load, so a resumed run would
             # not reproduce an uninterrupted one bit for bit (and it costs a ~90 s build).
-            "params": {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps,
-                       "weight_decay": opt.weight_decay, "torch_adam": plan.offload == "none"},
+            "params": {
+                "lr": opt.lr,
+                "betas": [opt.beta1, opt.beta2],
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "torch_adam": plan.offload == "none",
+            },
         },
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": cfg.max_steps, "warmup_num_steps": opt.warmup_steps,
-                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr_ratio},
+            "params": {
+                "total_num_steps": cfg.max_steps,
+                "warmup_num_steps": opt.warmup_steps,
+                "warmup_type": "linear",
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": opt.min_lr_ratio,
+            },
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -39,8 +39,12 @@ def end_of_turn_ids(tokenizer_dir: Path, eos_id: int) -> list[int]:
 def generation_config(tokenizer_dir: Path, special: dict[str, int], context: int) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=special["bos_id"], eos_token_id=end_of_turn_ids(tokenizer_dir, special["eos_id"]),
-                            pad_token_id=special["pad_id"], max_length=context)
+    return GenerationConfig(
+        bos_token_id=special["bos_id"],
+        eos_token_id=end_of_turn_ids(tokenizer_dir, special["eos_id"]),
+        pad_token_id=special["pad_id"],
+        max_length=context,
+    )
 
 
 def copy_tokenizer(tokenizer_dir: Path, out_dir: Path, context: int) -> None:
@@ -56,8 +60,14 @@ def copy_tokenizer(tokenizer_dir: Path, out_dir: Path, context: int) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def save_hf(state: dict[str, Any], trainer_cfg: Any, vocab_size: int, special: dict[str, int],
-            tokenizer_dir: Path, out_dir: Path) -> None:
+def save_hf(
+    state: dict[str, Any],
+    trainer_cfg: Any,
+    vocab_size: int,
+    special: dict[str, int],
+    tokenizer_dir: Path,
+    out_dir: Path,
+) -> None:
     import torch
     from transformers import LlamaForCausalLM
 

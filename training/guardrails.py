@@ -29,7 +29,7 @@ class SpikeDetector:
             return "non_finite"
         if not self.cfg.enabled or len(self.history) < self.cfg.min_history:
             return None
-        window = list(self.history)[-self.cfg.window:]
+        window = list(self.history)[-self.cfg.window :]
         mean = sum(window) / len(window)
         if self.cfg.spike_mode == "ratio":
             return "spike" if loss > self.cfg.spike_ratio * mean else None
@@ -48,8 +48,11 @@ class SpikeDetector:
         return self.consecutive
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "consecutive": self.consecutive,
-                "last_anomaly_step": self.last_anomaly_step}
+        return {
+            "history": list(self.history),
+            "consecutive": self.consecutive,
+            "last_anomaly_step": self.last_anomaly_step,
+        }
 
     def load_state_dict(self, state: dict[str, Any], keep_anomaly_count: bool = False) -> None:
         self.history = deque(state["history"])

@@ -43,8 +43,18 @@ class Anomaly:
 class Trainer:
     """Owns the engine, data schedule, guardrails and checkpoints of one rank."""
 
-    def __init__(self, cfg: PretrainConfig, plan: Plan, pack_dir: Path, out_dir: Path, special: dict[str, int],
-                 rank: int, world: int, peak_tflops: float | None, nan_at_batches: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        cfg: PretrainConfig,
+        plan: Plan,
+        pack_dir: Path,
+        out_dir: Path,
+        special: dict[str, int],
+        rank: int,
+        world: int,
+        peak_tflops: float | None,
+        nan_at_batches: tuple[int, ...] = (),
+    ):
         import torch
 
         self.nan_at_batches = set(nan_at_batches)  # debug.pretrain: a reproducible divergence
@@ -68,14 +78,20 @@ class Trainer:
         self.engine = self._build_engine()
         self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len, self.vocab_size)
         self.peak_flops = (peak_tflops or 0.0) * 1e12
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
 
     def _validation_schedule(self, micro: int) -> BatchSchedule | None:
         """A small validation split is still used: fewer windows per rank rather than none."""
         windows = len(self.val_data)
         if windows < self.world:
-            log.warning("validation split has %d window(s) of %d tokens, fewer than the %d ranks: no validation loss",
-                        windows, self.cfg.seq_len, self.world)
+            log.warning(
+                "validation split has %d window(s) of %d tokens, fewer than the %d ranks: no validation loss",
+                windows,
+                self.cfg.seq_len,
+                self.world,
+            )
             return None
         return BatchSchedule(windows, min(micro, windows // self.world), self.world, self.rank, self.cfg.seed + 1)
 
@@ -91,10 +107,13 @@ class Trainer:
         self.params = sum(p.numel() for p in model.parameters())
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups,
-                                          config=build_ds_config(self.cfg, self.plan))
+        groups = [
+            {"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=build_ds_config(self.cfg, self.plan)
+        )
         self._apply_lr_scale(engine)
         return engine
 
@@ -113,7 +132,6 @@ class Trainer:
         dist.barrier()
 
     def _mean_over_ranks(self, value: Any) -> float:
-        import torch
         import torch.distributed as dist
 
         tensor = value.detach().float().reshape(1).clone()
@@ -123,16 +141,29 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "lr_scale": self.lr_scale,
-                "detector": self.detector.state_dict(), "anomalies": self.anomalies,
-                "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage},
-                "progress": self.progress}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "lr_scale": self.lr_scale,
+            "detector": self.detector.state_dict(),
+            "anomalies": self.anomalies,
+            "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage},
+            "progress": self.progress,
+        }
 
     def save_checkpoint(self) -> Path:
         rank_state = {"rng": checkpoint.rng_state(), "schedule": self.schedule.state_dict()}
-        path = checkpoint.save(self.engine, self.ckpt_root, self.step, self.trainer_state(), rank_state,
-                               self.rank, self.cfg.checkpoint.keep_last, self._barrier,
-                               extra_files={METRICS_FILE: self.out_dir / METRICS_FILE})
+        path = checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            self.step,
+            self.trainer_state(),
+            rank_state,
+            self.rank,
+            self.cfg.checkpoint.keep_last,
+            self._barrier,
+            extra_files={METRICS_FILE: self.out_dir / METRICS_FILE},
+        )
         log.info("checkpoint step %d saved and verified: %s", self.step, path)
         return path
 
@@ -159,9 +190,11 @@ class Trainer:
         saved = checkpoint.read_trainer_state(directory).get("layout", {})
         stage, world = saved.get("zero_stage", self.plan.zero_stage), saved.get("world_size", self.world)
         if stage != self.plan.zero_stage or (stage > 0 and world != self.world):
-            raise ConfigError(f"{directory.name} was written with ZeRO-{stage} on {world} rank(s); this run uses "
-                              f"ZeRO-{self.plan.zero_stage} on {self.world}. Set pretrain.distributed.zero_stage and "
-                              "num_ranks back, or pretrain.resume=never to start over")
+            raise ConfigError(
+                f"{directory.name} was written with ZeRO-{stage} on {world} rank(s); this run uses "
+                f"ZeRO-{self.plan.zero_stage} on {self.world}. Set pretrain.distributed.zero_stage and "
+                "num_ranks back, or pretrain.resume=never to start over"
+            )
 
     # -- one step --------------------------------------------------------------------------
 
@@ -223,21 +256,40 @@ class Trainer:
         latest = checkpoint.latest_verified(self.ckpt_root) if self.rank == 0 else None
         latest = self._broadcast(latest)
         stopping = count >= self.cfg.guardrails.max_consecutive_spikes
-        action = (f"stopped: {count} anomalies in a row" if stopping else
-                  f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
-                  f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}")
-        record = {"step": anomaly.step, "kind": anomaly.kind, "loss": anomaly.loss, "window_mean": anomaly.window_mean,
-                  "loss_after": None, "grad_norm_before": self.grad_norm,
-                  "micro_batches": [self.schedule.index_of(b) for b in anomaly.batches],
-                  "window_positions": anomaly.batches, "samples": self._describe(anomaly.batches),
-                  "action": action, "consecutive": count}
+        action = (
+            f"stopped: {count} anomalies in a row"
+            if stopping
+            else f"rolled back to {latest.name if latest else 'initialisation'}, skipped "
+            f"{len(anomaly.batches)} micro-batch(es), lr x{self.cfg.guardrails.lr_scale_on_spike}"
+        )
+        record = {
+            "step": anomaly.step,
+            "kind": anomaly.kind,
+            "loss": anomaly.loss,
+            "window_mean": anomaly.window_mean,
+            "loss_after": None,
+            "grad_norm_before": self.grad_norm,
+            "micro_batches": [self.schedule.index_of(b) for b in anomaly.batches],
+            "window_positions": anomaly.batches,
+            "samples": self._describe(anomaly.batches),
+            "action": action,
+            "consecutive": count,
+        }
         self.anomalies.append(record)
         self.write_anomalies()  # before a possible stop: the report matters most when the run diverges
-        log.warning("step %d: %s loss %.4g (recent mean %s); %s", anomaly.step, anomaly.kind, anomaly.loss,
-                    f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a", record["action"])
+        log.warning(
+            "step %d: %s loss %.4g (recent mean %s); %s",
+            anomaly.step,
+            anomaly.kind,
+            anomaly.loss,
+            f"{anomaly.window_mean:.4g}" if anomaly.window_mean else "n/a",
+            record["action"],
+        )
         if stopping:
-            raise TrainingDiverged(f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); "
-                                   f"stopping; report: {self.anomalies_path}")
+            raise TrainingDiverged(
+                f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); "
+                f"stopping; report: {self.anomalies_path}"
+            )
         for start in anomaly.batches:
             self.schedule.skip(start)
         self.lr_scale *= self.cfg.guardrails.lr_scale_on_spike
@@ -274,8 +326,12 @@ class Trainer:
 
     def _describe(self, starts: list[int]) -> list[dict[str, Any]]:
         """Every window of the given global micro-batches, on all ranks, with shard and document ids."""
-        return [self.train_data.describe(window) for start in starts for rank in range(self.world)
-                for window in self.schedule.windows(start, rank)]
+        return [
+            self.train_data.describe(window)
+            for start in starts
+            for rank in range(self.world)
+            for window in self.schedule.windows(start, rank)
+        ]
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -301,14 +357,19 @@ class Trainer:
         if self.rank == 0:
             verdict = checkpoint.latest_verified(self.ckpt_root)
             existing = self.ckpt_root.exists() and any(
-                p.name.startswith(("step-", ".corrupt-")) for p in self.ckpt_root.iterdir())
+                p.name.startswith(("step-", ".corrupt-")) for p in self.ckpt_root.iterdir()
+            )
             metrics = self.out_dir / METRICS_FILE
             if verdict is None and existing:
-                verdict = (f"{self.ckpt_root}: checkpoints exist but none verifies; refusing to restart from "
-                           "step 0 over earlier progress (set pretrain.resume=never to start over)")
+                verdict = (
+                    f"{self.ckpt_root}: checkpoints exist but none verifies; refusing to restart from "
+                    "step 0 over earlier progress (set pretrain.resume=never to start over)"
+                )
             elif verdict is None and metrics.exists() and metrics.stat().st_size:
-                verdict = (f"{self.out_dir}: {METRICS_FILE} records training progress but no checkpoint is left; "
-                           "refusing to restart from step 0 over it (set pretrain.resume=never to start over)")
+                verdict = (
+                    f"{self.out_dir}: {METRICS_FILE} records training progress but no checkpoint is left; "
+                    "refusing to restart from step 0 over it (set pretrain.resume=never to start over)"
+                )
         verdict = self._broadcast(verdict)
         if isinstance(verdict, str):
             raise DeterministicError(verdict)
@@ -321,8 +382,12 @@ class Trainer:
             log.info("resumed from %s (step %d)", resume.name, self.step)
         else:
             self.save_checkpoint()
-        metrics = MetricsWriter(self.out_dir, self.step, enabled=self.rank == 0,
-                                history=resume / METRICS_FILE if resume is not None else None)
+        metrics = MetricsWriter(
+            self.out_dir,
+            self.step,
+            enabled=self.rank == 0,
+            history=resume / METRICS_FILE if resume is not None else None,
+        )
         started_step = self.step
         while self.step < self.cfg.max_steps:
             t0 = time.perf_counter()
@@ -344,19 +409,33 @@ class Trainer:
         metrics.close()
         count = self.progress["tps_count"]
         mean_tps = self.progress["tps_sum"] / count if count else None
-        return {"final_step": self.step, "tokens": self.tokens, "final_val_loss": self.progress["last_val"],
-                "tokens_per_s": mean_tps, "train_seconds": round(self.progress["wall_s"], 2),
-                "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
-                "params": self.params, "anomalies": len(self.anomalies),
-                # every token of both splits is in some window except these (the end of each stream)
-                "train_windows": len(self.train_data), "val_windows": len(self.val_data),
-                "dropped_tokens_train": self.train_data.dropped_tokens,
-                "dropped_tokens_val": self.val_data.dropped_tokens,
-                "mem_before_engine_mb": round(self.mem_before_engine_mb, 1), "mem_peak_mb": round(peak_memory_mb(), 1)}
+        return {
+            "final_step": self.step,
+            "tokens": self.tokens,
+            "final_val_loss": self.progress["last_val"],
+            "tokens_per_s": mean_tps,
+            "train_seconds": round(self.progress["wall_s"], 2),
+            "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
+            "params": self.params,
+            "anomalies": len(self.anomalies),
+            # every token of both splits is in some window except these (the end of each stream)
+            "train_windows": len(self.train_data),
+            "val_windows": len(self.val_data),
+            "dropped_tokens_train": self.train_data.dropped_tokens,
+            "dropped_tokens_val": self.val_data.dropped_tokens,
+            "mem_before_engine_mb": round(self.mem_before_engine_mb, 1),
+            "mem_peak_mb": round(peak_memory_mb(), 1),
+        }
 
     def _log_step(self, metrics: MetricsWriter, loss: float, tokens_per_s: float) -> None:
-        values = {"loss": loss, "lr": _float(self.engine.get_lr()[0]), "tokens_per_s": tokens_per_s,
-                  "grad_norm": self.grad_norm, "mem_mb": memory_mb(), "tokens": self.tokens}
+        values = {
+            "loss": loss,
+            "lr": _float(self.engine.get_lr()[0]),
+            "tokens_per_s": tokens_per_s,
+            "grad_norm": self.grad_norm,
+            "mem_mb": memory_mb(),
+            "tokens": self.tokens,
+        }
         if self.peak_flops:
             values["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
         if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
@@ -366,9 +445,16 @@ class Trainer:
                 values.update({"val_loss": val, "val_ppl": math.exp(min(val, 50))})
         metrics.log(self.step, values)
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
-            log.info("step %d/%d loss %.4f%s lr %.2e %.0f tok/s%s", self.step, self.cfg.max_steps, loss,
-                     f" val {values['val_loss']:.4f}" if "val_loss" in values else "", values["lr"], tokens_per_s,
-                     f" mfu {values['mfu']:.2%}" if "mfu" in values else "")
+            log.info(
+                "step %d/%d loss %.4f%s lr %.2e %.0f tok/s%s",
+                self.step,
+                self.cfg.max_steps,
+                loss,
+                f" val {values['val_loss']:.4f}" if "val_loss" in values else "",
+                values["lr"],
+                tokens_per_s,
+                f" mfu {values['mfu']:.2%}" if "mfu" in values else "",
+            )
 
 
 def _float(value: Any) -> float:

@@ -71,8 +71,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self.path.exists():
-            kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
-            self.path.write_text("".join(l + "\n" for l in kept))
+            kept = [
+                line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
         from torch.utils.tensorboard import SummaryWriter
 
         self.close()

@@ -95,8 +95,13 @@ class TokenWindows:
             shards.append(self.shards[shard]["shard"])
             wanted -= end - start
             shard, start = shard + 1, 0
-        return {"window": int(window), "shard": shards[0], "shards": shards, "token_offset": first_start,
-                "doc_ids": ids}
+        return {
+            "window": int(window),
+            "shard": shards[0],
+            "shards": shards,
+            "token_offset": first_start,
+            "doc_ids": ids,
+        }
 
 
 @dataclass

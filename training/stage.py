@@ -17,19 +17,33 @@ def _steps() -> list[Any]:
     return PRETRAIN_STEPS
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     if isinstance(error, TrainingDiverged):  # the report matters most when the run stopped
-        return [ArtifactSpec("pretrain-anomalies", "table", error.anomalies,
-                             "training stopped: too many anomalies in a row")] if error.anomalies else []
+        return (
+            [
+                ArtifactSpec(
+                    "pretrain-anomalies", "table", error.anomalies, "training stopped: too many anomalies in a row"
+                )
+            ]
+            if error.anomalies
+            else []
+        )
     manifest = manifests.get("pretrain/train")
     if manifest is None:
         return []
     rows = [{"metric": k, "value": v} for k, v in manifest["metrics"].items() if isinstance(v, (int, float, str))]
     specs = [ArtifactSpec("pretrain-summary", "table", rows, "final training metrics")]
     if manifest["extra"].get("anomalies"):
-        specs.append(ArtifactSpec("pretrain-anomalies", "table", manifest["extra"]["anomalies"],
-                                  "loss spikes / non-finite losses: rolled back and skipped"))
+        specs.append(
+            ArtifactSpec(
+                "pretrain-anomalies",
+                "table",
+                manifest["extra"]["anomalies"],
+                "loss spikes / non-finite losses: rolled back and skipped",
+            )
+        )
     return specs
 
 

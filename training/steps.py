@@ -21,10 +21,10 @@ from typing import Any
 
 from lmforge.configbase import ConfigView
 from lmforge.errors import TrainingDiverged
-from training.metrics import METRICS_FILE, last_logged_step
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
 from lmforge.stage import TOKEN_SHARDS, TOKENIZER, hf_model
+from training.metrics import METRICS_FILE, last_logged_step
 
 log = logging.getLogger(__name__)
 TRAIN = "pretrain/train"
@@ -63,7 +63,9 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     vocab_size, special = _special_tokens(pack_dir)
     device = detect_device()
     per_device = cfg.peak_tflops or peak_tflops(device, resolve_precision(cfg.precision, device))
-    plan = plan_parallelism(cfg, vocab_size, device, peak_tflops=per_device)  # the budget's time estimate needs the peak
+    plan = plan_parallelism(
+        cfg, vocab_size, device, peak_tflops=per_device
+    )  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
     from training.ds_config import build_ds_config
@@ -71,28 +73,57 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     d = cfg.distributed
     launch = Launch(d.launcher, plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
-    spec = {"config": cfg.model_dump(mode="json"), "plan": dataclasses.asdict(plan), "pack_dir": str(pack_dir),
-            "tokenizer_dir": str(tokenizer_dir), "special": special,
-            "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
-            "peak_tflops": per_device * devices_used(plan.world_size, device)}
+    spec = {
+        "config": cfg.model_dump(mode="json"),
+        "plan": dataclasses.asdict(plan),
+        "pack_dir": str(pack_dir),
+        "tokenizer_dir": str(tokenizer_dir),
+        "special": special,
+        "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
+        "peak_tflops": per_device * devices_used(plan.world_size, device),
+    }
     try:
-        attempt = run_entry("training.train_entry", spec, out_dir, launch=launch, policy=RANKS,
-                            logger=logging.getLogger("training.launcher"))
+        attempt = run_entry(
+            "training.train_entry",
+            spec,
+            out_dir,
+            launch=launch,
+            policy=RANKS,
+            logger=logging.getLogger("training.launcher"),
+        )
     except TrainingDiverged as exc:
         exc.anomalies = anomaly_rows(_read_anomalies(out_dir))  # published by the flow even though the step failed
         raise
     summary = json.loads((out_dir / "summary.json").read_text())
     anomalies = _read_anomalies(out_dir)
     unigram = ctx.manifest(TOKEN_SHARDS)["metrics"].get("unigram_entropy_nats")
-    return {"counts": {"steps": summary["final_step"], "tokens": summary["tokens"], "anomalies": len(anomalies),
-                       "attempts": attempt.number, "params": summary["params"]},
-            "metrics": {**{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
-                        "unigram_entropy_nats": unigram},
-            "extra": {"anomalies": anomaly_rows(anomalies),
-                      "plan": {"zero_stage": plan.zero_stage, "offload": plan.offload, "world_size": plan.world_size,
-                               "per_rank_gib": plan.per_rank_gib,
-                               "grad_accum": plan.grad_accum, "precision": plan.precision, "reasoning": plan.reasoning},
-                      "budget": plan.budget, "hf_dir": str(out_dir / "hf")}}
+    return {
+        "counts": {
+            "steps": summary["final_step"],
+            "tokens": summary["tokens"],
+            "anomalies": len(anomalies),
+            "attempts": attempt.number,
+            "params": summary["params"],
+        },
+        "metrics": {
+            **{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
+            "unigram_entropy_nats": unigram,
+        },
+        "extra": {
+            "anomalies": anomaly_rows(anomalies),
+            "plan": {
+                "zero_stage": plan.zero_stage,
+                "offload": plan.offload,
+                "world_size": plan.world_size,
+                "per_rank_gib": plan.per_rank_gib,
+                "grad_accum": plan.grad_accum,
+                "precision": plan.precision,
+                "reasoning": plan.reasoning,
+            },
+            "budget": plan.budget,
+            "hf_dir": str(out_dir / "hf"),
+        },
+    }
 
 
 def _read_anomalies(out_dir: Path) -> list[dict[str, Any]]:
@@ -106,11 +137,20 @@ def anomaly_rows(anomalies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for a in anomalies:
         samples = a.get("samples", [])
         doc_ids = [d for s in samples for d in s.get("doc_ids", [])]
-        rows.append({"step": a["step"], "kind": a["kind"], "loss": a["loss"], "loss_after": a.get("loss_after"),
-                     "window_mean": a.get("window_mean"), "grad_norm_before": a.get("grad_norm_before"),
-                     "micro_batches": a["micro_batches"], "shards": sorted({s["shard"] for s in samples}),
-                     "doc_ids": doc_ids[:20] + ([f"... {len(doc_ids) - 20} more"] if len(doc_ids) > 20 else []),
-                     "action": a["action"]})
+        rows.append(
+            {
+                "step": a["step"],
+                "kind": a["kind"],
+                "loss": a["loss"],
+                "loss_after": a.get("loss_after"),
+                "window_mean": a.get("window_mean"),
+                "grad_norm_before": a.get("grad_norm_before"),
+                "micro_batches": a["micro_batches"],
+                "shards": sorted({s["shard"] for s in samples}),
+                "doc_ids": doc_ids[:20] + ([f"... {len(doc_ids) - 20} more"] if len(doc_ids) > 20 else []),
+                "action": a["action"],
+            }
+        )
     return rows
 
 
@@ -127,12 +167,31 @@ def _resolved_precision(config: ConfigView) -> dict[str, Any]:
 
 PRETRAIN_STEPS = [
     # version 2: windows span shard boundaries (no shard tail or short shard is skipped)
-    Step(TRAIN, 2, "Train the Llama model with DeepSpeed and export it to Hugging Face format",
-         reads=("pretrain",), derive=_resolved_precision, upstream=lambda c: (TOKEN_SHARDS, TOKENIZER),
-         finalize=_train_finalize, retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
-         provides={PRETRAINED: "hf"},
-         progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
-         code=("training.loop", "training.model", "training.checkpoint", "training.export", "training.train_entry",
-               "training.guardrails", "training.ds_config", "training.planner", "training.device_setup", "training.reader"),
-         libraries=("torch", "transformers", "deepspeed")),
+    Step(
+        TRAIN,
+        2,
+        "Train the Llama model with DeepSpeed and export it to Hugging Face format",
+        reads=("pretrain",),
+        derive=_resolved_precision,
+        upstream=lambda c: (TOKEN_SHARDS, TOKENIZER),
+        finalize=_train_finalize,
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={PRETRAINED: "hf"},
+        progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
+        code=(
+            "training.loop",
+            "training.model",
+            "training.checkpoint",
+            "training.export",
+            "training.train_entry",
+            "training.guardrails",
+            "training.ds_config",
+            "training.planner",
+            "training.device_setup",
+            "training.reader",
+        ),
+        libraries=("torch", "transformers", "deepspeed"),
+    ),
 ]

@@ -18,13 +18,16 @@ from pathlib import Path
 from lmforge.entry import main
 from training.device_setup import disable_shm_comm_op
 
+
 def init_distributed() -> tuple[int, int]:
     import deepspeed
     import torch
 
     disable_shm_comm_op()
     if not torch.cuda.is_available():
-        per_rank = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        per_rank = max(
+            1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
         torch.set_num_threads(per_rank)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -47,8 +50,17 @@ def run(spec: dict, rank: int, world: int) -> dict:
     plan = Plan(**spec["plan"])
     out_dir, pack_dir = Path(spec["out_dir"]), Path(spec["pack_dir"])
     torch.use_deterministic_algorithms(True, warn_only=True)
-    trainer = Trainer(cfg, plan, pack_dir, out_dir, spec["special"], rank, world, spec.get("peak_tflops"),
-                      tuple(spec["debug"]["nan_at_batches"]))
+    trainer = Trainer(
+        cfg,
+        plan,
+        pack_dir,
+        out_dir,
+        spec["special"],
+        rank,
+        world,
+        spec.get("peak_tflops"),
+        tuple(spec["debug"]["nan_at_batches"]),
+    )
     summary = trainer.run()
     state = consolidated_state(trainer.engine, plan.zero_stage)
     hf_dir = out_dir / "hf"
@@ -64,8 +76,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (out_dir / "anomalies.json").write_text(json.dumps(trainer.anomalies, indent=2))
     if gap > cfg.parity_tolerance:
-        raise ParityError(f"exported model's logits differ from the engine's by {gap:.3g} "
-                          f"(tolerance {cfg.parity_tolerance})")
+        raise ParityError(
+            f"exported model's logits differ from the engine's by {gap:.3g} (tolerance {cfg.parity_tolerance})"
+        )
     logging.getLogger("training").info("export parity ok: max |logit diff| %.3g; model at %s", gap, hf_dir)
     return summary
 

@@ -14,7 +14,9 @@ import secrets
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-_spec = importlib.util.spec_from_file_location("lmforge_eval_sandbox", os.path.join(os.path.dirname(__file__), "sandbox.py"))
+_spec = importlib.util.spec_from_file_location(
+    "lmforge_eval_sandbox", os.path.join(os.path.dirname(__file__), "sandbox.py")
+)
 sandbox = importlib.util.module_from_spec(_spec)
 sys.modules["lmforge_eval_sandbox"] = sandbox
 _spec.loader.exec_module(sandbox)
@@ -24,8 +26,9 @@ WORKERS = int(os.environ.get("LMFORGE_SANDBOX_WORKERS", "2"))
 
 
 def program(doc, completion, marker):
-    return (doc["prompt"] + completion + "\n\n" + doc["test"] + "\n" +
-            f"check({doc['entry_point']})\nprint({marker!r})\n")
+    return (
+        doc["prompt"] + completion + "\n\n" + doc["test"] + "\n" + f"check({doc['entry_point']})\nprint({marker!r})\n"
+    )
 
 
 def verdict(doc, completion):
@@ -34,9 +37,15 @@ def verdict(doc, completion):
         result = sandbox.run_program(program(doc, completion, marker), **LIMITS)
     except Exception as exc:  # noqa: BLE001 - a sandbox failure is a score of 0, never a crash
         return json.dumps({"passed": False, "status": f"sandbox_error: {type(exc).__name__}: {exc}"})
-    return json.dumps({"passed": result.passed and marker in result.stdout, "status": result.status,
-                       "isolation": result.isolation, "seconds": result.seconds,
-                       "stderr_tail": result.stderr[-300:]})
+    return json.dumps(
+        {
+            "passed": result.passed and marker in result.stdout,
+            "status": result.status,
+            "isolation": result.isolation,
+            "seconds": result.seconds,
+            "stderr_tail": result.stderr[-300:],
+        }
+    )
 
 
 def sandbox_filter(resps, docs):

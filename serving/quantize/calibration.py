@@ -9,8 +9,9 @@ not reshuffle the rest. `calibration.jsonl` keeps each sample's source, id and t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import xxhash
 
@@ -26,7 +27,9 @@ def _smallest(candidates: Iterator[tuple[str, Any]], count: int, seed: int, sour
     import heapq
 
     ranked = ((_rank(seed, source, record_id), record_id, payload) for record_id, payload in candidates)
-    return [(record_id, payload) for _, record_id, payload in heapq.nsmallest(count, ranked, key=lambda r: (r[0], r[1]))]
+    return [
+        (record_id, payload) for _, record_id, payload in heapq.nsmallest(count, ranked, key=lambda r: (r[0], r[1]))
+    ]
 
 
 def documents(kept_dir: Path, max_chars: int) -> Iterator[tuple[str, str]]:
@@ -45,8 +48,15 @@ def chats(train_jsonl: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
         yield record["id"], record["messages"]
 
 
-def draw(kept_dir: Path, chat_file: Path | None, tokenizer_dir: Path, num_samples: int, sft_fraction: float,
-         seed: int, max_chars: int) -> list[dict[str, str]]:
+def draw(
+    kept_dir: Path,
+    chat_file: Path | None,
+    tokenizer_dir: Path,
+    num_samples: int,
+    sft_fraction: float,
+    seed: int,
+    max_chars: int,
+) -> list[dict[str, str]]:
     """`num_samples` samples: a share from the chats (when given), the rest from the documents."""
     from transformers import AutoTokenizer
 
@@ -55,8 +65,9 @@ def draw(kept_dir: Path, chat_file: Path | None, tokenizer_dir: Path, num_sample
     if num_chat:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         for record_id, messages in _smallest(chats(chat_file), num_chat, seed, "sft"):  # type: ignore[arg-type]
-            samples.append({"source": "sft", "id": record_id,
-                            "text": tokenizer.apply_chat_template(messages, tokenize=False)})
+            samples.append(
+                {"source": "sft", "id": record_id, "text": tokenizer.apply_chat_template(messages, tokenize=False)}
+            )
     for record_id, text in _smallest(documents(kept_dir, max_chars), num_samples - len(samples), seed, "documents"):
         samples.append({"source": "documents", "id": record_id, "text": text})
     return samples

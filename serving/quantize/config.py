@@ -20,11 +20,19 @@ NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
 class CalibrationConfig(StrictModel):
     """Calibration samples drawn from the lineage: curated pretraining documents and SFT chats."""
 
-    enabled: bool = Field(True, description="Calibrated schemes (SmoothQuant + GPTQ via llmcompressor); "
-                                            "false: round-to-nearest with compressed-tensors, no data.")
+    enabled: bool = Field(
+        True,
+        description="Calibrated schemes (SmoothQuant + GPTQ via llmcompressor); "
+        "false: round-to-nearest with compressed-tensors, no data.",
+    )
     num_samples: int = Field(64, ge=1, description="Calibration samples (the seeds: a few hundred on real models).")
-    sft_fraction: float = Field(0.5, ge=0, le=1, description="Share drawn from the SFT data (chat-formatted) "
-                                                             "when the model is a chat model; the rest are documents.")
+    sft_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share drawn from the SFT data (chat-formatted) "
+        "when the model is a chat model; the rest are documents.",
+    )
     max_seq_len: int = Field(256, ge=16, description="Tokens per sample at most.")
     max_chars: int = Field(4000, ge=100, description="Characters kept of each document before tokenizing.")
     seed: int = 0
@@ -35,14 +43,19 @@ class CalibrationConfig(StrictModel):
 class GateConfig(StrictModel):
     """When a quantized checkpoint may ship: its evaluation against the unquantized model's, both on vLLM."""
 
-    enabled: bool = Field(True, description="Evaluate every checkpoint and gate it (false: all are eligible, unmeasured).")
+    enabled: bool = Field(
+        True, description="Evaluate every checkpoint and gate it (false: all are eligible, unmeasured)."
+    )
     tasks: list[str] | None = Field(None, description="Evaluation tasks the gate runs (default: evaluate.tasks).")
     max_drop: float | dict[str, float | Literal["not_significantly_worse"]] = Field(
         default_factory=lambda: {"*": 0.05},
         description="Largest allowed drop of a higher-is-better metric (absolute), one number for all or "
-                    "{metric: limit} ('*' for the rest); 'not_significantly_worse' instead fails a metric whose "
-                    "paired bootstrap interval lies wholly below zero.")
-    max_perplexity_ratio: float = Field(1.1, ge=1, description="Largest allowed quantized/unquantized perplexity ratio.")
+        "{metric: limit} ('*' for the rest); 'not_significantly_worse' instead fails a metric whose "
+        "paired bootstrap interval lies wholly below zero.",
+    )
+    max_perplexity_ratio: float = Field(
+        1.1, ge=1, description="Largest allowed quantized/unquantized perplexity ratio."
+    )
 
     @field_validator("max_drop")
     @classmethod
@@ -61,27 +74,39 @@ class GateConfig(StrictModel):
 class QuantizeFaultConfig(StrictModel):
     """Test hooks that make failures reproducible (`debug.quantize:`; never in a normal run's key)."""
 
-    break_scale_factor: float | None = Field(None, gt=0, description="Multiply the MLP down-projections' weight "
-                                                                     "scales by this after quantizing (a broken checkpoint).")
+    break_scale_factor: float | None = Field(
+        None,
+        gt=0,
+        description="Multiply the MLP down-projections' weight scales by this after quantizing (a broken checkpoint).",
+    )
 
 
 class QuantizeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
     model: Literal["auto", "dpo", "sft", "pretrained"] = Field(
-        "auto", description="The model to quantize. auto: DPO, else SFT, else the pretrained model.")
+        "auto", description="The model to quantize. auto: DPO, else SFT, else the pretrained model."
+    )
     # which scheme steps run (like `stages`); the gate's key follows them through its upstream
     schemes: list[Literal["w8a8-int8", "w4a16", "w8a16"]] = runtime_field(
-        default_factory=lambda: ["w8a8-int8", "w4a16"], description="Schemes to write; the gate picks the smallest that passes.")
-    group_size: int = Field(128, ge=2, description="Input columns per weight scale of 4-bit schemes (must divide every "
-                                                  "layer's width; vLLM's CPU kernel needs widths in multiples of 32).")
+        default_factory=lambda: ["w8a8-int8", "w4a16"],
+        description="Schemes to write; the gate picks the smallest that passes.",
+    )
+    group_size: int = Field(
+        128,
+        ge=2,
+        description="Input columns per weight scale of 4-bit schemes (must divide every "
+        "layer's width; vLLM's CPU kernel needs widths in multiples of 32).",
+    )
     calibration: CalibrationConfig = CalibrationConfig()
     gate: GateConfig = GateConfig()
     python: str | None = runtime_field(
-        None, description="Python of the quantization environment (llmcompressor) for calibrated schemes; "
-                          "default: .venv-quant/bin/python beside the project (scripts/setup.sh makes it).")
+        None,
+        description="Python of the quantization environment (llmcompressor) for calibrated schemes; "
+        "default: .venv-quant/bin/python beside the project (scripts/setup.sh makes it).",
+    )
 
     @model_validator(mode="after")
-    def _schemes_known(self) -> "QuantizeConfig":
+    def _schemes_known(self) -> QuantizeConfig:
         if len(set(self.schemes)) != len(self.schemes):
             raise ValueError(f"schemes {self.schemes} lists one twice")
         return self

@@ -32,8 +32,13 @@ from lmforge.entry import main
 from lmforge.errors import ConfigError
 from serving.quantize.schemes import IGNORED, SCHEMES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def _version(name: str) -> str:
@@ -63,8 +68,10 @@ def check_group_size(model: Any, spec: dict[str, Any]) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in IGNORED and module.in_features % size:
             fits = max(g for g in (8, 16, 32, 64, 128, 256) if module.in_features % g == 0 and g <= size)
-            raise ConfigError(f"quantize.group_size {size} does not divide {name}'s {module.in_features} input columns; "
-                             f"use {fits} (or a divisor of every layer's width)")
+            raise ConfigError(
+                f"quantize.group_size {size} does not divide {name}'s {module.in_features} input columns; "
+                f"use {fits} (or a divisor of every layer's width)"
+            )
 
 
 def round_to_nearest(model: Any, spec: dict[str, Any]) -> None:
@@ -97,7 +104,9 @@ def round_to_nearest(model: Any, spec: dict[str, Any]) -> None:
 def calibration_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
     from datasets import Dataset
 
-    texts = [json.loads(line)["text"] for line in Path(spec["calibration_file"]).read_text().splitlines() if line.strip()]
+    texts = [
+        json.loads(line)["text"] for line in Path(spec["calibration_file"]).read_text().splitlines() if line.strip()
+    ]
     if not texts:
         raise SystemExit(f"{spec['calibration_file']}: no calibration samples")
     encoded = tokenizer(texts, truncation=True, max_length=spec["max_seq_len"], add_special_tokens=False)
@@ -110,16 +119,26 @@ def calibrated(model: Any, tokenizer: Any, spec: dict[str, Any]) -> int:
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     scheme = _scheme(spec)
-    gptq = GPTQModifier(config_groups={"group_0": scheme.model_dump(exclude_none=True)}, ignore=list(IGNORED),
-                        dampening_frac=spec["dampening_frac"])
+    gptq = GPTQModifier(
+        config_groups={"group_0": scheme.model_dump(exclude_none=True)},
+        ignore=list(IGNORED),
+        dampening_frac=spec["dampening_frac"],
+    )
     recipe: list[Any] = [gptq]
     if SCHEMES[spec["scheme"]].activation_bits == 8:
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
         recipe.insert(0, SmoothQuantModifier(smoothing_strength=spec["smoothing_strength"]))
     dataset = calibration_dataset(spec, tokenizer)
-    oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=spec["max_seq_len"],
-            num_calibration_samples=len(dataset), shuffle_calibration_samples=False, pipeline="sequential")
+    oneshot(
+        model=model,
+        dataset=dataset,
+        recipe=recipe,
+        max_seq_length=spec["max_seq_len"],
+        num_calibration_samples=len(dataset),
+        shuffle_calibration_samples=False,
+        pipeline="sequential",
+    )
     return len(dataset)
 
 
@@ -172,9 +191,14 @@ def quantize(spec: dict[str, Any], rank: int) -> None:
         break_scales(model, spec["break_scale_factor"])
     save(model, spec, partial)
     partial.rename(final)
-    result = {"scheme": spec["scheme"], "method": spec["method"], "quantize_seconds": round(seconds, 2),
-              "calibration_samples": samples, "python": sys.executable,
-              "libraries": {n: _version(n) for n in ("compressed-tensors", "llmcompressor", "transformers", "torch")}}
+    result = {
+        "scheme": spec["scheme"],
+        "method": spec["method"],
+        "quantize_seconds": round(seconds, 2),
+        "calibration_samples": samples,
+        "python": sys.executable,
+        "libraries": {n: _version(n) for n in ("compressed-tensors", "llmcompressor", "transformers", "torch")},
+    }
     (out / "quantize_result.json").write_text(json.dumps(result, indent=1))
     print(f"{spec['scheme']} ({spec['method']}): quantized in {seconds:.1f}s -> {final}", flush=True)
 

@@ -37,23 +37,46 @@ def _per_task(directories: dict[str, Path]) -> dict[str, tuple[str, float, dict[
     return out
 
 
-def evaluate_all(config: ConfigView, workspace: Path, tasks: dict[str, Any], identity: dict[str, Any], work_dir: Path,
-                 base: tuple[str, Path, str], checkpoints: dict[str, tuple[Path, str]]) -> dict[str, list[dict[str, Any]]]:
+def evaluate_all(
+    config: ConfigView,
+    workspace: Path,
+    tasks: dict[str, Any],
+    identity: dict[str, Any],
+    work_dir: Path,
+    base: tuple[str, Path, str],
+    checkpoints: dict[str, tuple[Path, str]],
+) -> dict[str, list[dict[str, Any]]]:
     """Evaluate the unquantized model and each checkpoint on vLLM; {scheme: per-task comparison rows}."""
     from evaluation.runs import evaluate_model
 
     role, base_dir, base_digest = base
-    reference = _per_task(evaluate_model(config, workspace, tasks, identity, base_dir, base_digest, "vllm", role,
-                                         work_dir / "unquantized"))
+    reference = _per_task(
+        evaluate_model(
+            config, workspace, tasks, identity, base_dir, base_digest, "vllm", role, work_dir / "unquantized"
+        )
+    )
 
     def measure(scheme: str, model_dir: Path, model_digest: str) -> dict[str, tuple[str, float, dict[str, Any]]]:
-        return _per_task(evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, "vllm",
-                                        f"{role}-{scheme}", work_dir / scheme))
+        return _per_task(
+            evaluate_model(
+                config,
+                workspace,
+                tasks,
+                identity,
+                model_dir,
+                model_digest,
+                "vllm",
+                f"{role}-{scheme}",
+                work_dir / scheme,
+            )
+        )
 
     # the checkpoints are measured side by side (a server each), in this step's context: its lock and deadline
     with ThreadPoolExecutor(max_workers=max(len(checkpoints), 1)) as pool:
-        futures = {scheme: pool.submit(contextvars.copy_context().run, measure, scheme, *where)
-                   for scheme, where in checkpoints.items()}
+        futures = {
+            scheme: pool.submit(contextvars.copy_context().run, measure, scheme, *where)
+            for scheme, where in checkpoints.items()
+        }
         measured = {scheme: future.result() for scheme, future in futures.items()}
     comparisons = {}
     for scheme, results in measured.items():
@@ -61,9 +84,17 @@ def evaluate_all(config: ConfigView, workspace: Path, tasks: dict[str, Any], ide
         for task, (metric, value, items) in results.items():
             _, base_value, base_items = reference[task]
             paired = stats.paired(metric, base_items, items)
-            row = {"task": task, "metric": metric, "unquantized": base_value, "quantized": value,
-                   "delta": paired["delta"], "ci_low": paired["low"], "ci_high": paired["high"],
-                   "verdict": paired.get("verdict", ""), "items": paired["items"]}
+            row = {
+                "task": task,
+                "metric": metric,
+                "unquantized": base_value,
+                "quantized": value,
+                "delta": paired["delta"],
+                "ci_low": paired["low"],
+                "ci_high": paired["high"],
+                "verdict": paired.get("verdict", ""),
+                "items": paired["items"],
+            }
             if metric in stats.RATIO_METRICS:
                 row["ratio"] = value / base_value if base_value else math.inf
             rows.append(row)
@@ -78,39 +109,68 @@ def failures(gate: Any, rows: list[dict[str, Any]]) -> list[str]:
         name = f"{row['task']} {row['metric']}"
         if row["metric"] in stats.RATIO_METRICS:
             if row["ratio"] > gate.max_perplexity_ratio:
-                found.append(f"{name} rose {row['ratio']:.3f}x ({row['unquantized']:.4g} -> {row['quantized']:.4g}; "
-                             f"limit {gate.max_perplexity_ratio}x)")
+                found.append(
+                    f"{name} rose {row['ratio']:.3f}x ({row['unquantized']:.4g} -> {row['quantized']:.4g}; "
+                    f"limit {gate.max_perplexity_ratio}x)"
+                )
             continue
         limit = gate.limit(row["metric"])
         drop = -row["delta"]
         if limit == NOT_SIGNIFICANTLY_WORSE:
             if row["verdict"] == "worse":
-                found.append(f"{name} is significantly worse: {row['delta']:+.3f}, 95% CI "
-                             f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]")
+                found.append(
+                    f"{name} is significantly worse: {row['delta']:+.3f}, 95% CI "
+                    f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]"
+                )
         elif limit is not None and drop > float(limit) + 1e-9:
-            found.append(f"{name} dropped {drop:.3f} ({row['unquantized']:.3f} -> {row['quantized']:.3f}; limit {float(limit):.3f})")
+            found.append(
+                f"{name} dropped {drop:.3f} ({row['unquantized']:.3f} -> {row['quantized']:.3f}; limit {float(limit):.3f})"
+            )
     return found
 
 
-def decide(gate: Any, role: str, reports: dict[str, dict[str, Any]], comparisons: dict[str, list[dict[str, Any]]],
-           sources: dict[str, dict[str, str]]) -> dict[str, Any]:
+def decide(
+    gate: Any,
+    role: str,
+    reports: dict[str, dict[str, Any]],
+    comparisons: dict[str, list[dict[str, Any]]],
+    sources: dict[str, dict[str, str]],
+) -> dict[str, Any]:
     """The verdict: per scheme eligible or not (and why), and the checkpoint to serve."""
     schemes = {}
     for scheme, rep in reports.items():
         rows = comparisons.get(scheme, [])
         failed = failures(gate, rows) if gate.enabled else []
-        schemes[scheme] = {"eligible": not failed, "failures": failed, "bytes": rep["bytes"],
-                           "compression_ratio": rep["compression_ratio"], "bits_per_parameter": rep["bits_per_parameter"],
-                           "model_dir": rep["model_dir"], "step": f"quantize/{scheme}",
-                           "key": sources[scheme]["key"], "digest": sources[scheme]["digest"],
-                           "comparisons": rows, "measured": gate.enabled}
+        schemes[scheme] = {
+            "eligible": not failed,
+            "failures": failed,
+            "bytes": rep["bytes"],
+            "compression_ratio": rep["compression_ratio"],
+            "bits_per_parameter": rep["bits_per_parameter"],
+            "model_dir": rep["model_dir"],
+            "step": f"quantize/{scheme}",
+            "key": sources[scheme]["key"],
+            "digest": sources[scheme]["digest"],
+            "comparisons": rows,
+            "measured": gate.enabled,
+        }
     eligible = sorted((s for s, o in schemes.items() if o["eligible"]), key=lambda s: schemes[s]["bytes"])
     chosen = eligible[0] if eligible else None
     if chosen:
-        decision = (f"quantization gate: {chosen} ships ({schemes[chosen]['compression_ratio']:.2f}x of bf16"
-                    + (", every task within its limits" if gate.enabled else ", gate disabled: not measured") + ")")
+        decision = (
+            f"quantization gate: {chosen} ships ({schemes[chosen]['compression_ratio']:.2f}x of bf16"
+            + (", every task within its limits" if gate.enabled else ", gate disabled: not measured")
+            + ")"
+        )
     else:
-        decision = (f"quantization gate: no checkpoint passed ({', '.join(sorted(schemes))}); serving falls back to "
-                    f"the unquantized {role} model")
-    return {"model": role, "schemes": schemes, "chosen": chosen, "decision": decision,
-            "gate": {"max_drop": gate.max_drop, "max_perplexity_ratio": gate.max_perplexity_ratio, "enabled": gate.enabled}}
+        decision = (
+            f"quantization gate: no checkpoint passed ({', '.join(sorted(schemes))}); serving falls back to "
+            f"the unquantized {role} model"
+        )
+    return {
+        "model": role,
+        "schemes": schemes,
+        "chosen": chosen,
+        "decision": decision,
+        "gate": {"max_drop": gate.max_drop, "max_perplexity_ratio": gate.max_perplexity_ratio, "enabled": gate.enabled},
+    }

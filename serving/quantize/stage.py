@@ -25,29 +25,46 @@ def report_rows(verdict: dict[str, Any], reports: dict[str, dict[str, Any]]) -> 
     rows = []
     for scheme, outcome in verdict["schemes"].items():
         rep = reports[scheme]
-        common = {"scheme": scheme, "method": rep["method"], "bytes": rep["bytes"],
-                  "x_of_bf16": rep["compression_ratio"], "bits_per_param": rep["bits_per_parameter"],
-                  "mean_layer_error": rep["mean_layer_error"], "max_layer_error": rep["max_layer_error"],
-                  "quantize_s": rep["quantize_seconds"], "calibration_samples": rep["calibration_samples"],
-                  "eligible": "yes" if outcome["eligible"] else "NO",
-                  "chosen": "yes" if verdict["chosen"] == scheme else ""}
+        common = {
+            "scheme": scheme,
+            "method": rep["method"],
+            "bytes": rep["bytes"],
+            "x_of_bf16": rep["compression_ratio"],
+            "bits_per_param": rep["bits_per_parameter"],
+            "mean_layer_error": rep["mean_layer_error"],
+            "max_layer_error": rep["max_layer_error"],
+            "quantize_s": rep["quantize_seconds"],
+            "calibration_samples": rep["calibration_samples"],
+            "eligible": "yes" if outcome["eligible"] else "NO",
+            "chosen": "yes" if verdict["chosen"] == scheme else "",
+        }
         for row in outcome["comparisons"] or [{}]:
-            rows.append({**common, "task": row.get("task", ""), "metric": row.get("metric", ""),
-                         "unquantized": _round(row.get("unquantized")), "quantized": _round(row.get("quantized")),
-                         "delta": _round(row.get("delta")),
-                         "delta_95ci": f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]" if row else "",
-                         "ppl_ratio": _round(row.get("ratio"))})
+            rows.append(
+                {
+                    **common,
+                    "task": row.get("task", ""),
+                    "metric": row.get("metric", ""),
+                    "unquantized": _round(row.get("unquantized")),
+                    "quantized": _round(row.get("quantized")),
+                    "delta": _round(row.get("delta")),
+                    "delta_95ci": f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]" if row else "",
+                    "ppl_ratio": _round(row.get("ratio")),
+                }
+            )
     return rows
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     gate = manifests.get("quantize/gate")
     if gate is None:
         return []
     data = json.loads((Path(gate["dir"]) / "report.json").read_text())
     verdict = data["verdict"]
-    return [ArtifactSpec("quantization-report", "table", report_rows(verdict, data["checkpoints"]), verdict["decision"])]
+    return [
+        ArtifactSpec("quantization-report", "table", report_rows(verdict, data["checkpoints"]), verdict["decision"])
+    ]
 
 
 def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
@@ -46,8 +47,10 @@ def model_role(config: Any) -> str:
     for role in wanted:
         if _graph().has(hf_model(role), config):
             return role
-    raise ConfigError(f"quantize.model={config.quantize.model}: no such model in this lineage "
-                      "(is the stage that makes it switched off?)")
+    raise ConfigError(
+        f"quantize.model={config.quantize.model}: no such model in this lineage "
+        "(is the stage that makes it switched off?)"
+    )
 
 
 def quantized_role(ctx: StepContext) -> str:
@@ -66,12 +69,17 @@ def step_name(scheme: str) -> str:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+
 def _uses_chats(config: Any) -> bool:
     return model_role(config) in ("sft", "dpo") and config.quantize.calibration.sft_fraction > 0
 
 
-CALIBRATION_READS = ("quantize.calibration.num_samples", "quantize.calibration.seed", "quantize.calibration.max_chars",
-                     "quantize.calibration.sft_fraction")
+CALIBRATION_READS = (
+    "quantize.calibration.num_samples",
+    "quantize.calibration.seed",
+    "quantize.calibration.max_chars",
+    "quantize.calibration.sft_fraction",
+)
 
 
 def _calibration_upstream(config: Any) -> tuple[Any, ...]:
@@ -84,25 +92,31 @@ def _calibration_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]
 
     cfg = ctx.config.quantize.calibration
     chats = ctx.path(CHAT_DATA) / "train.jsonl" if ctx.has(CHAT_DATA) else None
-    samples = draw(ctx.path(DOCUMENTS), chats, ctx.path(TOKENIZER), cfg.num_samples, cfg.sft_fraction,
-                   cfg.seed, cfg.max_chars)
+    samples = draw(
+        ctx.path(DOCUMENTS), chats, ctx.path(TOKENIZER), cfg.num_samples, cfg.sft_fraction, cfg.seed, cfg.max_chars
+    )
     write_jsonl(ctx.out_dir / "calibration.jsonl", samples)
     by_source: dict[str, int] = {}
     for sample in samples:
         by_source[sample["source"]] = by_source.get(sample["source"], 0) + 1
-    return {"counts": {"samples": len(samples), **by_source},
-            "extra": {"ids": {source: [s["id"] for s in samples if s["source"] == source] for source in by_source}}}
+    return {
+        "counts": {"samples": len(samples), **by_source},
+        "extra": {"ids": {source: [s["id"] for s in samples if s["source"] == source] for source in by_source}},
+    }
 
 
 # -- one checkpoint per scheme ---------------------------------------------------------------------
+
 
 def quantizer_python(config: ConfigView) -> str:
     """The quantization environment's Python (llmcompressor), for calibrated schemes."""
     path = Path(config.quantize.python) if config.quantize.python else REPO_ROOT / ".venv-quant" / "bin" / "python"
     if not path.exists():
-        raise ConfigError(f"calibrated quantization runs llmcompressor in its own environment, and {path} does not exist: "
-                          "run `bash scripts/setup.sh` (it creates .venv-quant), set quantize.python, or set "
-                          "quantize.calibration.enabled=false for round-to-nearest")
+        raise ConfigError(
+            f"calibrated quantization runs llmcompressor in its own environment, and {path} does not exist: "
+            "run `bash scripts/setup.sh` (it creates .venv-quant), set quantize.python, or set "
+            "quantize.calibration.enabled=false for round-to-nearest"
+        )
     return str(path)
 
 
@@ -120,8 +134,11 @@ def _scheme_reads(scheme: str) -> Callable[[Any], tuple[str, ...]]:
         if SCHEMES[scheme].grouped:
             fields.append("quantize.group_size")
         if config.quantize.calibration.enabled:
-            fields += ["quantize.calibration.max_seq_len", "quantize.calibration.dampening_frac",
-                       "quantize.calibration.seed"]
+            fields += [
+                "quantize.calibration.max_seq_len",
+                "quantize.calibration.dampening_frac",
+                "quantize.calibration.seed",
+            ]
             if SCHEMES[scheme].activation_bits == 8:
                 fields.append("quantize.calibration.smoothing_strength")
         return tuple(fields)
@@ -134,10 +151,19 @@ def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
         from lmforge.codeprint import library_version
 
         if config.quantize.calibration.enabled:
-            return {"scheme": scheme, "method": "gptq+smoothquant" if SCHEMES[scheme].activation_bits == 8 else "gptq",
-                    "quantizer": {"llmcompressor": _pinned("llmcompressor"),
-                                  "compressed-tensors": _pinned("compressed-tensors")}}
-        return {"scheme": scheme, "method": "rtn", "quantizer": {"compressed-tensors": library_version("compressed-tensors")}}
+            return {
+                "scheme": scheme,
+                "method": "gptq+smoothquant" if SCHEMES[scheme].activation_bits == 8 else "gptq",
+                "quantizer": {
+                    "llmcompressor": _pinned("llmcompressor"),
+                    "compressed-tensors": _pinned("compressed-tensors"),
+                },
+            }
+        return {
+            "scheme": scheme,
+            "method": "rtn",
+            "quantizer": {"compressed-tensors": library_version("compressed-tensors")},
+        }
 
     return method
 
@@ -164,20 +190,36 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
     q = ctx.config.quantize
     calibrated = q.calibration.enabled
     # the spec holds exactly what this scheme reads (its declared reads): a field it does not use is not passed
-    spec: dict[str, Any] = {"scheme": scheme, "method": "gptq" if calibrated else "rtn", "model_dir": str(model_dir),
-                            "seed": 0, "break_scale_factor": ctx.config.debug.quantize.break_scale_factor}
+    spec: dict[str, Any] = {
+        "scheme": scheme,
+        "method": "gptq" if calibrated else "rtn",
+        "model_dir": str(model_dir),
+        "seed": 0,
+        "break_scale_factor": ctx.config.debug.quantize.break_scale_factor,
+    }
     if SCHEMES[scheme].grouped:
         spec["group_size"] = q.group_size
     if calibrated:
-        spec.update(seed=q.calibration.seed, max_seq_len=q.calibration.max_seq_len,
-                    dampening_frac=q.calibration.dampening_frac,
-                    calibration_file=str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl"))
+        spec.update(
+            seed=q.calibration.seed,
+            max_seq_len=q.calibration.max_seq_len,
+            dampening_frac=q.calibration.dampening_frac,
+            calibration_file=str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl"),
+        )
         if SCHEMES[scheme].activation_bits == 8:
             spec["smoothing_strength"] = q.calibration.smoothing_strength
     python = quantizer_python(ctx.config) if calibrated else sys.executable
-    run_entry("serving.quantize.entry", spec, ctx.out_dir, launch=Launch(python=python), policy=SINGLE,
-              spec_name="quantize_spec.json", logger=logging.getLogger("serving.quantize.entry"), tail_lines=6,
-              what=f"the {scheme} quantizer")
+    run_entry(
+        "serving.quantize.entry",
+        spec,
+        ctx.out_dir,
+        launch=Launch(python=python),
+        policy=SINGLE,
+        spec_name="quantize_spec.json",
+        logger=logging.getLogger("serving.quantize.entry"),
+        tail_lines=6,
+        what=f"the {scheme} quantizer",
+    )
     return json.loads((ctx.out_dir / "quantize_result.json").read_text())
 
 
@@ -191,33 +233,75 @@ def _scheme_step(scheme: str) -> Step:
         role = quantized_role(ctx)
         model_dir = ctx.path(hf_model(role))
         result = _quantize(ctx, scheme, model_dir)
-        report = {"scheme": scheme, "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size if SCHEMES[scheme].grouped else 0),
-                  "model": role, **result, **measure(model_dir, ctx.out_dir / "model")}
+        report = {
+            "scheme": scheme,
+            "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size if SCHEMES[scheme].grouped else 0),
+            "model": role,
+            **result,
+            **measure(model_dir, ctx.out_dir / "model"),
+        }
         if ctx.config.quantize.calibration.enabled:
-            report["calibration"] = {"step": CALIBRATION, "key": ctx.upstream[CALIBRATION]["key"],
-                                     "ids": ctx.upstream[CALIBRATION]["extra"]["ids"]}
+            report["calibration"] = {
+                "step": CALIBRATION,
+                "key": ctx.upstream[CALIBRATION]["key"],
+                "ids": ctx.upstream[CALIBRATION]["extra"]["ids"],
+            }
         atomic_write_json(ctx.out_dir / "report.json", report)
-        log.info("%s: %.2fx of bf16 (%.2f bits/parameter), mean layer error %.4f, quantized in %.1fs",
-                 scheme, report["compression_ratio"], report["bits_per_parameter"], report["mean_layer_error"],
-                 report["quantize_seconds"])
-        return {"counts": {"quantized_layers": report["quantized_layers"], "calibration_samples": report["calibration_samples"]},
-                "metrics": {k: report[k] for k in ("bytes", "bf16_bytes", "compression_ratio", "bits_per_parameter",
-                                                   "mean_layer_error", "max_layer_error", "quantize_seconds")},
-                "extra": {"scheme": scheme, "model": role, "model_dir": str(ctx.out_dir / "model"),
-                          "method": result["method"]}}
+        log.info(
+            "%s: %.2fx of bf16 (%.2f bits/parameter), mean layer error %.4f, quantized in %.1fs",
+            scheme,
+            report["compression_ratio"],
+            report["bits_per_parameter"],
+            report["mean_layer_error"],
+            report["quantize_seconds"],
+        )
+        return {
+            "counts": {
+                "quantized_layers": report["quantized_layers"],
+                "calibration_samples": report["calibration_samples"],
+            },
+            "metrics": {
+                k: report[k]
+                for k in (
+                    "bytes",
+                    "bf16_bytes",
+                    "compression_ratio",
+                    "bits_per_parameter",
+                    "mean_layer_error",
+                    "max_layer_error",
+                    "quantize_seconds",
+                )
+            },
+            "extra": {
+                "scheme": scheme,
+                "model": role,
+                "model_dir": str(ctx.out_dir / "model"),
+                "method": result["method"],
+            },
+        }
 
-    return Step(step_name(scheme), 1, f"{scheme}: {SCHEMES[scheme].describe(128)}, compressed-tensors format",
-                reads=_scheme_reads(scheme), derive=_scheme_method(scheme), upstream=_scheme_upstream,
-                finalize=finalize, when=lambda c: scheme in c.quantize.schemes,
-                provides={quantized(scheme): "model"}, digest_paths=("model/",), retries=1,
-                code=("serving.quantize.entry", "serving.quantize.schemes", "serving.quantize.report"),
-                libraries=("compressed-tensors", "transformers", "torch"))
+    return Step(
+        step_name(scheme),
+        1,
+        f"{scheme}: {SCHEMES[scheme].describe(128)}, compressed-tensors format",
+        reads=_scheme_reads(scheme),
+        derive=_scheme_method(scheme),
+        upstream=_scheme_upstream,
+        finalize=finalize,
+        when=lambda c: scheme in c.quantize.schemes,
+        provides={quantized(scheme): "model"},
+        digest_paths=("model/",),
+        retries=1,
+        code=("serving.quantize.entry", "serving.quantize.schemes", "serving.quantize.report"),
+        libraries=("compressed-tensors", "transformers", "torch"),
+    )
 
 
 SCHEME_STEPS = [_scheme_step(name) for name in SCHEMES]
 
 
 # -- the gate ----------------------------------------------------------------------------------------
+
 
 def _gate_reads(config: Any) -> tuple[str, ...]:
     from evaluation.runs import run_reads
@@ -236,8 +320,11 @@ def _gate_run(config: ConfigView) -> dict[str, Any]:
 
 def _gate_upstream(config: Any) -> tuple[Any, ...]:
     schemes = [s.name for s in SCHEME_STEPS if s.enabled(config)]
-    return (EVAL_TASKS, hf_model(model_role(config)), *schemes) if config.quantize.gate.enabled else \
-        (hf_model(model_role(config)), *schemes)
+    return (
+        (EVAL_TASKS, hf_model(model_role(config)), *schemes)
+        if config.quantize.gate.enabled
+        else (hf_model(model_role(config)), *schemes)
+    )
 
 
 def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -245,28 +332,49 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
     cfg = ctx.config.quantize
     role = quantized_role(ctx)
-    checkpoints = {ctx.upstream[name]["extra"]["scheme"]: ctx.upstream[name] for name in ctx.upstream
-                   if name.startswith("quantize/") and name != CALIBRATION}
-    reports = {s: {**json.loads((Path(m["dir"]) / "report.json").read_text()), "model_dir": m["extra"]["model_dir"]}
-               for s, m in checkpoints.items()}
+    checkpoints = {
+        ctx.upstream[name]["extra"]["scheme"]: ctx.upstream[name]
+        for name in ctx.upstream
+        if name.startswith("quantize/") and name != CALIBRATION
+    }
+    reports = {
+        s: {**json.loads((Path(m["dir"]) / "report.json").read_text()), "model_dir": m["extra"]["model_dir"]}
+        for s, m in checkpoints.items()
+    }
     comparisons: dict[str, list[dict[str, Any]]] = {}
     if cfg.gate.enabled:
         tasks = ctx.manifest(EVAL_TASKS)["extra"]["tasks"]
         wanted = cfg.gate.tasks or ctx.config.evaluate.tasks
         tasks = {name: t for name, t in tasks.items() if name in wanted}
         model = hf_model(role)
-        comparisons = evaluate_all(ctx.config, ctx.workspace, tasks, ctx.identity["run"], ctx.out_dir,
-                                   (role, ctx.path(model), ctx.manifest(model)["digest"]),
-                                   {s: (Path(m["extra"]["model_dir"]), m["digest"]) for s, m in checkpoints.items()})
-    verdict = decide(cfg.gate, role, reports, comparisons, {s: {"key": m["key"], "digest": m["digest"]} for s, m in checkpoints.items()})
+        comparisons = evaluate_all(
+            ctx.config,
+            ctx.workspace,
+            tasks,
+            ctx.identity["run"],
+            ctx.out_dir,
+            (role, ctx.path(model), ctx.manifest(model)["digest"]),
+            {s: (Path(m["extra"]["model_dir"]), m["digest"]) for s, m in checkpoints.items()},
+        )
+    verdict = decide(
+        cfg.gate,
+        role,
+        reports,
+        comparisons,
+        {s: {"key": m["key"], "digest": m["digest"]} for s, m in checkpoints.items()},
+    )
     atomic_write_json(ctx.out_dir / "verdict.json", verdict)
     atomic_write_json(ctx.out_dir / "report.json", {"verdict": verdict, "checkpoints": reports})
     for scheme, outcome in verdict["schemes"].items():
         if not outcome["eligible"]:
-            log.warning("%s fails the quantization gate: %s; not eligible for serving", scheme, "; ".join(outcome["failures"]))
+            log.warning(
+                "%s fails the quantization gate: %s; not eligible for serving", scheme, "; ".join(outcome["failures"])
+            )
     log.info("%s", verdict["decision"])
-    return {"counts": {"schemes": len(checkpoints), "eligible": sum(o["eligible"] for o in verdict["schemes"].values())},
-            "extra": {"chosen": verdict["chosen"], "decision": verdict["decision"]}}
+    return {
+        "counts": {"schemes": len(checkpoints), "eligible": sum(o["eligible"] for o in verdict["schemes"].values())},
+        "extra": {"chosen": verdict["chosen"], "decision": verdict["decision"]},
+    }
 
 
 def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
@@ -276,14 +384,30 @@ def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
 
 
 QUANTIZE_STEPS = [
-    Step(CALIBRATION, 1, "Calibration samples drawn by seed from the curated documents and the SFT data",
-         reads=CALIBRATION_READS, upstream=_calibration_upstream,
-         finalize=_calibration_finalize, when=lambda c: c.quantize.calibration.enabled,
-         code=("serving.quantize.calibration",), libraries=("transformers",)),
+    Step(
+        CALIBRATION,
+        1,
+        "Calibration samples drawn by seed from the curated documents and the SFT data",
+        reads=CALIBRATION_READS,
+        upstream=_calibration_upstream,
+        finalize=_calibration_finalize,
+        when=lambda c: c.quantize.calibration.enabled,
+        code=("serving.quantize.calibration",),
+        libraries=("transformers",),
+    ),
     *SCHEME_STEPS,
-    Step(GATE, 1, "Every checkpoint evaluated on vLLM against the unquantized model; the smallest that passes ships",
-         reads=_gate_reads, derive=_gate_run, upstream=_gate_upstream, finalize=_gate_finalize,
-         when=lambda c: bool(c.quantize.schemes), provides={QUANT_VERDICT: ""},
-         progress=lambda ctx: _gate_progress(ctx),
-         code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats"), libraries=("lm-eval",)),
+    Step(
+        GATE,
+        1,
+        "Every checkpoint evaluated on vLLM against the unquantized model; the smallest that passes ships",
+        reads=_gate_reads,
+        derive=_gate_run,
+        upstream=_gate_upstream,
+        finalize=_gate_finalize,
+        when=lambda c: bool(c.quantize.schemes),
+        provides={QUANT_VERDICT: ""},
+        progress=lambda ctx: _gate_progress(ctx),
+        code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats"),
+        libraries=("lm-eval",),
+    ),
 ]

@@ -19,7 +19,8 @@ class BuiltinDataConfig(StrictModel):
 
     tasks: list[Literal["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]] = Field(
         default_factory=lambda: ["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"],
-        description="Generated tasks with one verifiable answer each.")
+        description="Generated tasks with one verifiable answer each.",
+    )
     per_task: int = Field(240, ge=1, description="Distinct examples generated per task (fewer where a task has fewer).")
     dialogue_conversations: int = Field(150, ge=0, description="Multi-turn chatterbot conversations added to SFT data.")
     seed: int = 0
@@ -33,9 +34,11 @@ class LoraConfig(StrictModel):
     dropout: float = Field(0.05, ge=0, lt=1)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Module names LoRA adapts (attention + MLP projections).")
+        description="Module names LoRA adapts (attention + MLP projections).",
+    )
     merge_parity_tolerance: float = runtime_field(
-        1e-3, description="Max |logit difference| between the merged model and the PEFT model.", gt=0)
+        1e-3, description="Max |logit difference| between the merged model and the PEFT model.", gt=0
+    )
 
 
 class TrainConfig(StrictModel):
@@ -47,7 +50,9 @@ class TrainConfig(StrictModel):
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_seq_len: int | None = Field(None, ge=8, description="Truncate sequences to this many tokens (default: the model's context).")
+    max_seq_len: int | None = Field(
+        None, ge=8, description="Truncate sequences to this many tokens (default: the model's context)."
+    )
     seed: int = 1234
     save_steps: int = Field(50, ge=1, description="Checkpoint interval; a retry resumes from the latest one.")
     micro_batch_size: int = runtime_field(8, description="Sequences per rank per forward pass.", ge=1)
@@ -56,19 +61,30 @@ class TrainConfig(StrictModel):
 
 
 class SftConfig(TrainConfig):
-    inputs: list[str] = Field(default_factory=list, description="Chat JSONL (OpenAI `messages`, or `prompt`/`completion`); empty: built in.")
+    inputs: list[str] = Field(
+        default_factory=list, description="Chat JSONL (OpenAI `messages`, or `prompt`/`completion`); empty: built in."
+    )
     packing: bool = Field(True, description="Pack short conversations into full sequences (TRL's best-fit packing).")
-    assistant_only_loss: bool = Field(True, description="Loss on assistant tokens only (TRL, via {% generation %} markers).")
+    assistant_only_loss: bool = Field(
+        True, description="Loss on assistant tokens only (TRL, via {% generation %} markers)."
+    )
 
 
 class DpoConfig(TrainConfig):
     enabled: bool = runtime_field(True, description="Run DPO after SFT in `lmforge run`.")
-    inputs: list[str] = Field(default_factory=list, description="Preference JSONL (`prompt`, `chosen`, `rejected`); empty: built in.")
+    inputs: list[str] = Field(
+        default_factory=list, description="Preference JSONL (`prompt`, `chosen`, `rejected`); empty: built in."
+    )
     beta: float = Field(0.1, gt=0, description="DPO's KL strength (0.1 in the seeds).")
     loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="TRL's DPO loss.")
-    sft_weight: float = Field(0.0, ge=0, description=(
-        "Weight of an NLL term on the chosen answer added to the DPO loss (TRL loss_type [.., 'sft'], "
-        "as in RPO/MPO); keeps the policy generating the chosen answers, not only ranking them. 0 = plain DPO."))
+    sft_weight: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of an NLL term on the chosen answer added to the DPO loss (TRL loss_type [.., 'sft'], "
+            "as in RPO/MPO); keeps the policy generating the chosen answers, not only ranking them. 0 = plain DPO."
+        ),
+    )
     lora: bool = Field(False, description="Train DPO as a LoRA adapter on the SFT model (reference = adapter off).")
     lr: float = Field(5e-7, gt=0, description="5e-7 for real models (the seeds); the tiny preset sets its own.")
     max_steps: int = Field(150, ge=1)
@@ -78,14 +94,20 @@ class AlignDistributedConfig(StrictModel):
     """How alignment training is spread; none of this changes the cache key."""
 
     launcher: Literal["accelerate", "torchrun", "deepspeed"] = runtime_field(
-        "accelerate", description="Process launcher: accelerate or torchrun on one node, deepspeed with a hostfile for several.")
+        "accelerate",
+        description="Process launcher: accelerate or torchrun on one node, deepspeed with a hostfile for several.",
+    )
     num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
-        "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU.")
-    zero_stage: Literal[0, 2, 3] = runtime_field(0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP).")
+        "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU."
+    )
+    zero_stage: Literal[0, 2, 3] = runtime_field(
+        0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP)."
+    )
     hostfile: str | None = runtime_field(None, description="Hostfile for multi-node runs (same format as pretraining).")
     num_nodes: int = runtime_field(1, description="Nodes.", ge=1)
     node_launcher: Literal["pdsh", "slurm", "openmpi"] = runtime_field(
-        "pdsh", description="How DeepSpeed starts the ranks of other nodes (as pretrain.distributed.node_launcher).")
+        "pdsh", description="How DeepSpeed starts the ranks of other nodes (as pretrain.distributed.node_launcher)."
+    )
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
 
 
@@ -97,19 +119,26 @@ class AlignFaultConfig(StrictModel):
 
 class AlignConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
-    method: Literal["full", "lora"] = Field("full", description="SFT by full fine-tuning or a LoRA adapter (merged for export).")
-    heldout_fraction: float = Field(0.1, gt=0, lt=1, description="Share of records held out (by id hash) for evaluation.")
+    method: Literal["full", "lora"] = Field(
+        "full", description="SFT by full fine-tuning or a LoRA adapter (merged for export)."
+    )
+    heldout_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Share of records held out (by id hash) for evaluation."
+    )
     builtin: BuiltinDataConfig = BuiltinDataConfig()
     lora: LoraConfig = LoraConfig()
     sft: SftConfig = SftConfig()
     dpo: DpoConfig = DpoConfig()
     distributed: AlignDistributedConfig = AlignDistributedConfig()
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 where the hardware has it, else fp32.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto = bf16 where the hardware has it, else fp32."
+    )
     eval_generations: int = runtime_field(
-        120, description="Held-out verifiable items generated from during training to track exact match.", ge=0)
+        120, description="Held-out verifiable items generated from during training to track exact match.", ge=0
+    )
 
     @model_validator(mode="after")
-    def _multinode_needs_hostfile(self) -> "AlignConfig":
+    def _multinode_needs_hostfile(self) -> AlignConfig:
         d = self.distributed
         if d.num_nodes > 1 and not d.hostfile:
             raise ValueError("align.distributed.num_nodes > 1 needs a hostfile naming the nodes")
@@ -117,7 +146,11 @@ class AlignConfig(StrictModel):
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
         for name in ("sft", "dpo"):
             cfg = getattr(self, name)
-            if d.num_ranks != "auto" and cfg.global_batch_size % (cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes):
-                raise ValueError(f"{name}.global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
-                                 f"x ranks x nodes = {cfg.micro_batch_size} x {d.num_ranks} x {d.num_nodes}")
+            if d.num_ranks != "auto" and cfg.global_batch_size % (
+                cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes
+            ):
+                raise ValueError(
+                    f"{name}.global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
+                    f"x ranks x nodes = {cfg.micro_batch_size} x {d.num_ranks} x {d.num_nodes}"
+                )
         return self

@@ -24,9 +24,10 @@ import importlib.resources
 import json
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 import yaml
@@ -36,12 +37,36 @@ SYSTEM_PROMPT = "You are a helpful assistant. Answer with the result only."
 
 # One verifiable answer each: a short table keeps lookups learnable by a tiny model.
 CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
-    "Japan": "Tokyo", "China": "Beijing", "India": "Delhi", "Egypt": "Cairo", "Kenya": "Nairobi",
-    "Peru": "Lima", "Chile": "Santiago", "Canada": "Ottawa", "Mexico": "Mexico City", "Russia": "Moscow",
-    "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw", "Greece": "Athens",
-    "Turkey": "Ankara", "Iran": "Tehran", "Iraq": "Baghdad", "Cuba": "Havana", "Austria": "Vienna",
-    "Ireland": "Dublin", "Denmark": "Copenhagen", "Hungary": "Budapest", "Belgium": "Brussels", "Nepal": "Kathmandu",
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "Japan": "Tokyo",
+    "China": "Beijing",
+    "India": "Delhi",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Canada": "Ottawa",
+    "Mexico": "Mexico City",
+    "Russia": "Moscow",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Turkey": "Ankara",
+    "Iran": "Tehran",
+    "Iraq": "Baghdad",
+    "Cuba": "Havana",
+    "Austria": "Vienna",
+    "Ireland": "Dublin",
+    "Denmark": "Copenhagen",
+    "Hungary": "Budapest",
+    "Belgium": "Brussels",
+    "Nepal": "Kathmandu",
 }
 
 
@@ -57,10 +82,12 @@ class Example:
 
 # A small vocabulary of plain nouns: the tasks test a skill (copy, reverse, sort, count), and a
 # tiny model learns a skill faster over a few tokens than over thousands.
-WORDS = sorted("""apple bird boat book bread cake car cat chair city cloud coat cup desk door dog duck egg farm
+WORDS = sorted(
+    """apple bird boat book bread cake car cat chair city cloud coat cup desk door dog duck egg farm
 fish flag frog game girl goat hat hill horse house key king lake lamp leaf lion map milk moon mouse nest
 night pen pig plant queen rain ring river road rock rose salt sea sheep ship shoe sky snow song star stone
-sun table tea tent tiger town toy train tree truck wall water whale wind window wolf wood""".split())
+sun table tea tent tiger town toy train tree truck wall water whale wind window wolf wood""".split()
+)
 
 
 def _words() -> list[str]:
@@ -75,8 +102,12 @@ def _pick(rng: random.Random, words: list[str], low: int = 2, high: int = 3) -> 
 # fact the training split has seen (a lookup nobody was taught cannot be answered)
 _ADD = ("What is {a} + {b}?", "Compute {a} plus {b}.", "{a} + {b} =", "Add {a} and {b}.")
 _SUB = ("What is {a} - {b}?", "Compute {a} minus {b}.", "{a} - {b} =", "Subtract {b} from {a}.")
-_CAPITAL = ("What is the capital of {c}?", "Name the capital city of {c}.", "Which city is the capital of {c}?",
-            "The capital of {c} is?")
+_CAPITAL = (
+    "What is the capital of {c}?",
+    "Name the capital city of {c}.",
+    "Which city is the capital of {c}?",
+    "The capital of {c} is?",
+)
 
 
 def _add(rng: random.Random, words: list[str]) -> Example:
@@ -99,8 +130,12 @@ def _copy(rng: random.Random, words: list[str]) -> Example:
 
 def _reverse(rng: random.Random, words: list[str]) -> Example:
     picked = _pick(rng, words)
-    return Example("reverse", f"Reverse the order of these words:\n{' '.join(picked)}",
-                   " ".join(reversed(picked)), " ".join(picked))
+    return Example(
+        "reverse",
+        f"Reverse the order of these words:\n{' '.join(picked)}",
+        " ".join(reversed(picked)),
+        " ".join(picked),
+    )
 
 
 def _sort(rng: random.Random, words: list[str]) -> Example:
@@ -117,8 +152,9 @@ def _upper(rng: random.Random, words: list[str]) -> Example:
 
 def _count(rng: random.Random, words: list[str]) -> Example:
     picked = _pick(rng, words, 2, 5)
-    return Example("count", f"How many words are in:\n{' '.join(picked)}", str(len(picked)),
-                   str(len(picked) + rng.choice([-1, 1])))
+    return Example(
+        "count", f"How many words are in:\n{' '.join(picked)}", str(len(picked)), str(len(picked) + rng.choice([-1, 1]))
+    )
 
 
 def _capital(rng: random.Random, words: list[str]) -> Example:
@@ -128,8 +164,14 @@ def _capital(rng: random.Random, words: list[str]) -> Example:
 
 
 GENERATORS: dict[str, Callable[[random.Random, list[str]], Example]] = {
-    "add": _add, "subtract": _subtract, "copy": _copy, "reverse": _reverse, "sort": _sort,
-    "upper": _upper, "count": _count, "capital": _capital,
+    "add": _add,
+    "subtract": _subtract,
+    "copy": _copy,
+    "reverse": _reverse,
+    "sort": _sort,
+    "upper": _upper,
+    "count": _count,
+    "capital": _capital,
 }
 
 
@@ -156,17 +198,30 @@ def builtin_examples(per_task: int, seed: int, tasks: list[str]) -> list[Example
 
 def chat_record(example: Example, system: bool = False) -> dict[str, Any]:
     messages = ([{"role": "system", "content": SYSTEM_PROMPT}] if system else []) + [
-        {"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.answer}]
-    return {"id": record_id(example.task, example.prompt), "task": example.task, "messages": messages,
-            "answer": example.answer, "source": "builtin", "split_key": record_id(example.task, example.prompt)}
+        {"role": "user", "content": example.prompt},
+        {"role": "assistant", "content": example.answer},
+    ]
+    return {
+        "id": record_id(example.task, example.prompt),
+        "task": example.task,
+        "messages": messages,
+        "answer": example.answer,
+        "source": "builtin",
+        "split_key": record_id(example.task, example.prompt),
+    }
 
 
 def preference_record(example: Example) -> dict[str, Any]:
-    return {"id": record_id(f"pref-{example.task}", example.prompt), "task": example.task,
-            "prompt": [{"role": "user", "content": example.prompt}],
-            "chosen": [{"role": "assistant", "content": example.answer}],
-            "rejected": [{"role": "assistant", "content": example.wrong}], "answer": example.answer,
-            "source": "builtin", "split_key": record_id(example.task, example.prompt)}
+    return {
+        "id": record_id(f"pref-{example.task}", example.prompt),
+        "task": example.task,
+        "prompt": [{"role": "user", "content": example.prompt}],
+        "chosen": [{"role": "assistant", "content": example.answer}],
+        "rejected": [{"role": "assistant", "content": example.wrong}],
+        "answer": example.answer,
+        "source": "builtin",
+        "split_key": record_id(example.task, example.prompt),
+    }
 
 
 def dialogue_records(max_conversations: int, seed: int) -> list[dict[str, Any]]:
@@ -183,12 +238,14 @@ def dialogue_records(max_conversations: int, seed: int) -> list[dict[str, Any]]:
     out = []
     for turns in conversations[:max_conversations]:
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-        out.append({"id": record_id("dialogue", messages), "task": "dialogue", "messages": messages,
-                    "source": "chatterbot"})
+        out.append(
+            {"id": record_id("dialogue", messages), "task": "dialogue", "messages": messages, "source": "chatterbot"}
+        )
     return out
 
 
 # -- user data ------------------------------------------------------------------------------------
+
 
 class Rejected(ValueError):
     """A record that cannot be used; its message is the quarantine reason."""
@@ -227,8 +284,12 @@ def validate_chat(data: Any) -> dict[str, Any]:
         raise Rejected("missing_messages (needs messages, or prompt and completion)")
     if not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant_turn")
-    record = {"id": str(data.get("id") or record_id("chat", messages)), "task": str(data.get("task", "user")),
-              "messages": messages, "source": "user"}
+    record = {
+        "id": str(data.get("id") or record_id("chat", messages)),
+        "task": str(data.get("task", "user")),
+        "messages": messages,
+        "source": "user",
+    }
     if isinstance(data.get("answer"), str):
         record["answer"] = data["answer"]
     return record
@@ -247,13 +308,19 @@ def validate_preference(data: Any) -> dict[str, Any]:
         raise Rejected("invalid_completion (chosen and rejected must be assistant messages)")
     if chosen == rejected:
         raise Rejected("identical_pair (chosen equals rejected)")
-    return {"id": str(data.get("id") or record_id("pref", [prompt, chosen, rejected])),
-            "task": str(data.get("task", "user")), "prompt": prompt, "chosen": chosen, "rejected": rejected,
-            "source": "user"}
+    return {
+        "id": str(data.get("id") or record_id("pref", [prompt, chosen, rejected])),
+        "task": str(data.get("task", "user")),
+        "prompt": prompt,
+        "chosen": chosen,
+        "rejected": rejected,
+        "source": "user",
+    }
 
 
-def read_user_records(paths: list[str], validate: Callable[[Any], dict[str, Any]],
-                      label: Callable[[str], str] = str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+def read_user_records(
+    paths: list[str], validate: Callable[[Any], dict[str, Any]], label: Callable[[str], str] = str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """(good records, quarantine records, records read) of every input, with the readers curation uses."""
     from lmforge.inputs import quarantine_record, read_input
 
@@ -273,11 +340,14 @@ def read_user_records(paths: list[str], validate: Callable[[Any], dict[str, Any]
 
 # -- split and write ------------------------------------------------------------------------------
 
+
 def is_heldout(record_id_: str, fraction: float, seed: int) -> bool:
     return xxhash.xxh64_intdigest(record_id_.encode(), seed=seed) % 1_000_000 < fraction * 1_000_000
 
 
-def split(records: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split(
+    records: list[dict[str, Any]], fraction: float, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, held-out) by a hash of the record's `split_key` (default its id); a repeated id is kept once.
 
     The built-in SFT record and preference pair made from one question share a split key, so a

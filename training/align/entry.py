@@ -36,8 +36,11 @@ def newest_checkpoint(root: Path) -> Path | None:
     leaves a folder without it, which is skipped (and set aside) rather than resumed from."""
     if not root.exists():
         return None
-    found = sorted((p for p in root.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                   key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    found = sorted(
+        (p for p in root.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+        reverse=True,
+    )
     for candidate in found:
         if (candidate / "trainer_state.json").exists():
             return candidate
@@ -52,8 +55,10 @@ def resume_point(out_dir: Path) -> Path | None:
     checkpoint = newest_checkpoint(out_dir / "checkpoints")
     metrics = out_dir / METRICS
     if checkpoint is None and metrics.exists() and metrics.stat().st_size:
-        raise DeterministicError(f"{out_dir}: {METRICS} records training progress but no complete checkpoint is left; "
-                                 "refusing to restart from step 0 over it (delete the output folder to start over)")
+        raise DeterministicError(
+            f"{out_dir}: {METRICS} records training progress but no complete checkpoint is left; "
+            "refusing to restart from step 0 over it (delete the output folder to start over)"
+        )
     return checkpoint
 
 
@@ -83,8 +88,15 @@ def _callbacks(spec: dict[str, Any], trainer_holder: dict[str, Any]) -> list[Any
                 handle.write(json.dumps(row) + "\n")
             if state.global_step % spec["config"]["log_every"] == 0 and "loss" in row:
                 extra = "".join(f" {k} {row[k]:.3f}" for k in ("rewards/accuracies", "rewards/margins") if k in row)
-                log.info("%s step %d/%d loss %.4f%s%s", spec["kind"], state.global_step, state.max_steps, row["loss"],
-                         extra, f" {row['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in row else "")
+                log.info(
+                    "%s step %d/%d loss %.4f%s%s",
+                    spec["kind"],
+                    state.global_step,
+                    state.max_steps,
+                    row["loss"],
+                    extra,
+                    f" {row['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in row else "",
+                )
 
     class HeldoutGeneration(TrainerCallback):
         """Rank 0, every `eval_every` steps: exact match of greedy answers on held-out verifiable items."""
@@ -114,21 +126,44 @@ def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     per_step = cfg["micro_batch_size"] * world
     ds = None
     if spec["zero_stage"]:
-        ds = {"zero_optimization": {"stage": spec["zero_stage"]},
-              "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "bf16": {"enabled": "auto"}, "fp16": {"enabled": False}}
+        ds = {
+            "zero_optimization": {"stage": spec["zero_stage"]},
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": False},
+        }
         if spec["zero_stage"] == 3:
             ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     return cls(
-        output_dir=str(out_dir / "checkpoints"), use_cpu=not torch.cuda.is_available(),
-        bf16=spec["precision"] == "bf16", gradient_checkpointing=False, max_length=spec["max_length"],
-        per_device_train_batch_size=cfg["micro_batch_size"], gradient_accumulation_steps=cfg["global_batch_size"] // per_step,
-        learning_rate=cfg["lr"], lr_scheduler_type=cfg["lr_scheduler"], warmup_steps=int(cfg["warmup_ratio"] * cfg["max_steps"]),
-        weight_decay=cfg["weight_decay"], max_steps=cfg["max_steps"], logging_steps=1, logging_first_step=True,
-        report_to=["tensorboard"], save_strategy="steps", save_steps=cfg["save_steps"], save_total_limit=2,
-        seed=cfg["seed"], data_seed=cfg["seed"], dataloader_num_workers=0, ddp_find_unused_parameters=False,
-        deepspeed=ds, save_only_model=False, **extra)
+        output_dir=str(out_dir / "checkpoints"),
+        use_cpu=not torch.cuda.is_available(),
+        bf16=spec["precision"] == "bf16",
+        gradient_checkpointing=False,
+        max_length=spec["max_length"],
+        per_device_train_batch_size=cfg["micro_batch_size"],
+        gradient_accumulation_steps=cfg["global_batch_size"] // per_step,
+        learning_rate=cfg["lr"],
+        lr_scheduler_type=cfg["lr_scheduler"],
+        warmup_steps=int(cfg["warmup_ratio"] * cfg["max_steps"]),
+        weight_decay=cfg["weight_decay"],
+        max_steps=cfg["max_steps"],
+        logging_steps=1,
+        logging_first_step=True,
+        report_to=["tensorboard"],
+        save_strategy="steps",
+        save_steps=cfg["save_steps"],
+        save_total_limit=2,
+        seed=cfg["seed"],
+        data_seed=cfg["seed"],
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+        deepspeed=ds,
+        save_only_model=False,
+        **extra,
+    )
 
 
 def _load_model(path: str, precision: str) -> Any:
@@ -142,8 +177,14 @@ def _peft_config(spec: dict[str, Any]) -> Any:
     from peft import LoraConfig
 
     lora = spec["lora"]
-    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], bias="none",
-                      task_type="CAUSAL_LM", target_modules=lora["target_modules"])
+    return LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=lora["target_modules"],
+    )
 
 
 def _dataset(path: str, columns: list[str]) -> Any:
@@ -174,24 +215,41 @@ def train(spec: dict[str, Any], rank: int) -> None:
     if spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        args = _training_args(spec, SFTConfig, assistant_only_loss=spec["config"]["assistant_only_loss"],
-                              packing=spec["config"]["packing"])
-        trainer = SFTTrainer(model=model, args=args, train_dataset=_dataset(spec["train"], ["messages"]),
-                             processing_class=tokenizer, peft_config=_peft_config(spec) if lora else None,
-                             callbacks=_callbacks(spec, holder))
+        args = _training_args(
+            spec,
+            SFTConfig,
+            assistant_only_loss=spec["config"]["assistant_only_loss"],
+            packing=spec["config"]["packing"],
+        )
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(spec["train"], ["messages"]),
+            processing_class=tokenizer,
+            peft_config=_peft_config(spec) if lora else None,
+            callbacks=_callbacks(spec, holder),
+        )
     else:
         from trl import DPOConfig, DPOTrainer
 
         weight = spec["config"].get("sft_weight", 0.0)
-        losses = {"loss_type": [spec["config"]["loss_type"], "sft"], "loss_weights": [1.0, weight]} if weight else \
-            {"loss_type": [spec["config"]["loss_type"]]}
+        losses = (
+            {"loss_type": [spec["config"]["loss_type"], "sft"], "loss_weights": [1.0, weight]}
+            if weight
+            else {"loss_type": [spec["config"]["loss_type"]]}
+        )
         args = _training_args(spec, DPOConfig, beta=spec["config"]["beta"], **losses)
         # the reference is the SFT model, frozen, loaded from disk like the policy (with LoRA: adapter off)
         reference = None if lora else _load_model(spec["base_dir"], spec["precision"])
-        trainer = DPOTrainer(model=model, ref_model=reference, args=args,
-                             train_dataset=_dataset(spec["train"], ["prompt", "chosen", "rejected"]),
-                             processing_class=tokenizer, peft_config=_peft_config(spec) if lora else None,
-                             callbacks=_callbacks(spec, holder))
+        trainer = DPOTrainer(
+            model=model,
+            ref_model=reference,
+            args=args,
+            train_dataset=_dataset(spec["train"], ["prompt", "chosen", "rejected"]),
+            processing_class=tokenizer,
+            peft_config=_peft_config(spec) if lora else None,
+            callbacks=_callbacks(spec, holder),
+        )
     holder["trainer"] = trainer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -217,8 +275,12 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
     else:
         gap = None
     finalize_export(spec, tokenizer, hf)
-    summary = {"final_step": trainer.state.global_step, "train_loss": result.training_loss,
-               "train_seconds": round(seconds, 2), "merge_parity_max_abs_logit_diff": gap}
+    summary = {
+        "final_step": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "train_seconds": round(seconds, 2),
+        "merge_parity_max_abs_logit_diff": gap,
+    }
     summary.update(measure(spec, tokenizer, hf))
     summary["warnings"] = overoptimisation(spec, summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -246,7 +308,9 @@ def merge_lora(spec: dict[str, Any], adapter: Path, hf: Path) -> float:
         gap = float((reloaded(input_ids=batch).logits.float() - reference).abs().max())
     tolerance = spec["lora"]["merge_parity_tolerance"]
     if gap > tolerance:
-        raise ParityError(f"merged LoRA model's logits differ from the PEFT model's by {gap:.3g} (tolerance {tolerance})")
+        raise ParityError(
+            f"merged LoRA model's logits differ from the PEFT model's by {gap:.3g} (tolerance {tolerance})"
+        )
     log.info("LoRA merge parity ok: max |logit diff| %.3g", gap)
     return gap
 
@@ -258,8 +322,10 @@ def parity_batch(spec: dict[str, Any]) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
     records = [json.loads(line) for line in Path(spec["heldout"]).read_text().splitlines()[:4]]
-    texts = [tokenizer.apply_chat_template(r["messages"] if "messages" in r else r["prompt"] + r["chosen"], tokenize=False)
-             for r in records]
+    texts = [
+        tokenizer.apply_chat_template(r["messages"] if "messages" in r else r["prompt"] + r["chosen"], tokenize=False)
+        for r in records
+    ]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:64] for t in texts]
     width = min(len(i) for i in ids)
     return torch.tensor([i[:width] for i in ids])
@@ -288,20 +354,35 @@ def measure(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
         model = _load_model(path, "fp32")
         if spec["kind"] == "sft":
             loss = assistant_loss(model, tokenizer, heldout, spec["max_length"])
-            out.update({f"heldout_loss_{name}": loss["loss"],
-                        f"heldout_loss_{name}_ci": [loss["loss_ci_low"], loss["loss_ci_high"]]})
+            out.update(
+                {
+                    f"heldout_loss_{name}": loss["loss"],
+                    f"heldout_loss_{name}_ci": [loss["loss_ci_low"], loss["loss_ci_high"]],
+                }
+            )
         else:
             pref = preference_accuracy(model, tokenizer, heldout, spec["max_length"])
             paired.setdefault("preference_accuracy", {})[name] = pref["wins"]
-            out.update({f"preference_accuracy_{name}": pref["preference_accuracy"],
-                        f"preference_accuracy_{name}_ci": [pref["preference_accuracy_ci_low"],
-                                                           pref["preference_accuracy_ci_high"]],
-                        f"logprob_margin_{name}": pref["mean_logprob_margin"]})
+            out.update(
+                {
+                    f"preference_accuracy_{name}": pref["preference_accuracy"],
+                    f"preference_accuracy_{name}_ci": [
+                        pref["preference_accuracy_ci_low"],
+                        pref["preference_accuracy_ci_high"],
+                    ],
+                    f"logprob_margin_{name}": pref["mean_logprob_margin"],
+                }
+            )
         em = exact_match(model, tokenizer, verifiable)
         paired.setdefault("exact_match", {})[name] = em["hits"]
-        out.update({f"exact_match_{name}": em["exact_match"],
-                    f"exact_match_{name}_ci": [em["exact_match_ci_low"], em["exact_match_ci_high"]],
-                    f"exact_match_{name}_by_task": em["by_task"], f"examples_{name}": em["examples"]})
+        out.update(
+            {
+                f"exact_match_{name}": em["exact_match"],
+                f"exact_match_{name}_ci": [em["exact_match_ci_low"], em["exact_match_ci_high"]],
+                f"exact_match_{name}_by_task": em["by_task"],
+                f"examples_{name}": em["examples"],
+            }
+        )
         out["heldout_items"] = len(heldout)
         out["heldout_generation_items"] = em["items"]
         del model
@@ -323,9 +404,11 @@ def overoptimisation(spec: dict[str, Any], summary: dict[str, Any]) -> list[str]
         return []
     saturated = sum(accuracies) / len(accuracies) >= 0.95
     if saturated and after < before - 0.05:
-        message = (f"DPO reward accuracy saturated ({sum(accuracies) / len(accuracies):.2f} over the last steps) while "
-                   f"held-out exact match fell {before:.3f} -> {after:.3f}: likely over-optimisation; lower "
-                   "align.dpo.lr or max_steps, or raise align.dpo.beta")
+        message = (
+            f"DPO reward accuracy saturated ({sum(accuracies) / len(accuracies):.2f} over the last steps) while "
+            f"held-out exact match fell {before:.3f} -> {after:.3f}: likely over-optimisation; lower "
+            "align.dpo.lr or max_steps, or raise align.dpo.beta"
+        )
         log.warning("%s", message)
         return [message]
     return []

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 
-def bootstrap_ci(values: list[float], weights: list[float] | None = None, iters: int = 1000,
-                 seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    values: list[float], weights: list[float] | None = None, iters: int = 1000, seed: int = 0
+) -> tuple[float, float, float]:
     """(estimate, low, high): the weighted mean and its 95% percentile bootstrap interval over items."""
     if not values:
         return float("nan"), float("nan"), float("nan")
@@ -32,8 +33,9 @@ def bootstrap_ci(values: list[float], weights: list[float] | None = None, iters:
     return float((v * w).sum() / w.sum()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def paired_bootstrap(before: list[float], after: list[float], iters: int = 1000,
-                     seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(
+    before: list[float], after: list[float], iters: int = 1000, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean of after - before, 95% interval) resampling the same items for both."""
     if not before:
         return float("nan"), float("nan"), float("nan")
@@ -45,8 +47,9 @@ def _masked(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> tup
     return out["input_ids"][:max_len], out["assistant_masks"][:max_len]
 
 
-def assistant_loss(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_len: int,
-                   batch_size: int = 16) -> dict[str, float]:
+def assistant_loss(
+    model: Any, tokenizer: Any, records: list[dict[str, Any]], max_len: int, batch_size: int = 16
+) -> dict[str, float]:
     """Token-weighted assistant-token loss over `records`, with a bootstrap interval over items."""
     import torch
     import torch.nn.functional as F
@@ -78,8 +81,9 @@ def assistant_loss(model: Any, tokenizer: Any, records: list[dict[str, Any]], ma
     return {"loss": loss, "loss_ci_low": low, "loss_ci_high": high, "items": len(per_item)}
 
 
-def generate_answers(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 24,
-                     batch_size: int = 32) -> list[str]:
+def generate_answers(
+    model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 24, batch_size: int = 32
+) -> list[str]:
     """Greedy answers to each record's prompt (every message before the last assistant turn)."""
     import torch
 
@@ -93,9 +97,14 @@ def generate_answers(model: Any, tokenizer: Any, records: list[dict[str, Any]], 
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=tokenizer.pad_token_id)
-        for row in out[:, batch["input_ids"].shape[1]:]:
+            out = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        for row in out[:, batch["input_ids"].shape[1] :]:
             answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())
     return answers
 
@@ -117,14 +126,23 @@ def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]]) -> di
     tasks: dict[str, list[float]] = {}
     for hit, record in zip(hits, verifiable):
         tasks.setdefault(record["task"], []).append(hit)
-    return {"exact_match": score, "exact_match_ci_low": low, "exact_match_ci_high": high, "items": len(hits),
-            "by_task": {t: round(sum(v) / len(v), 4) for t, v in sorted(tasks.items())},
-            "hits": hits, "examples": [{"prompt": prompt_messages(r)[-1]["content"], "answer": r["answer"],
-                                         "model": a} for r, a in list(zip(verifiable, answers))[:5]]}
+    return {
+        "exact_match": score,
+        "exact_match_ci_low": low,
+        "exact_match_ci_high": high,
+        "items": len(hits),
+        "by_task": {t: round(sum(v) / len(v), 4) for t, v in sorted(tasks.items())},
+        "hits": hits,
+        "examples": [
+            {"prompt": prompt_messages(r)[-1]["content"], "answer": r["answer"], "model": a}
+            for r, a in list(zip(verifiable, answers))[:5]
+        ],
+    }
 
 
-def sequence_logprob(model: Any, tokenizer: Any, prompt: list[dict[str, str]], completion: list[dict[str, str]],
-                     max_len: int) -> float:
+def sequence_logprob(
+    model: Any, tokenizer: Any, prompt: list[dict[str, str]], completion: list[dict[str, str]], max_len: int
+) -> float:
     """Sum of log-probabilities of the completion's assistant tokens after the prompt."""
     import torch
 
@@ -147,6 +165,11 @@ def preference_accuracy(model: Any, tokenizer: Any, records: list[dict[str, Any]
         wins.append(float(chosen > rejected))
         margins.append(chosen - rejected if math.isfinite(chosen - rejected) else 0.0)
     score, low, high = bootstrap_ci(wins)
-    return {"preference_accuracy": score, "preference_accuracy_ci_low": low, "preference_accuracy_ci_high": high,
-            "mean_logprob_margin": float(np.mean(margins)) if margins else float("nan"), "items": len(wins),
-            "wins": wins}
+    return {
+        "preference_accuracy": score,
+        "preference_accuracy_ci_low": low,
+        "preference_accuracy_ci_high": high,
+        "mean_logprob_margin": float(np.mean(margins)) if margins else float("nan"),
+        "items": len(wins),
+        "wins": wins,
+    }

@@ -22,8 +22,9 @@ def _fmt(value: Any) -> Any:
     return value
 
 
-def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
-               error: BaseException | None) -> list[ArtifactSpec]:
+def _artifacts(
+    manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
+) -> list[ArtifactSpec]:
     specs = []
     data = manifests.get("align/data")
     if data:
@@ -33,15 +34,29 @@ def _artifacts(manifests: dict[str, dict[str, Any]], status: dict[str, str],
         manifest = manifests.get(step)
         if manifest is None:
             continue
-        rows = [{"metric": k, "value": _fmt(v)} for k, v in manifest["metrics"].items()
-                if isinstance(v, (int, float, list)) and not k.endswith("_by_task")]
+        rows = [
+            {"metric": k, "value": _fmt(v)}
+            for k, v in manifest["metrics"].items()
+            if isinstance(v, (int, float, list)) and not k.endswith("_by_task")
+        ]
         name = step.split("/")[1]
-        specs.append(ArtifactSpec(f"align-{name}-summary", "table", rows,
-                                  f"{name.upper()}: held-out figures before/after (95% bootstrap intervals), training"))
+        specs.append(
+            ArtifactSpec(
+                f"align-{name}-summary",
+                "table",
+                rows,
+                f"{name.upper()}: held-out figures before/after (95% bootstrap intervals), training",
+            )
+        )
         if manifest["extra"].get("warnings"):
-            specs.append(ArtifactSpec(f"align-{name}-warnings", "markdown",
-                                      "\n".join(f"- **warning**: {w}" for w in manifest["extra"]["warnings"]),
-                                      f"{name.upper()} warnings"))
+            specs.append(
+                ArtifactSpec(
+                    f"align-{name}-warnings",
+                    "markdown",
+                    "\n".join(f"- **warning**: {w}" for w in manifest["extra"]["warnings"]),
+                    f"{name.upper()} warnings",
+                )
+            )
     return specs
 
 
@@ -50,8 +65,10 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     for step, role in (("align/sft", "SFT"), ("align/dpo", "DPO")):
         if step in manifests:
             m = manifests[step]["metrics"]
-            lines.append(f"{role}:     {manifests[step]['dir']}/hf  (held-out exact match "
-                         f"{m.get('exact_match_before', float('nan')):.3f} -> {m.get('exact_match_after', float('nan')):.3f})")
+            lines.append(
+                f"{role}:     {manifests[step]['dir']}/hf  (held-out exact match "
+                f"{m.get('exact_match_before', float('nan')):.3f} -> {m.get('exact_match_after', float('nan')):.3f})"
+            )
     return lines
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
@@ -32,6 +33,7 @@ HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jso
 
 # -- data ---------------------------------------------------------------------------------------------
 
+
 def _input_files(paths: list[str], workspace: str) -> dict[str, str]:
     from lmforge.hashing import fingerprints
     from lmforge.inputs import expand_inputs
@@ -46,15 +48,17 @@ DATA_READS = ("align.heldout_fraction", "align.builtin", "align.sft.inputs", "al
 def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     """The content of the user's files (paths alone would miss an edited file)."""
     a = config.align
-    return {"sft_inputs": _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin",
-            "dpo_inputs": _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin"}
+    return {
+        "sft_inputs": _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin",
+        "dpo_inputs": _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin",
+    }
 
 
 def _label(ctx: StepContext):  # type: ignore[no-untyped-def]
     def label(origin: str) -> str:
         path = Path(origin.rsplit(":", 1)[0])
         inside = path.resolve().is_relative_to(ctx.workspace)
-        return str(path.resolve().relative_to(ctx.workspace)) + origin[len(str(path)):] if inside else origin
+        return str(path.resolve().relative_to(ctx.workspace)) + origin[len(str(path)) :] if inside else origin
 
     return label
 
@@ -68,19 +72,35 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     quarantine: list[dict[str, Any]] = []
     examples = data.builtin_examples(a.builtin.per_task, a.builtin.seed, list(a.builtin.tasks))
     for kind, inputs, validate, builtin in (
-            ("sft", list(ctx.identity["sft_inputs"]) if a.sft.inputs else [], data.validate_chat,
-             lambda: [data.chat_record(e) for e in examples]
-             + data.dialogue_records(a.builtin.dialogue_conversations, a.builtin.seed)),
-            ("dpo", list(ctx.identity["dpo_inputs"]) if a.dpo.inputs else [], data.validate_preference,
-             lambda: [data.preference_record(e) for e in examples])):
+        (
+            "sft",
+            list(ctx.identity["sft_inputs"]) if a.sft.inputs else [],
+            data.validate_chat,
+            lambda: (
+                [data.chat_record(e) for e in examples]
+                + data.dialogue_records(a.builtin.dialogue_conversations, a.builtin.seed)
+            ),
+        ),
+        (
+            "dpo",
+            list(ctx.identity["dpo_inputs"]) if a.dpo.inputs else [],
+            data.validate_preference,
+            lambda: [data.preference_record(e) for e in examples],
+        ),
+    ):
         if inputs:
             records, bad, total = data.read_user_records(inputs, validate, _label(ctx))
             for record in bad:
                 record["dataset"] = kind
             quarantine += bad
             if bad:
-                log.warning("align %s data: quarantined %d of %d records (%s)", kind, len(bad), total,
-                            dict(Counter(b["reason"].split(" ")[0] for b in bad)))
+                log.warning(
+                    "align %s data: quarantined %d of %d records (%s)",
+                    kind,
+                    len(bad),
+                    total,
+                    dict(Counter(b["reason"].split(" ")[0] for b in bad)),
+                )
         else:
             records, total = builtin(), None
         train, heldout = data.split(records, a.heldout_fraction, a.builtin.seed)
@@ -89,12 +109,21 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         write_jsonl(ctx.out_dir / kind / "train.jsonl", train)
         write_jsonl(ctx.out_dir / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES), heldout)
         read = total if total is not None else len(records)
-        counts[kind] = {"input": read, "train": len(train), "heldout": len(heldout),
-                        "quarantined": sum(1 for q in quarantine if q["dataset"] == kind),
-                        "duplicates": len(records) - len(train) - len(heldout),
-                        "by_task": data.task_counts(train + heldout)}
-        if counts[kind]["input"] != counts[kind]["train"] + counts[kind]["heldout"] + counts[kind]["quarantined"] \
-                + counts[kind]["duplicates"]:
+        counts[kind] = {
+            "input": read,
+            "train": len(train),
+            "heldout": len(heldout),
+            "quarantined": sum(1 for q in quarantine if q["dataset"] == kind),
+            "duplicates": len(records) - len(train) - len(heldout),
+            "by_task": data.task_counts(train + heldout),
+        }
+        if (
+            counts[kind]["input"]
+            != counts[kind]["train"]
+            + counts[kind]["heldout"]
+            + counts[kind]["quarantined"]
+            + counts[kind]["duplicates"]
+        ):
             raise AssertionError(f"align {kind} data lost records: {counts[kind]}")
     if quarantine:
         write_jsonl(ctx.out_dir / "quarantine.jsonl", quarantine)
@@ -102,6 +131,7 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- training -----------------------------------------------------------------------------------------
+
 
 def _precision(config: ConfigView) -> str:
     from training.device import detect_device
@@ -124,8 +154,12 @@ def _training_fields(kind: str) -> list[str]:
 def _train_reads(kind: str) -> Callable[[Any], tuple[str, ...]]:
     def reads(config: Any) -> tuple[str, ...]:
         lora = config.align.method == "lora" if kind == "sft" else config.align.dpo.lora
-        return (*_training_fields(kind), *(("align.method",) if kind == "sft" else ()),
-                *(("align.lora",) if lora else ()), "align.precision")
+        return (
+            *_training_fields(kind),
+            *(("align.method",) if kind == "sft" else ()),
+            *(("align.lora",) if lora else ()),
+            "align.precision",
+        )
 
     return reads
 
@@ -158,20 +192,33 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
     context = _context(base)
     data_dir = ctx.path(CHAT_DATA if kind == "sft" else PREFERENCE_DATA)
     heldout = data_dir.parent / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES)
-    verifiable = spread_over_tasks([r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r],
-                                   a.eval_generations)
+    verifiable = spread_over_tasks(
+        [r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r], a.eval_generations
+    )
     world = _ranks(ctx.config) * a.distributed.num_nodes
     if cfg.global_batch_size % (cfg.micro_batch_size * world):
-        raise ConfigError(f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
-                          f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}")
+        raise ConfigError(
+            f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
+            f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}"
+        )
     lora = a.method == "lora" if kind == "sft" else a.dpo.lora
     fields = [f.rsplit(".", 1)[1] for f in _training_fields(kind)]
     settings = {f: getattr(cfg, f) for f in fields}
-    return {"kind": kind, "config": json.loads(json.dumps(settings)), "base_dir": str(base), "out_dir": str(ctx.out_dir),
-            "train": str(data_dir / "train.jsonl"), "heldout": str(heldout), "heldout_generation": verifiable,
-            "max_length": min(cfg.max_seq_len or context, context), "precision": _precision(ctx.config),
-            "zero_stage": a.distributed.zero_stage, "lora": a.lora.model_dump(mode="json") if lora else None,
-            "fault": ctx.config.debug.align.model_dump(mode="json"), "eval_every": cfg.eval_every}
+    return {
+        "kind": kind,
+        "config": json.loads(json.dumps(settings)),
+        "base_dir": str(base),
+        "out_dir": str(ctx.out_dir),
+        "train": str(data_dir / "train.jsonl"),
+        "heldout": str(heldout),
+        "heldout_generation": verifiable,
+        "max_length": min(cfg.max_seq_len or context, context),
+        "precision": _precision(ctx.config),
+        "zero_stage": a.distributed.zero_stage,
+        "lora": a.lora.model_dump(mode="json") if lora else None,
+        "fault": ctx.config.debug.align.model_dump(mode="json"),
+        "eval_every": cfg.eval_every,
+    }
 
 
 def _progress(kind: str):  # type: ignore[no-untyped-def]
@@ -189,8 +236,14 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
 
         d = ctx.config.align.distributed
         launch = Launch(d.launcher, _ranks(ctx.config), d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
-        attempt = run_entry("training.align.entry", _spec(ctx, kind), ctx.out_dir, launch=launch, policy=RANKS,
-                            logger=logging.getLogger("training.launcher"))
+        attempt = run_entry(
+            "training.align.entry",
+            _spec(ctx, kind),
+            ctx.out_dir,
+            launch=launch,
+            policy=RANKS,
+            logger=logging.getLogger("training.launcher"),
+        )
         spec = attempt.spec
         summary = json.loads((ctx.out_dir / "summary.json").read_text())
         rows = [json.loads(line) for line in (ctx.out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -201,11 +254,22 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
         metrics.update({f"final_{k}": v for k, v in last.items()})
         for warning in summary["warnings"]:
             log.warning("%s: %s", ctx.step, warning)
-        return {"counts": {"steps": summary["final_step"], "attempts": attempt.number, "heldout_items": summary["heldout_items"]},
-                "metrics": metrics,
-                "extra": {"warnings": summary["warnings"], "hf_dir": str(ctx.out_dir / "hf"),
-                          "examples": summary.get("examples_after", []), "world_size": spec["world_size"],
-                          "precision": spec["precision"], "lora": spec["lora"] is not None}}
+        return {
+            "counts": {
+                "steps": summary["final_step"],
+                "attempts": attempt.number,
+                "heldout_items": summary["heldout_items"],
+            },
+            "metrics": metrics,
+            "extra": {
+                "warnings": summary["warnings"],
+                "hf_dir": str(ctx.out_dir / "hf"),
+                "examples": summary.get("examples_after", []),
+                "world_size": spec["world_size"],
+                "precision": spec["precision"],
+                "lora": spec["lora"] is not None,
+            },
+        }
 
     return finalize
 
@@ -215,16 +279,48 @@ LIBS = ("trl", "transformers", "peft", "torch", "accelerate")
 
 ALIGN_STEPS = [
     # version 4: SFT and DPO records of one question are held out together
-    Step(DATA, 4, "Chat and preference data: the user's (quarantined where malformed) or built in; train/held-out split",
-         reads=DATA_READS, derive=_input_fingerprints, finalize=_data_finalize,
-         provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"}, code=("training.align.data", "lmforge.inputs"),
-         libraries=("wordfreq",)),
-    Step(SFT, 1, "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
-         reads=_train_reads("sft"), derive=_resolved_precision, upstream=lambda c: (PRETRAINED, CHAT_DATA),
-         finalize=_train_finalize("sft"), retries=3, bookkeeping=("checkpoints", "logs"), digest_paths=("hf/",),
-         provides={SFT_MODEL: "hf"}, progress=_progress("sft"), code=CODE, libraries=LIBS),
-    Step(DPO, 1, "Direct preference optimisation with TRL against the frozen SFT model",
-         reads=_train_reads("dpo"), derive=_resolved_precision, upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA),
-         finalize=_train_finalize("dpo"), when=lambda c: c.align.dpo.enabled, retries=3, bookkeeping=("checkpoints", "logs"),
-         digest_paths=("hf/",), provides={DPO_MODEL: "hf"}, progress=_progress("dpo"), code=CODE, libraries=LIBS),
+    Step(
+        DATA,
+        4,
+        "Chat and preference data: the user's (quarantined where malformed) or built in; train/held-out split",
+        reads=DATA_READS,
+        derive=_input_fingerprints,
+        finalize=_data_finalize,
+        provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"},
+        code=("training.align.data", "lmforge.inputs"),
+        libraries=("wordfreq",),
+    ),
+    Step(
+        SFT,
+        1,
+        "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
+        reads=_train_reads("sft"),
+        derive=_resolved_precision,
+        upstream=lambda c: (PRETRAINED, CHAT_DATA),
+        finalize=_train_finalize("sft"),
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={SFT_MODEL: "hf"},
+        progress=_progress("sft"),
+        code=CODE,
+        libraries=LIBS,
+    ),
+    Step(
+        DPO,
+        1,
+        "Direct preference optimisation with TRL against the frozen SFT model",
+        reads=_train_reads("dpo"),
+        derive=_resolved_precision,
+        upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA),
+        finalize=_train_finalize("dpo"),
+        when=lambda c: c.align.dpo.enabled,
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={DPO_MODEL: "hf"},
+        progress=_progress("dpo"),
+        code=CODE,
+        libraries=LIBS,
+    ),
 ]
