@@ -121,9 +121,14 @@ def test_sft_and_dpo_train_on_two_ranks_and_export_models_that_stop_at_end_of_tu
             return_dict=True,
         )
 
+        stops = list(model.generation_config.eos_token_id)
+
         class EndAt(LogitsProcessor):  # the model says <|im_end|> as its 4th token: generation must stop there
             def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
-                if input_ids.shape[1] - prompt["input_ids"].shape[1] == 3:  # noqa: B023 - used within this iteration
+                made = input_ids.shape[1] - prompt["input_ids"].shape[1]  # noqa: B023 - used within this iteration
+                if made < 3:  # no stop token before (a tiny model may say one at any point)
+                    scores[:, stops] = -float("inf")  # noqa: B023
+                elif made == 3:
                     scores[:] = -float("inf")
                     scores[:, im_end] = 0  # noqa: B023
                 return scores

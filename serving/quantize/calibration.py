@@ -62,12 +62,12 @@ def draw(
 
     num_chat = round(num_samples * sft_fraction) if chat_file is not None else 0
     samples: list[dict[str, str]] = []
-    if num_chat:
+    if num_chat and chat_file is not None:  # num_chat is 0 without a chat file
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        for record_id, messages in _smallest(chats(chat_file), num_chat, seed, "sft"):  # type: ignore[arg-type]
-            samples.append(
-                {"source": "sft", "id": record_id, "text": tokenizer.apply_chat_template(messages, tokenize=False)}
-            )
+        for record_id, messages in _smallest(chats(chat_file), num_chat, seed, "sft"):
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            assert isinstance(text, str)  # tokenize=False: the rendered chat
+            samples.append({"source": "sft", "id": record_id, "text": text})
     for record_id, text in _smallest(documents(kept_dir, max_chars), num_samples - len(samples), seed, "documents"):
         samples.append({"source": "documents", "id": record_id, "text": text})
     return samples

