@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/cached_rerun.py                       # workspace-bench/, 5 repetitions
     .venv/bin/python benchmarks/cached_rerun.py --workspace WS --repeats 7 --set quantize.enabled=false
-    .venv/bin/python benchmarks/cached_rerun.py --with-server         # also with `lmforge server start` running
+    .venv/bin/python benchmarks/cached_rerun.py --with-server         # also with `lmforge prefect start` running
 
 Every step of a cached rerun is a cache hit: what is left is lmforge's own overhead (imports,
 keys, verifying outputs, the Prefect API, artifacts, the serving stage's check of the running
@@ -72,7 +72,7 @@ def populate(args: argparse.Namespace, env: dict[str, str]) -> None:
 
 def populated(workspace: Path) -> bool:
     """A complete run left the served model's record and a manifest under every step folder it used."""
-    return (workspace / "serve" / "deploy" / ".latest.json").exists()
+    return (workspace / "serve" / "release" / ".latest.json").exists()
 
 
 def measure(modes: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict[str, list[float]]:
@@ -102,16 +102,16 @@ def main() -> None:
     parser.add_argument(
         "--with-server",
         action="store_true",
-        help="also measure with a managed Prefect server running (`lmforge server start`)",
+        help="also measure with a managed Prefect server running (`lmforge prefect start`)",
     )
     parser.add_argument("--stop-serving", action="store_true", help="stop the served model at the end")
     args = parser.parse_args()
     args.workspace = str(Path(args.workspace).resolve())
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # each run finds its own API
-    running = subprocess.run(lmforge("server", "status"), cwd=ROOT, env=env, capture_output=True, text=True).stdout
+    running = subprocess.run(lmforge("prefect", "status"), cwd=ROOT, env=env, capture_output=True, text=True).stdout
     if running.startswith("running"):
         sys.exit(
-            "a managed Prefect server is running (`lmforge server stop` first): `lmforge run` would use it, "
+            "a managed Prefect server is running (`lmforge prefect stop` first): `lmforge run` would use it, "
             "and the figures would not be those of a plain `lmforge run` (see --with-server)"
         )
     if not populated(Path(args.workspace)):
@@ -119,12 +119,12 @@ def main() -> None:
 
     times = measure(["prefect", "local"], args, env)
     if args.with_server:
-        print("starting a managed Prefect server (lmforge server start) ...", flush=True)
-        subprocess.run(lmforge("server", "start"), cwd=ROOT, env=env, check=True, capture_output=True)
+        print("starting a managed Prefect server (lmforge prefect start) ...", flush=True)
+        subprocess.run(lmforge("prefect", "start"), cwd=ROOT, env=env, check=True, capture_output=True)
         try:
             times["server"] = measure(["prefect"], args, env)["prefect"]
         finally:
-            subprocess.run(lmforge("server", "stop"), cwd=ROOT, env=env, capture_output=True)
+            subprocess.run(lmforge("prefect", "stop"), cwd=ROOT, env=env, capture_output=True)
 
     print(f"\ncached rerun of {args.workspace} ({os.cpu_count()} CPUs), median of {args.repeats}:")
     labels = {"prefect": "lmforge run", "local": "lmforge run --local", "server": "lmforge run, server running"}

@@ -56,9 +56,9 @@ ONE_THREAD = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_TH
 def demo_corpus_texts(workdir: Path) -> list[str]:
     """Every ingested demo document once, without the two planted 700 KB giants (they would dominate timings)."""
     from data_prep.config import CurateConfig, DemoCorpusConfig
-    from data_prep.demo import build_demo_corpus
     from data_prep.ingest import ingest_file
     from data_prep.records import read_columns, shard_path
+    from data_prep.sources.demo import build_demo_corpus
 
     build_demo_corpus(DemoCorpusConfig(), workdir)
     _, result = ingest_file(str(workdir / "demo.jsonl"), 0, CurateConfig(docs_per_shard=10**6), workdir / "ingest")

@@ -1,4 +1,4 @@
-"""Serving latency and throughput: vLLM (as `serve/deploy` runs it) against two baselines, same model, same prompts.
+"""Serving latency and throughput: vLLM (as `serve/release` runs it) against two baselines, same model, same prompts.
 
     .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
     .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]

@@ -24,7 +24,7 @@ class FilterBase(StrictModel):
 
 
 class DemoCorpusConfig(StrictModel):
-    """The built-in demo corpus, used when `curate.inputs` is empty."""
+    """Settings of the built-in demo corpus, the source `builtin:demo` in `curate.inputs` (data_prep/sources/demo.py)."""
 
     seed: int = Field(7, description="Seed for sampling and generated noise.")
     max_stdlib_files: int = Field(300, ge=0, description="Standard-library modules used as code documents.")
@@ -269,8 +269,10 @@ class CurateConfig(StrictModel):
     """Everything the curation stage does, from raw files to packed token shards."""
 
     inputs: list[str] = Field(
-        default_factory=list,
-        description="Input paths or globs: .jsonl(.gz/.zst), .parquet, folders of .txt, HF datasets saved to disk (or hf:NAME).",
+        default_factory=lambda: ["builtin:demo"],
+        min_length=1,
+        description="Input paths or globs: .jsonl(.gz/.zst), .parquet, folders of .txt, HF datasets saved to disk "
+        "(or hf:NAME), and built-in sources (builtin:demo, the demo corpus).",
     )
     text_field: str = Field("text", description="Field holding the document text in JSONL/Parquet inputs.")
     id_field: str = Field("id", description="Field holding the document id (generated when missing).")

@@ -72,7 +72,8 @@ def validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[str
     """(document, None) for a good record, (None, reason) for a bad one; never raises for bad data."""
     try:
         return _validate(raw, cfg, default_source)
-    except UnicodeError as exc:  # e.g. a lone surrogate "\ud800" escaped in valid JSON
+    except (UnicodeEncodeError, UnicodeDecodeError, UnicodeTranslateError) as exc:
+        # e.g. a lone surrogate "\ud800" escaped in valid JSON
         return None, f"invalid_unicode ({exc.reason} at {exc.start})"
     except (TypeError, ValueError) as exc:
         return None, f"invalid_record ({type(exc).__name__}: {exc})"
@@ -94,7 +95,9 @@ def _validate(raw: Raw, cfg: CurateConfig, default_source: str) -> tuple[dict[st
         text = normalize_document(text, cfg.normalize.unicode_form, cfg.normalize.fix_encoding)
     if not text.strip():
         return None, "empty_text"
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta = data.get("meta")
+    if not isinstance(meta, dict):
+        meta = {}
     source = str(data.get("source") or default_source)
     url = data.get("url") if isinstance(data.get("url"), str) and data.get("url") else None
     doc_id = data.get(cfg.id_field)

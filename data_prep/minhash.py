@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -81,6 +81,10 @@ class MinHasher:
     num_perm: int = 112
     ngram: int = 5
     seed: int = 1
+    # derived from the above in __post_init__: the permutations and the shingle position multipliers
+    _a: np.ndarray = field(init=False, repr=False, compare=False)
+    _b: np.ndarray = field(init=False, repr=False, compare=False)
+    _pos: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from datasketch import MinHash

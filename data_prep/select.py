@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -135,10 +136,11 @@ def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Pa
     result lists the codes' meanings."""
     base = pq.read_table(shard_path(dirs.ingest, shard), columns=["domain", "text_hash", "url_norm", "n_chars"])
     domains = base["domain"].to_pylist()
-    langs = _attr(dirs.langid, shard) or [None] * len(domains)
-    stats = _attr(dirs.heuristics, shard) or [None] * len(domains)
+    no_rows: list[None] = [None] * len(domains)  # for a step that is off: nothing for any document
+    langs: Sequence[dict[str, Any] | None] = _attr(dirs.langid, shard) or no_rows
+    stats: Sequence[dict[str, Any] | None] = _attr(dirs.heuristics, shard) or no_rows
     quality = _attr(dirs.quality, shard)
-    flagged = _attr(dirs.decontaminate, shard, ["decontaminated"]) or [None] * len(domains)
+    flagged: Sequence[dict[str, Any] | None] = _attr(dirs.decontaminate, shard, ["decontaminated"]) or no_rows
     failure_codes: dict[tuple[str, ...], int] = {(): 0}
     domain_codes: dict[str, int] = {}
     failure = np.empty(len(domains), dtype=np.uint32)
@@ -331,7 +333,8 @@ def apply_quality_rule(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d:
         return None
     threshold = qc.threshold
     if threshold is None:
-        threshold = float(np.quantile(quality[eligible], 1.0 - qc.keep_fraction, method="lower"))  # type: ignore[operator]
+        assert qc.keep_fraction is not None  # the config's validator requires threshold or keep_fraction
+        threshold = float(np.quantile(quality[eligible], 1.0 - qc.keep_fraction, method="lower"))
     d.later[eligible[quality[eligible] < threshold]] = QUALITY
     return threshold
 
@@ -425,12 +428,17 @@ def write_shard(
     }
 
 
-def write_selection(
-    cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path
-) -> dict[str, Counter[str] | int]:
+class SelectionTotals(TypedDict):
+    removed: Counter[str]
+    pii: Counter[str]
+    kept: int
+    kept_by_domain: Counter[str]
+
+
+def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path) -> SelectionTotals:
     """Stream each shard once (skipping shards a previous attempt finished); the summed counts."""
     targets = _target_ids(dirs, d)
-    total: dict[str, Any] = {"removed": Counter(), "pii": Counter(), "kept": 0, "kept_by_domain": Counter()}
+    total = SelectionTotals(removed=Counter(), pii=Counter(), kept=0, kept_by_domain=Counter())
     for number, shard in enumerate(dirs.shards):
         marker = out_dir / SHARD_WRITTEN / f"{shard}.json"
         files = [out_dir / "kept" / f"{shard}.parquet", out_dir / "removed" / f"{shard}.parquet"]
@@ -439,8 +447,9 @@ def write_selection(
         else:
             counts = write_shard(cfg, dirs, d, number, targets, out_dir)
             atomic_write_json(marker, counts)
-        for key in ("removed", "pii", "kept_by_domain"):
-            total[key].update(counts[key])
+        total["removed"].update(counts["removed"])
+        total["pii"].update(counts["pii"])
+        total["kept_by_domain"].update(counts["kept_by_domain"])
         total["kept"] += counts["kept"]
     return total
 
@@ -451,7 +460,7 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
     mix_report = apply_mix(cfg, dirs, out_dir, decisions)
     total = write_selection(cfg, dirs, decisions, out_dir)
-    removed: Counter[str] = total["removed"]  # type: ignore[assignment]
+    removed = total["removed"]
     return {
         "counts": {
             "kept": total["kept"],
@@ -459,6 +468,6 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
             "removed_total": sum(removed.values()),
             "pii": dict(total["pii"]),
             "kept_by_domain": dict(total["kept_by_domain"]),
-        },  # type: ignore[arg-type]
+        },
         "metrics": {"quality_threshold": threshold, "mix": mix_report},
     }

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from data_prep.config import CurateConfig
 from lmforge.errors import ConfigError
 from lmforge.stage import ArtifactSpec, Stage
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 
 def _steps() -> list[Any]:
@@ -48,7 +51,7 @@ def _artifacts(
     return [ArtifactSpec("curation-stats", "table", curation_rows(manifests), "input = kept + removed + quarantined")]
 
 
-def _check(config: Any, source: str) -> None:
+def _check(config: PipelineBase, source: str) -> None:
     from lmforge.inputs import expand_inputs
 
     for index, pattern in enumerate(config.curate.inputs):
@@ -56,6 +59,13 @@ def _check(config: Any, source: str) -> None:
             matched = expand_inputs([pattern])
         except ConfigError as exc:
             raise ConfigError(f"{source}: curate.inputs[{index}]: {exc}") from None
+        if pattern.startswith("builtin:"):
+            from data_prep.sources import get_source
+
+            try:
+                get_source(pattern)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: curate.inputs[{index}]: {exc}") from None
         if not matched and not pattern.startswith("hf:"):
             raise ConfigError(f"{source}: curate.inputs[{index}]: no file matches {pattern!r}")
     for index, ref in enumerate(config.curate.quality_classifier.reference):

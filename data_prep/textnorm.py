@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from typing import Literal
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _ODD_SPACES = re.compile(r"[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
@@ -21,7 +22,9 @@ _PUNCT_OR_SPACE = re.compile(r"[\W_]+", re.UNICODE)
 _DIGIT = re.compile(r"\d")
 
 
-def normalize_document(text: str, form: str = "NFC", fix_encoding: bool = False) -> str:
+def normalize_document(
+    text: str, form: Literal["NFC", "NFD", "NFKC", "NFKD"] = "NFC", fix_encoding: bool = False
+) -> str:
     """Unicode `form`, control characters removed, line endings and odd spaces unified.
 
     `fix_encoding` first repairs mojibake with ftfy (before C1 controls, which are part of some

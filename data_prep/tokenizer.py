@@ -63,11 +63,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, out_dir
         model_max_length=1_000_000,
     )
     fast.save_pretrained(str(out_dir))
-    return {
-        "vocab_size": tokenizer.get_vocab_size(),
-        "eos_id": tokenizer.token_to_id(EOS),
-        "pad_id": tokenizer.token_to_id(PAD),
-    }
+    eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
+    if eos_id is None or pad_id is None:
+        raise RuntimeError(f"the trained tokenizer lacks its special tokens {EOS!r} and {PAD!r}")
+    return {"vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "pad_id": pad_id}
 
 
 def load_tokenizer(directory: Path):  # type: ignore[no-untyped-def]

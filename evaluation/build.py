@@ -158,6 +158,13 @@ def render_task(task: str, out_dir: Path) -> Path:
     return yaml_path
 
 
+def _source(sources: dict[str, Path | None], name: str) -> Path:
+    path = sources[name]
+    if path is None:
+        raise ValueError(f"building the evaluation tasks needs {name}, and none was given")
+    return path
+
+
 def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], settings: dict[str, Any]) -> dict[str, Any]:
     """Write every requested built-in task into `out_dir`; returns {task: {items, digest}}.
 
@@ -171,7 +178,8 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
     docs: list[dict[str, Any]] | None = None
     for task in tasks:
         if task in ("lmforge_continuation", "lmforge_heldout_ppl"):
-            docs = docs if docs is not None else heldout_documents(sources["pack_dir"], sources["kept_dir"])  # type: ignore[arg-type]
+            if docs is None:
+                docs = heldout_documents(_source(sources, "pack_dir"), _source(sources, "kept_dir"))
             items = (
                 continuation_items(docs, settings["continuation_items"], settings["seed"])
                 if task == "lmforge_continuation"
@@ -183,8 +191,8 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
                 built[task] = {"skipped": "the lineage has no alignment stage"}
                 continue
             items = (chat_items if task == "lmforge_chat_exact" else preference_items)(
-                heldout, sources["tokenizer_dir"]
-            )  # type: ignore[arg-type]
+                heldout, _source(sources, "tokenizer_dir")
+            )
         else:
             items = humaneval_items()
         write_jsonl(data / DATA_FILE[task], items)

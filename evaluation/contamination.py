@@ -80,7 +80,8 @@ def build_index(
             owners.append(np.full(len(unique), number, dtype=np.int32))
             if len(keys) >= chunk:
                 pairs[n].append((np.concatenate(keys), np.concatenate(owners)))
-                keys.clear(), owners.clear()
+                keys.clear()
+                owners.clear()
         if len(cache) > 2_000_000:  # the word-hash cache is a speed-up, not a requirement
             cache.clear()
     writer = _write_texts(writer, out_dir, batch)

@@ -83,7 +83,8 @@ def evaluate_model(
     from lmforge.store import StageStore
 
     store = StageStore(workspace, config.runtime.verify)
-    done, todo = {}, {}
+    done: dict[str, Path] = {}
+    todo: dict[str, Path] = {}
     for name, task in tasks.items():
         key = task_key(model_digest, task, name, identity)
         manifest, _ = store.check(RESULTS, key)

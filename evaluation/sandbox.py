@@ -271,6 +271,7 @@ def run_program(
             env={"PATH": "/usr/bin:/bin"},
         )
         ns = None
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.write(code.encode())
             proc.stdin.close()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evaluation.config import EvaluateConfig
 from lmforge.stage import ArtifactSpec, Resources, Stage
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 
 def _steps() -> list[Any]:
@@ -93,7 +96,7 @@ def _cli(commands: Any) -> None:
     evaluate.set_defaults(handler=_cmd_report, needs_config=True, check_paths=False)
 
 
-def _cmd_report(args: argparse.Namespace, config: Any) -> int:
+def _cmd_report(args: argparse.Namespace, config: PipelineBase) -> int:
     from lmforge.errors import ConfigError
     from lmforge.store import StageStore
 

@@ -18,16 +18,19 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evaluation import runs
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError, DeterministicError
-from lmforge.graph import Step, StepContext
+from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
 from lmforge.jsonl import read_jsonl, write_jsonl
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger(__name__)
 TASKS, CONTAMINATION, REPORT = "evaluate/tasks", "evaluate/contamination", "evaluate/report"
@@ -48,7 +51,7 @@ class ContaminationGateFailed(DeterministicError):
     rows: list = []
 
 
-def _graph():  # type: ignore[no-untyped-def]
+def _graph() -> Graph:
     from lmforge.executor import graph
 
     return graph()
@@ -203,7 +206,7 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
                 "contaminated": len(flagged),
                 "share": round(len(flagged) / max(len(rows), 1), 4),
                 "by_source": by_source,
-                "worst_source": max(by_source, key=by_source.get) if by_source else None,
+                "worst_source": max(by_source, key=lambda s: by_source[s]) if by_source else None,
                 "worst_items": sorted(flagged, key=lambda r: -r["overlap"])[:5],
             }
         )
@@ -302,7 +305,7 @@ RUN_STEPS = [_run_step(role, backend) for role in ROLES for backend in BACKENDS]
 # -- report ----------------------------------------------------------------------------------------
 
 
-def _report_upstream(config: Any) -> tuple[str, ...]:
+def _report_upstream(config: PipelineBase) -> tuple[str, ...]:
     return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)])
 
 

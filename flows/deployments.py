@@ -1,4 +1,4 @@
-"""What `lmforge deploy` applies: work pools, the `gpu` concurrency limit, and one deployment per flow.
+"""What `lmforge deployments` applies: work pools, the `gpu` concurrency limit, and one deployment per flow.
 
 - Work pools: `lmforge-cpu` (process) for curation and the pipeline itself, `lmforge-gpu` for
   the stages whose registration asks for a GPU (pretrain, align, evaluate, quantize, serve).
@@ -13,7 +13,7 @@
   checkout's directory (workers need the same path: shared storage, or the same clone).
 
 `prefect.yaml` at the repository root is the same set for the tiny-cpu preset, written by
-`lmforge deploy --write-prefect-yaml`; a test keeps the two in agreement.
+`lmforge deployments --write-prefect-yaml`; a test keeps the two in agreement.
 """
 
 from __future__ import annotations
@@ -124,20 +124,23 @@ def apply_deployments(specs: list[dict[str, Any]]) -> list[str]:
     """Create or update each deployment; returns their full names."""
     import prefect
     from prefect import Flow
+    from prefect.deployments.runner import RunnerDeployment
     from prefect.runner.storage import LocalStorage
 
-    deployments = []
+    # called outside any flow or event loop, so Prefect's dual sync/async methods run synchronously
+    deployments: list[RunnerDeployment] = []
     for spec in specs:
         flow = Flow.from_source(source=LocalStorage(str(REPO_ROOT)), entrypoint=spec["entrypoint"])
-        deployments.append(
-            flow.to_deployment(
-                name=spec["name"],
-                work_pool_name=spec["work_pool"],
-                parameters=spec["parameters"],
-                description=spec["description"],
-                tags=["lmforge", spec["work_pool"]],
-            )
+        assert isinstance(flow, Flow), f"Flow.from_source returned {type(flow).__name__}, not a Flow"
+        deployment = flow.to_deployment(
+            name=spec["name"],
+            work_pool_name=spec["work_pool"],
+            parameters=spec["parameters"],
+            description=spec["description"],
+            tags=["lmforge", spec["work_pool"]],
         )
+        assert isinstance(deployment, RunnerDeployment), f"to_deployment returned {type(deployment).__name__}"
+        deployments.append(deployment)
     for pool in sorted({spec["work_pool"] for spec in specs}):  # prefect.deploy takes one pool per call
         prefect.deploy(
             *[d for d, spec in zip(deployments, specs) if spec["work_pool"] == pool],
@@ -171,8 +174,8 @@ def prefect_yaml(specs: list[dict[str, Any]]) -> str:
         ],
     }
     header = (
-        "# lmforge's deployments for the tiny-cpu preset (written by `lmforge deploy --write-prefect-yaml`).\n"
-        "# `lmforge deploy` applies the same set for any preset; with the Prefect CLI:\n"
+        "# lmforge's deployments for the tiny-cpu preset (written by `lmforge deployments --write-prefect-yaml`).\n"
+        "# `lmforge deployments` applies the same set for any preset; with the Prefect CLI:\n"
         "#   LMFORGE_HOME_DIR=$PWD prefect deploy --all\n"
         "# Workers: `prefect worker start --pool lmforge-cpu` and `--pool lmforge-gpu`, from lmforge's .venv.\n"
     )

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import LmforgeError
 from lmforge.executor import graph, plan_step
 from lmforge.store import StageStore
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger("lmforge.dispatch")
 CRASH_RETRIES = 2  # a child whose process or machine died is dispatched again this many times
@@ -31,12 +34,12 @@ def slim(manifests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {name: {k: v for k, v in m.items() if k != "files"} for name, m in manifests.items()}
 
 
-def deployment_name(stage: str, config: Any) -> str:
+def deployment_name(stage: str, config: PipelineBase) -> str:
     return f"lmforge-{stage}/{config.runtime.deployment or config.name}"
 
 
 def collect(
-    stage: str, config: Any, manifests: dict[str, dict[str, Any]], started: float, child: str
+    stage: str, config: PipelineBase, manifests: dict[str, dict[str, Any]], started: float, child: str
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """The manifests of the stage's steps, found in the workspace after its child run."""
     store = StageStore(config.workspace, config.runtime.verify)
@@ -58,9 +61,10 @@ def collect(
 
 
 def run_stage_deployment(
-    stage: str, config: Any, params: dict[str, Any], manifests: dict[str, dict[str, Any]]
+    stage: str, config: PipelineBase, params: dict[str, Any], manifests: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """Run the stage's deployment as a child of this flow run and wait for it; its manifests and status."""
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
 
     name = deployment_name(stage, config)
@@ -68,14 +72,17 @@ def run_stage_deployment(
     for attempt in range(1, CRASH_RETRIES + 2):
         log.info("dispatching %s to deployment %s%s", stage, name, f" (attempt {attempt})" if attempt > 1 else "")
         try:
-            run = run_deployment(
+            launched = run_deployment(
                 name, parameters={**params, "manifests": slim(manifests)}, timeout=None, as_subflow=True
             )
         except Exception as exc:  # noqa: BLE001 - e.g. no such deployment: one line, with what to do
             raise StageRunFailed(
                 f"stage {stage}: could not run deployment {name} ({type(exc).__name__}: {exc}); "
-                "create it with `lmforge deploy`"
+                "create it with `lmforge deployments`"
             ) from None
+        # called from a sync flow, so Prefect ran it synchronously (not a coroutine)
+        assert isinstance(launched, FlowRun), f"run_deployment returned {type(launched).__name__}, not a FlowRun"
+        run = launched
         # a crash is the infrastructure's (the process or machine died): the stage resumes from what
         # it finished, so it is dispatched again; a failure is the stage's own and would repeat
         if run.state is None or not run.state.is_crashed():

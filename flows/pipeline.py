@@ -24,13 +24,13 @@ from prefect import flow, get_run_logger
 from flows.cancel import stop_launched, unwatch, watch_cancellation
 from flows.dispatch import run_stage_deployment
 from flows.stage import run_subflow, upstream_stages
-from lmforge.config import load_config
+from lmforge.config import PipelineBase, load_config
 from lmforge.registry import stages as lifecycle
 from tasks.artifacts import publish_lineage
 from tasks.logs import set_library_log_level
 
 
-def wanted_stages(config: Any) -> list[str]:
+def wanted_stages(config: PipelineBase) -> list[str]:
     """The configured stages and every stage they read from, in lifecycle order."""
     wanted = set(config.stages)
     for name in config.stages:

@@ -6,7 +6,7 @@ load the config, run the flows of the stages it needs first when their results w
 handed in, submit its active steps in dependency order (independent steps run concurrently),
 publish the generic `<stage>-steps` / `<stage>-card` artifacts and the stage's own, and stop
 whatever it launched when it is cancelled or crashes. A GPU stage holds slots of the `gpu`
-global concurrency limit (created by `lmforge deploy`), so two GPU stages never share a node.
+global concurrency limit (created by `lmforge deployments`), so two GPU stages never share a node.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import Flow, flow
 
@@ -28,11 +28,14 @@ from tasks.logs import set_library_log_level
 from tasks.progress import step_images
 from tasks.steps import step_task
 
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
+
 GPU_LIMIT = "gpu"
 
 
 def run_stage_steps(
-    stage: str, config: Any, manifests: dict[str, dict[str, Any]]
+    stage: str, config: PipelineBase, manifests: dict[str, dict[str, Any]]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Submit the stage's active steps; upstream outputs of earlier stages come in `manifests`.
 
@@ -57,7 +60,7 @@ def run_stage_steps(
     return results, status
 
 
-def upstream_stages(stage: str, config: Any) -> list[str]:
+def upstream_stages(stage: str, config: PipelineBase) -> list[str]:
     """Other stages whose steps this stage's active steps need, in lifecycle order."""
     needed = {s.stage for s in graph().active(config, [stage])} - {stage}
     return [s.name for s in stages() if s.name in needed]
@@ -101,7 +104,7 @@ def gpu_slots(stage: Stage) -> Iterator[None]:
 
 
 def execute_stage(
-    stage: Stage, config: Any, manifests: dict[str, dict[str, Any]], params: dict[str, Any]
+    stage: Stage, config: PipelineBase, manifests: dict[str, dict[str, Any]], params: dict[str, Any]
 ) -> dict[str, Any]:
     """The body of every stage flow."""
     watch_cancellation()
@@ -142,7 +145,7 @@ def execute_stage(
         unwatch()
 
 
-def stage_inputs(stage: str, config: Any) -> set[str]:
+def stage_inputs(stage: str, config: PipelineBase) -> set[str]:
     """The steps of other stages that the stage's active steps read: all its flow needs handed in."""
     return {
         name
@@ -153,7 +156,9 @@ def stage_inputs(stage: str, config: Any) -> set[str]:
     }
 
 
-def run_subflow(name: str, config: Any, params: dict[str, Any], manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def run_subflow(
+    name: str, config: PipelineBase, params: dict[str, Any], manifests: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """Run stage `name`'s flow as a subflow of the flow run of this process.
 
     It is handed the manifests its steps read, not every manifest so far: they are the subflow's

@@ -3,13 +3,16 @@
     lmforge run                      the full pipeline on the tiny-cpu preset
     lmforge stage STAGE              one stage (and what it needs upstream, reused when cached)
     lmforge explain STAGE|all        would each step be reused? if not, exactly why
-    lmforge server start|stop|status a local Prefect UI/API on 127.0.0.1
-    lmforge deploy                   work pools and deployments (pipeline + one per stage) on a Prefect server
+    lmforge stages                   the registered stages, their steps, and the products they consume and produce
+    lmforge prefect start|stop|status a local Prefect UI/API on 127.0.0.1
+    lmforge deployments              work pools and deployments (pipeline + one per stage) on a Prefect server
     lmforge slurm render|submit S    an sbatch script running stage S across a SLURM job's nodes
     lmforge config show|validate     the resolved configuration
 
-Stages add their own commands (e.g. `lmforge plan` from pretraining). All commands that
-read a config take --config PRESET|FILE, --set KEY=VALUE (repeatable) and --workspace DIR.
+Stages add their own commands (e.g. `lmforge plan` from pretraining, `lmforge serve` from
+serving), and so does the orchestrator (`flows.cli`: the Prefect run and `deployments`), through
+the `lmforge.commands` entry points: this module imports neither. All commands that read a
+config take --config PRESET|FILE, --set KEY=VALUE (repeatable) and --workspace DIR.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +57,38 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workspace", "-w", help="where stage outputs live (default: from the config, ./workspace)")
 
 
-class _StageCommands:
-    """What a stage's `cli` hook sees: `add_parser` that also adds --config/--set/--workspace."""
+# old spellings that still work for one release, with a one-line notice: old -> new
+RENAMED = {"server": "prefect", "deploy": "deployments"}
+
+Orchestrator = Callable[[argparse.Namespace, "list[str] | None", Any], "tuple[dict[str, Any], str | None]"]
+
+
+class Commands:
+    """What a stage's `cli` hook and an `lmforge.commands` plugin see.
+
+    `add_parser` adds a command with --config/--set/--workspace; `set_orchestrator` installs what
+    runs `lmforge run`/`stage` without `--local` (the orchestrator plugin, `flows.cli`)."""
 
     def __init__(self, sub: Any) -> None:
         self.sub = sub
+        self.orchestrator: Orchestrator | None = None
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        parser = self.sub.add_parser(name, **kwargs)
+        parser: argparse.ArgumentParser = self.sub.add_parser(name, **kwargs)
         _common(parser)
         return parser
 
+    def set_orchestrator(self, run: Orchestrator) -> None:
+        self.orchestrator = run
+
+
+_commands: Commands | None = None
+
 
 def build_parser() -> argparse.ArgumentParser:
+    global _commands
     from lmforge.console import add_verbose_flag
-    from lmforge.registry import stage_names, stages
+    from lmforge.registry import command_plugins, stage_names, stages
 
     parser = argparse.ArgumentParser(
         prog="lmforge",
@@ -89,33 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="say whether each step would be reused, and why not")
     explain.add_argument("stage", choices=[*stage_names(), "all"])
     _common(explain)
+    listing = sub.add_parser(
+        "stages", help="list the registered stages, their steps and the products each consumes and produces"
+    )
+    listing.add_argument("stage", nargs="?", choices=stage_names(), help="only this stage")
+    listing.add_argument(
+        "--update-readme",
+        metavar="PATH",
+        help="redraw the stage maps in a README (after each `<!-- lmforge stages S -->`)",
+    )
+    _common(listing)
+    _commands = Commands(sub)
     for registered in stages():
         if registered.cli is not None:
-            registered.cli(_StageCommands(sub))
-    server = sub.add_parser("server", help="manage a local Prefect server (UI on http://127.0.0.1:4200)")
-    server.add_argument("action", choices=["start", "stop", "status"])
-    server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    server.add_argument("--port", type=int, default=4200)
-    deploy = sub.add_parser("deploy", help="create the work pools and deployments (`prefect deployment run ...`)")
-    _common(deploy)
-    deploy.add_argument("--name", help="deployment name (default: the preset name)")
-    deploy.add_argument(
-        "--serve",
-        action="store_true",
-        help="laptop mode: serve the pipeline deployment from this process (no work pools or workers)",
+            registered.cli(_commands)
+    for plugin in command_plugins():
+        plugin(_commands)
+    prefect = sub.add_parser(
+        "prefect", aliases=["server"], help="manage a local Prefect server (UI on http://127.0.0.1:4200)"
     )
-    deploy.add_argument(
-        "--gpu-worker-type",
-        choices=["process", "docker", "kubernetes"],
-        default="process",
-        help="worker type of the lmforge-gpu pool when it is created (default: process)",
-    )
-    deploy.add_argument(
-        "--gpus",
-        type=int,
-        help="slots of the `gpu` concurrency limit: GPUs per node (default: the GPUs visible here, at least 1)",
-    )
-    deploy.add_argument("--write-prefect-yaml", metavar="PATH", help="write the deployments as a prefect.yaml and exit")
+    prefect.add_argument("action", choices=["start", "stop", "status"])
+    prefect.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    prefect.add_argument("--port", type=int, default=4200)
     slurm = sub.add_parser("slurm", help="run a stage as a SLURM job: render (print) or submit (sbatch) its script")
     slurm.add_argument("action", choices=["render", "submit"])
     slurm.add_argument("stage", choices=stage_names())
@@ -135,17 +150,6 @@ def _load(args: argparse.Namespace, check_paths: bool = True):  # type: ignore[n
     from lmforge.config import load_config
 
     return load_config(args.config, args.overrides, args.workspace, check_paths=check_paths)
-
-
-def _use_server_if_running() -> str | None:
-    from lmforge import server
-
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
-    url = server.running_api_url()
-    if url:
-        os.environ["PREFECT_API_URL"] = url
-    return url
 
 
 def _print_summary(
@@ -177,7 +181,7 @@ def _print_summary(
             "(flow runs, artifacts: curation-stats, pretrain-summary, pipeline-lineage)"
         )
     else:
-        print("Prefect UI: start `lmforge server start` before running to browse runs, logs and artifacts")
+        print("Prefect UI: start `lmforge prefect start` before running to browse runs, logs and artifacts")
 
 
 def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
@@ -201,18 +205,12 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
         }
         _print_summary(steps, manifests, config.workspace, time.time() - started, None)
         return 0
-    from lmforge import server
-
-    api_url = server.connect_for_run()  # a temporary server, if needed, boots while Prefect is imported
-    from prefect import tags
-
-    from flows.pipeline import pipeline
-    from lmforge.slurm import main_tags
-
-    server.wait_for_api()
-    # a run inside a SLURM job is tagged with its job id in the UI; the terminal shows one line per step
-    with tags(*main_tags()), terminal(args.verbose, until_exit=True):
-        result = pipeline(preset=args.config, overrides=args.overrides, workspace=args.workspace, stages=stages)
+    if _commands is None or _commands.orchestrator is None:
+        raise ConfigError(
+            "no orchestrator is installed (the `lmforge.commands` entry point of flows.cli): "
+            "run with --local, or reinstall lmforge (`bash scripts/setup.sh`)"
+        )
+    result, api_url = _commands.orchestrator(args, stages, terminal(args.verbose, until_exit=True))
     _print_summary(result["steps"], result["manifests"], result["workspace"], time.time() - started, api_url)
     return 0
 
@@ -264,7 +262,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_server(args: argparse.Namespace) -> int:
+def cmd_prefect(args: argparse.Namespace) -> int:
     from lmforge import server
 
     if args.action == "start":
@@ -277,60 +275,6 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
-    config = _load(args, check_paths=not args.write_prefect_yaml)
-    name = args.name or config.name
-    if args.write_prefect_yaml:
-        from flows.deployments import deployment_specs, prefect_yaml
-
-        Path(args.write_prefect_yaml).write_text(
-            prefect_yaml(deployment_specs(name, args.config, args.overrides, args.workspace))
-        )
-        print(f"wrote {args.write_prefect_yaml}")
-        return 0
-    if not _use_server_if_running():
-        raise ConfigError("deploy needs a Prefect server: run `lmforge server start` first (or set PREFECT_API_URL)")
-    parameters = {"preset": args.config, "overrides": args.overrides, "workspace": args.workspace}
-    if args.serve:
-        from flows.pipeline import pipeline
-
-        print(
-            f"serving deployment 'lmforge-pipeline/{name}'; trigger it with:\n"
-            f"  prefect deployment run 'lmforge-pipeline/{name}'\n(Ctrl-C stops serving)"
-        )
-        pipeline.serve(name=name, parameters=parameters)
-        return 0
-    from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
-
-    for pool, outcome in ensure_pools(args.gpu_worker_type).items():
-        print(f"work pool {pool}: {outcome}")
-    print(f"concurrency limit gpu ({_gpu_slots(args.gpus)} slots): {ensure_gpu_limit(_gpu_slots(args.gpus))}")
-    specs = deployment_specs(name, args.config, args.overrides, args.workspace)
-    for full_name, spec in zip(apply_deployments(specs), specs):
-        print(f"deployment {full_name}  (pool {spec['work_pool']})")
-    print(
-        "\nstart workers (from this checkout's .venv, with PREFECT_API_URL pointing at this server):\n"
-        "  .venv/bin/prefect worker start --pool lmforge-cpu\n"
-        "  .venv/bin/prefect worker start --pool lmforge-gpu     # on each GPU machine\n"
-        f"then: prefect deployment run 'lmforge-pipeline/{name}'"
-        + (
-            ""
-            if config.runtime.dispatch == "deployments"
-            else "\n(stages run inside the pipeline's flow run; deploy with --set runtime.dispatch=deployments to send "
-            "each stage to its pool)"
-        )
-    )
-    return 0
-
-
-def _gpu_slots(requested: int | None) -> int:
-    if requested:
-        return requested
-    import torch
-
-    return max(torch.cuda.device_count(), 1)
-
-
 def cmd_slurm(args: argparse.Namespace) -> int:
     from lmforge import slurm
 
@@ -341,6 +285,21 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         return 0
     path, answer = slurm.submit(script, Path(args.workspace or config.workspace).resolve() / "slurm")
     print(f"{answer}  (script: {path})")
+    return 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from lmforge.stagemap import format_stages
+
+    config = _load(args, check_paths=False)
+    if args.update_readme:
+        from lmforge.stagemap import readme_with_stage_maps
+
+        path = Path(args.update_readme)
+        path.write_text(readme_with_stage_maps(path.read_text(), config))
+        print(f"redrew the stage maps in {path}")
+        return 0
+    print(format_stages(args.stage, config))
     return 0
 
 
@@ -357,6 +316,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in RENAMED:  # an old spelling: works for one more release
+        print(
+            f"note: `lmforge {args.command}` is now `lmforge {RENAMED[args.command]}`; "
+            "the old name goes away in the next release",
+            file=sys.stderr,
+        )
+        args.command = RENAMED[args.command]
     _stop_launched_on_signals()
     try:
         if args.command in ("run", "stage"):
@@ -370,10 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.handler(args, config)
         handler = {
             "explain": cmd_explain,
-            "server": cmd_server,
-            "deploy": cmd_deploy,
+            "prefect": cmd_prefect,
             "config": cmd_config,
             "slurm": cmd_slurm,
+            "stages": cmd_stages,
         }[args.command]
         return handler(args)
     except ConfigError as exc:

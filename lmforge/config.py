@@ -19,14 +19,17 @@ import difflib
 import functools
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import Field, ValidationError, create_model, field_validator
 
 from configs import PRESETS_DIR, preset_names
-from lmforge.configbase import RUNTIME_MARK, StrictModel, runtime_field
+from lmforge.configbase import RUNTIME_MARK, ConfigView, StrictModel, runtime_field
 from lmforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 
 class RuntimeConfig(StrictModel):
@@ -51,7 +54,7 @@ class RuntimeConfig(StrictModel):
     dispatch: Literal["local", "deployments"] = runtime_field(
         "local",
         description="local: the pipeline runs every stage in its own process; deployments: each stage "
-        "runs as its deployment (`lmforge deploy`), so GPU stages land on a GPU work pool's worker.",
+        "runs as its deployment (`lmforge deployments`), so GPU stages land on a GPU work pool's worker.",
     )
     deployment: str | None = runtime_field(
         None,
@@ -101,6 +104,11 @@ class PipelineBase(StrictModel):
     runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
 
+    if TYPE_CHECKING:
+        # The stage sections (`config.curate`, `config.pretrain`, ...) and `debug` are added by
+        # `pipeline_model()` from the registry at runtime; to the type checker they are Any.
+        def __getattr__(self, name: str) -> Any: ...
+
     @field_validator("stages")
     @classmethod
     def _known_stages(cls, value: list[str]) -> list[str]:
@@ -108,6 +116,11 @@ class PipelineBase(StrictModel):
         if unknown:
             raise ValueError(f"unknown stage {unknown[0]!r} (stages: {', '.join(_stage_names())})")
         return value
+
+
+# What a stage's config-reading helpers may be handed: the whole pipeline config, or a running
+# step's view of it (`StepContext.config`), which offers the same attributes.
+ConfigOrView: TypeAlias = PipelineBase | ConfigView
 
 
 def _stage_names() -> list[str]:
@@ -257,7 +270,7 @@ def _nested_matches(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]
     return found
 
 
-def _describe(error: dict[str, Any], source: str, overrides: list[str]) -> str:
+def _describe(error: ErrorDetails, source: str, overrides: list[str]) -> str:
     loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     for assignment in overrides:
@@ -283,7 +296,7 @@ def load_config(
     overrides: list[str] | None = None,
     workspace: str | None = None,
     check_paths: bool = True,
-) -> Any:
+) -> PipelineBase:
     """Load a preset or YAML path, apply overrides, validate; raise ConfigError with one line."""
     overrides = list(overrides or [])
     path = resolve_preset(preset)
@@ -304,7 +317,7 @@ def load_config(
     return config
 
 
-def check_files(config: Any, source: str) -> None:
+def check_files(config: PipelineBase, source: str) -> None:
     """Paths the config names must exist, so a typo fails now and not an hour into the run."""
     from lmforge.registry import stages
 

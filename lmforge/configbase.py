@@ -8,13 +8,16 @@ cache identity of a stage is the config with those fields removed (`identity_dic
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmforge.errors import UndeclaredConfigRead
 
-RUNTIME_MARK = {"lmforge_runtime": True}
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonDict
+
+RUNTIME_MARK: JsonDict = {"lmforge_runtime": True}
 
 
 class StrictModel(BaseModel):

@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmforge
 from lmforge import codeprint, console, launcher, steplog
 from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
 from lmforge.store import StageStore
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def code_version() -> dict[str, Any]:
     return version
 
 
-def plan_step(step: Step, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:
+def plan_step(step: Step, config: PipelineBase, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:
     """The step's key and whether its output can be reused. Reads only: no side effects."""
     names = graph().upstream(step, config)
     components = key_components(step, config, names, upstream)
@@ -114,12 +117,14 @@ def report_reuse(plan: StepPlan) -> None:
         )
 
 
-def step_timeout(step: Step, config: Any) -> float | None:
+def step_timeout(step: Step, config: PipelineBase) -> float | None:
     limits = config.runtime.step_timeout_s
     return limits.get(step.name, limits.get(step.stage, limits.get("*", step.timeout_s)))
 
 
-def open_step(plan: StepPlan, config: Any, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepContext:
+def open_step(
+    plan: StepPlan, config: PipelineBase, store: StageStore, upstream: dict[str, dict[str, Any]]
+) -> StepContext:
     if plan.rerun_for_drift:  # made by other code: nothing of it (units, checkpoints) may be resumed
         log.warning("%s/%s: %s; recomputing from scratch", plan.step.name, plan.key, plan.reason)
         store.invalidate(plan.directory)
@@ -286,7 +291,7 @@ UnitRunner = Callable[[StepContext, list[str]], dict[str, dict[str, Any]]]
 
 def execute_step(
     step: Step,
-    config: Any,
+    config: PipelineBase,
     store: StageStore,
     upstream: dict[str, dict[str, Any]],
     run_units: UnitRunner,
@@ -315,7 +320,7 @@ def execute_step(
 
 def _plan_and_compute(
     step: Step,
-    config: Any,
+    config: PipelineBase,
     store: StageStore,
     upstream: dict[str, dict[str, Any]],
     run_units: UnitRunner,
@@ -362,7 +367,7 @@ def pool_unit_runner(pool: cf.Executor, store: StageStore) -> UnitRunner:
     return run_units
 
 
-def run_pipeline_locally(config: Any, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
+def run_pipeline_locally(config: PipelineBase, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Run the selected stages without Prefect (tests, notebooks, debugging)."""
     store = StageStore(config.workspace, config.runtime.verify)
     manifests: dict[str, dict[str, Any]] = {}

@@ -12,12 +12,15 @@ as drift ("code of curate/heuristics changed since this output was made"); with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.executor import graph, plan_step
 from lmforge.graph import config_identity
 from lmforge.hashing import flatten
 from lmforge.store import StageStore
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 
 @dataclass
@@ -53,7 +56,7 @@ def diff_components(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def explain(config: Any, stages: list[str]) -> list[Explanation]:
+def explain(config: PipelineBase, stages: list[str]) -> list[Explanation]:
     store = StageStore(config.workspace, config.runtime.verify)
     manifests: dict[str, dict[str, Any]] = {}
     rerun: set[str] = set()

@@ -24,12 +24,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView, deep_merge, pick
 from lmforge.errors import ConfigError
 from lmforge.hashing import canonical_json, digest
 from lmforge.stage import Maybe, Product
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 UnitResult = tuple[list[str], dict[str, Any]]
 
@@ -63,18 +66,18 @@ class StepContext:
         return self.upstream[self.products[str(product)][0]]
 
 
-Reads = tuple[str, ...] | Callable[[Any], tuple[str, ...]]
+Reads = tuple[str, ...] | Callable[["PipelineBase"], tuple[str, ...]]
 
 
-def _always(config: Any) -> bool:
+def _always(config: PipelineBase) -> bool:
     return True
 
 
-def _nothing(config: Any) -> tuple[Any, ...]:
+def _nothing(config: PipelineBase) -> tuple[Any, ...]:
     return ()
 
 
-def _no_units(ctx: Any) -> list[str]:
+def _no_units(ctx: StepContext) -> list[str]:
     return []
 
 
@@ -102,11 +105,11 @@ class Step:
     reads: Reads = ()
     derive: Callable[[ConfigView], dict[str, Any]] | None = None
     # what it reads: steps of its own stage by name, other stages' results as typed products
-    upstream: Callable[[Any], tuple[str | Product | Maybe, ...]] = _nothing
+    upstream: Callable[[PipelineBase], tuple[str | Product | Maybe, ...]] = _nothing
     provides: dict[Product, str] = field(default_factory=dict)  # product -> path inside the output ("" = all)
     units: Callable[[StepContext], list[str]] = _no_units
     run_unit: Callable[[StepContext, str], UnitResult] | None = None
-    when: Callable[[Any], bool] = _always
+    when: Callable[[PipelineBase], bool] = _always
     retries: int = 2
     # top-level folders kept out of the manifest's file list (self-verifying state; logs/ always is)
     bookkeeping: tuple[str, ...] = ()
@@ -121,19 +124,19 @@ class Step:
     # evaluated); shown as a progress artifact. Sharded steps report units without it.
     progress: Callable[[StepContext], tuple[float, float] | None] | None = None
 
-    def declared_reads(self, config: Any) -> tuple[str, ...]:
+    def declared_reads(self, config: PipelineBase) -> tuple[str, ...]:
         return tuple(self.reads(config)) if callable(self.reads) else tuple(self.reads)
 
-    def view(self, config: Any) -> ConfigView:
+    def view(self, config: PipelineBase) -> ConfigView:
         """The configuration as this step may read it."""
         return ConfigView(config, self.declared_reads(config), self.name)
 
-    def identity(self, config: Any) -> dict[str, Any]:
+    def identity(self, config: PipelineBase) -> dict[str, Any]:
         """The config part of the key: every declared read, plus what `derive` adds."""
         ident = pick(config, *self.declared_reads(config))
         return deep_merge(ident, self.derive(self.view(config))) if self.derive is not None else ident
 
-    def enabled(self, config: Any) -> bool:
+    def enabled(self, config: PipelineBase) -> bool:
         section = getattr(config, self.stage, None)
         return bool(getattr(section, "enabled", True)) and self.when(config)
 
@@ -142,13 +145,13 @@ class Step:
         return self.name.split("/", 1)[0]
 
 
-def config_identity(step: Step, config: Any) -> dict[str, Any]:
+def config_identity(step: Step, config: PipelineBase) -> dict[str, Any]:
     """The step's identity fields as JSON sees them, so a record read back from a manifest
     compares equal to a fresh one (tuples become lists)."""
     return json.loads(canonical_json(step.identity(config)))
 
 
-def debug_settings(step: Step, config: Any) -> dict[str, Any] | None:
+def debug_settings(step: Step, config: PipelineBase) -> dict[str, Any] | None:
     """The stage's `debug:` settings (fault injection) when any is set, else None."""
     section = getattr(getattr(config, "debug", None), step.stage, None)
     if section is None or section == type(section)():
@@ -157,7 +160,7 @@ def debug_settings(step: Step, config: Any) -> dict[str, Any] | None:
 
 
 def key_components(
-    step: Step, config: Any, upstream_names: tuple[str, ...], upstream: dict[str, dict[str, Any]]
+    step: Step, config: PipelineBase, upstream_names: tuple[str, ...], upstream: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """Everything the key is made of, kept in the manifest so `explain` can diff it later.
 
@@ -195,7 +198,7 @@ class Graph:
     def stages(self) -> list[str]:
         return list(dict.fromkeys(s.stage for s in self.steps))
 
-    def providers(self, product: Product, config: Any) -> list[Step]:
+    def providers(self, product: Product, config: PipelineBase) -> list[Step]:
         """Enabled steps providing `product` (any role when `product.role` is empty)."""
         return [
             s
@@ -204,7 +207,7 @@ class Graph:
             and s.enabled(config)
         ]
 
-    def provider(self, product: Product, config: Any, wanted_by: str = "") -> Step:
+    def provider(self, product: Product, config: PipelineBase, wanted_by: str = "") -> Step:
         found = self.providers(product, config)
         if not found:
             raise ConfigError(
@@ -213,7 +216,7 @@ class Graph:
             )
         return found[0]
 
-    def _wants(self, step: Step, config: Any) -> list[str | Product]:
+    def _wants(self, step: Step, config: PipelineBase) -> list[str | Product]:
         """What `step` reads, optional products dropped where nothing enabled provides them."""
         return [
             w.product if isinstance(w, Maybe) else w
@@ -221,7 +224,7 @@ class Graph:
             if not isinstance(w, Maybe) or self.providers(w.product, config)
         ]
 
-    def upstream(self, step: Step, config: Any) -> tuple[str, ...]:
+    def upstream(self, step: Step, config: PipelineBase) -> tuple[str, ...]:
         """The step names `step` reads, products resolved to their providers."""
         names: list[str] = []
         for want in self._wants(step, config):
@@ -230,10 +233,10 @@ class Graph:
                 names.append(name)
         return tuple(names)
 
-    def has(self, product: Product, config: Any) -> bool:
+    def has(self, product: Product, config: PipelineBase) -> bool:
         return bool(self.providers(product, config))
 
-    def products(self, step: Step, config: Any) -> dict[str, tuple[str, str]]:
+    def products(self, step: Step, config: PipelineBase) -> dict[str, tuple[str, str]]:
         """str(product) -> (providing step, path inside its output), for the products `step` reads."""
         out: dict[str, tuple[str, str]] = {}
         for want in self._wants(step, config):
@@ -245,7 +248,7 @@ class Graph:
                 out[str(want)] = (source.name, sub)
         return out
 
-    def active(self, config: Any, stages: list[str]) -> list[Step]:
+    def active(self, config: PipelineBase, stages: list[str]) -> list[Step]:
         """Enabled steps of `stages` plus every enabled step they need upstream, in order."""
         wanted = {s.name for s in self.steps if s.stage in stages and s.enabled(config)}
         for step in reversed(self.steps):

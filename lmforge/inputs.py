@@ -56,7 +56,7 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     """
     found: list[str] = []
     for pattern in patterns:
-        if pattern.startswith("hf:"):
+        if pattern.startswith(("hf:", "builtin:")):  # a hub dataset, a built-in source (data_prep.sources)
             found.append(pattern)
             continue
         for match in sorted(os.path.normpath(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True)):

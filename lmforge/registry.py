@@ -10,12 +10,15 @@ belongs without any list being edited.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import Any
 
 from lmforge.errors import ConfigError
 from lmforge.stage import Stage
 
 GROUP = "lmforge.stages"
+COMMANDS_GROUP = "lmforge.commands"  # CLI plugins: callables taking `lmforge.cli.Commands` (the orchestrator's)
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,6 +65,11 @@ def _ancestors(stage: Stage, found: dict[str, Stage]) -> set[str]:
             seen.add(name)
             todo.extend(found[name].after)
     return seen
+
+
+def command_plugins() -> list[Callable[[Any], None]]:
+    """The `lmforge.commands` entry points (e.g. `flows.cli:register`), loaded, in name order."""
+    return [point.load() for point in sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: p.name)]
 
 
 def stage_names() -> list[str]:

@@ -1,4 +1,4 @@
-"""`lmforge server start|stop|status`: a local Prefect server (UI + API) on SQLite.
+"""`lmforge prefect start|stop|status`: a local Prefect server (UI + API) on SQLite.
 
 The server binds to 127.0.0.1 unless told otherwise, keeps its database under
 `~/.lmforge/server` (or $LMFORGE_HOME), and is found again by pid file. While it runs,
@@ -160,7 +160,7 @@ def status() -> str:
     if state and _is_our_server(state["pid"]):
         health = "healthy" if healthy(state["api_url"]) else "starting or unhealthy"
         return f"running (pid {state['pid']}, {health}): UI {state['ui_url']}  API {state['api_url']}"
-    return "not running (start it with: lmforge server start)"
+    return "not running (start it with: lmforge prefect start)"
 
 
 @contextlib.contextmanager
@@ -258,7 +258,7 @@ _temporary: TemporaryServer | None = None
 def connect_for_run() -> str | None:
     """Give this process a Prefect API before Prefect is imported; call `wait_for_api` before the first flow.
 
-    An inherited PREFECT_API_URL or the managed server (`lmforge server start`) is used as is and
+    An inherited PREFECT_API_URL or the managed server (`lmforge prefect start`) is used as is and
     returned (there is a UI to browse); otherwise a temporary server is started for the run, and
     None is returned.
     """
@@ -278,3 +278,13 @@ def wait_for_api() -> None:
     """Return once the temporary server started by `connect_for_run` answers (at once for any other API)."""
     if _temporary is not None:
         _temporary.wait()
+
+
+def use_running_server() -> str | None:
+    """Point this process's Prefect client at an inherited PREFECT_API_URL or the managed server; its API URL, or None."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    url = running_api_url()
+    if url:
+        os.environ["PREFECT_API_URL"] = url
+    return url

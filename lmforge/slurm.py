@@ -15,9 +15,12 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lmforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the stages that run across nodes, and the config section holding their hostfile and node count
@@ -33,7 +36,7 @@ def hostfile_function() -> str:
     )
 
 
-def render(config: Any, stage: str, preset: str, overrides: list[str], workspace: str | None) -> str:
+def render(config: PipelineBase, stage: str, preset: str, overrides: list[str], workspace: str | None) -> str:
     """The sbatch script for `stage` under the `cluster` section of `config`."""
     c = config.cluster
     if stage not in _stage_names():

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,11 @@ class Stage:
     resources: Resources = field(default_factory=Resources)
     packages: tuple[str, ...] = ()
     summary: Callable[[dict[str, dict[str, Any]]], list[str]] | None = None  # lines for the CLI's run summary
-    check: Callable[[Any, str], None] | None = None  # (config, its source) -> raise ConfigError for missing paths
+    # (config, its source) -> raise ConfigError for missing paths
+    check: Callable[[PipelineBase, str], None] | None = None
     cli: Callable[[Any], None] | None = None  # (argparse subparsers) -> add the stage's own commands
     # (config, manifests) after the stage's steps ran, cached or not: bring live state (a running
     # server) in line with the cached outputs; returns what it did, for the log
-    reconcile: Callable[[Any, dict[str, dict[str, Any]]], list[str]] | None = None
+    reconcile: Callable[[PipelineBase, dict[str, dict[str, Any]]], list[str]] | None = None
     # fault injection for tests and drills, as `debug.<stage>:` (a step run with one set is keyed apart)
     debug_model: type | None = None

@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 "$PY" -m ruff check .
 "$PY" -m ruff format --check --quiet . || { echo "ruff format: files above need formatting (.venv/bin/ruff format .)" >&2; exit 1; }
-echo "lint: ruff passed"
+"$PY" -m mypy
+echo "lint: ruff and mypy passed"

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/ui_screenshot.py [--api http://127.0.0.1:4200/api] [--out ui-shots] [--artifact KEY ...]
 
 Needs a Chromium (Debian: `apt-get install chromium`; or set CHROMIUM=/path/to/chrome) and a
-Prefect server that holds lmforge runs (`lmforge server start`, then `lmforge run`). Writes PNGs
+Prefect server that holds lmforge runs (`lmforge prefect start`, then `lmforge run`). Writes PNGs
 of the flow-run page of the newest `lmforge-pipeline` run, of the artifacts list, and of each
 artifact named with --artifact (default: pipeline-lineage-graph, pretrain-train-curves,
 align-sft-curves, progress-pretrain-train), waiting for the single-page app to render.

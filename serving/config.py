@@ -1,7 +1,7 @@
 """The serving stage's typed config (`serve:` in a preset).
 
 What is served and how vLLM runs it (model choice, engine settings) is cache identity of
-`serve/deploy`: change them and the deployment is validated again. Where it runs (host, port,
+`serve/release`: change them and the release is validated again. Where it runs (host, port,
 key source) and the SLO targets' enforcement are runtime settings, so moving the endpoint
 does not invalidate the validation already done.
 """
@@ -19,7 +19,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class SloConfig(StrictModel):
-    """The latency benchmark `serve/deploy` runs before promoting a model, and its targets."""
+    """The latency benchmark `serve/release` runs before promoting a model, and its targets."""
 
     enabled: bool = runtime_field(True, description="Run the SLO benchmark before promoting.")
     concurrency: list[int] = Field(
@@ -33,7 +33,7 @@ class SloConfig(StrictModel):
         120, ge=0, description="Length of the shared system prompt of the prefix workload."
     )
     ttft_p90_ms: float | None = runtime_field(
-        None, description="Fail the deployment when p90 time-to-first-token exceeds this (None: report only).", gt=0
+        None, description="Fail the release when p90 time-to-first-token exceeds this (None: report only).", gt=0
     )
     tpot_p90_ms: float | None = runtime_field(
         None, description="Fail when p90 time-per-output-token exceeds this (None: report only).", gt=0

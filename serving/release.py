@@ -9,7 +9,7 @@ State lives in `<workspace>/serving/`:
 
 A server runs detached (its own session, a pid file, `lmforge.supervise` as its parent), so it
 outlives the flow run that started it; it is stopped by pid, never by name. A new model starts
-on a fresh port beside the running one, is smoke-tested (and SLO-checked by `serve/deploy`),
+on a fresh port beside the running one, is smoke-tested (and SLO-checked by `serve/release`),
 and only then does `current.json` switch to it and the old server stop. Any failure before
 that stops the candidate and leaves the old server serving: a rollback, not an outage.
 """
@@ -24,7 +24,7 @@ import secrets
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
@@ -39,6 +39,9 @@ from lmforge.vllm_server import (
     wait_ready,
 )
 from serving.config import ServeConfig
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 log = logging.getLogger(__name__)
 KEY_ENV = "LMFORGE_API_KEY"
@@ -140,7 +143,7 @@ def start(
         model_dir, cfg.engine, port=port, host=cfg.host, served_name=served_name, chat_template=template
     )
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-    record = {
+    record: dict[str, Any] = {
         "served_name": served_name,
         "model_dir": str(model_dir),
         "url": f"http://{host}:{port}",
@@ -192,7 +195,7 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
 
     key, _ = api_key(workspace)
     client = OpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0, timeout=60.0)
-    messages = [{"role": "user", "content": cfg.smoke_prompt}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": cfg.smoke_prompt}]
     name = record["served_name"]
     try:
         reply = client.chat.completions.create(

@@ -1,6 +1,6 @@
 """Latency of a served model: TTFT, TPOT, end-to-end latency and output tokens/s under load.
 
-Used by `serve/deploy` (a model is promoted only when it meets `serve.slo`) and by
+Used by `serve/release` (a model is promoted only when it meets `serve.slo`) and by
 `benchmarks/serve.py` (beside Hugging Face `generate` and vLLM without prefix caching).
 
 Why a client of our own: `vllm bench serve` needs the `vllm` console script and its benchmark

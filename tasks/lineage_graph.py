@@ -103,7 +103,7 @@ def draw_lineage(manifests: dict[str, dict[str, Any]], status: dict[str, str], c
     notes += (
         [f"{letters[r]}: {r}" for r in runs] if letters else [f"computed by: {runs[0]}"] if runs and runs[0] else []
     )
-    deploy = manifests.get("serve/deploy")
+    deploy = manifests.get("serve/release")
     if deploy is not None:
         extra = deploy.get("extra", {})
         notes.append(f"serving {extra.get('served_name', '')} at {extra.get('url', '')}/v1")

@@ -174,6 +174,7 @@ def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
             continue
         title = f"{step} @ {manifest['key'][:8]}"
         # beside the workspace's other UI files, not inside the finished (checksummed) output
+        png: Path | None  # None when render_curves could not draw them
         png, drawn = curves_png(directory.parents[2] / ".lmforge" / "ui", step, manifest, panels, title)
         try:
             if not drawn:

@@ -23,7 +23,7 @@ import concurrent.futures as cf
 import functools
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -32,6 +32,7 @@ from prefect.states import Completed, State
 
 from lmforge.console import step_progress
 from lmforge.executor import (
+    UnitRunner,
     capture_level,
     execute_step,
     graph,
@@ -46,6 +47,9 @@ from lmforge.graph import StepContext
 from lmforge.store import StageStore
 from tasks.progress import ProgressReporter
 from tasks.retry import should_retry
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger("lmforge.tasks")
 _pools: dict[int, cf.Executor] = {}
@@ -128,7 +132,7 @@ def dask_runner(address: str | None, workers: int) -> Any:
         return _dask_runners[name]
 
 
-def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-untyped-def]
+def _unit_tasks(config: PipelineBase, progress: ProgressReporter) -> UnitRunner:
     def run_units(ctx: StepContext, todo: list[str]) -> dict[str, dict[str, Any]]:
         runtime = config.runtime
         total = len(graph().get(ctx.step).units(ctx))
@@ -170,7 +174,7 @@ def _unit_tasks(config: Any, progress: ProgressReporter):  # type: ignore[no-unt
     retry_delay_seconds=2,
     retry_condition_fn=should_retry,
 )
-def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -> State:
+def run_step(step_name: str, config: PipelineBase, upstream: dict[str, dict[str, Any]]) -> State:
     store = StageStore(config.workspace, config.runtime.verify)
     step = graph().get(step_name)
     progress = ProgressReporter(step_name)
@@ -189,7 +193,7 @@ def run_step(step_name: str, config: Any, upstream: dict[str, dict[str, Any]]) -
     return Completed(data=manifest, message=f"computed in {manifest['timings']['seconds']:.1f}s")
 
 
-def step_task(step_name: str, config: Any):  # type: ignore[no-untyped-def]
+def step_task(step_name: str, config: PipelineBase):  # type: ignore[no-untyped-def]
     """`run_step` with the step's retry count and time limit."""
     step = graph().get(step_name)
     limit = step_timeout(step, config)

@@ -51,7 +51,7 @@ SMALL_PRETRAIN = [
 
 # Alignment that finishes in seconds on the small model (the CLI test runs tiny-cpu's real settings).
 SMALL_ALIGN = [
-    "align.builtin.per_task=60",
+    "align.builtin.per_skill=60",
     "align.builtin.dialogue_conversations=30",
     "align.sft.max_steps=40",
     "align.sft.save_steps=10",

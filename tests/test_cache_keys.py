@@ -16,7 +16,6 @@ from lmforge.executor import graph
 from lmforge.hashing import digest
 
 ALL_STEPS = [
-    "curate/demo",
     "curate/ingest",
     "curate/minhash",
     "curate/langid",
@@ -48,7 +47,7 @@ ALL_STEPS = [
     "quantize/w4a16",
     "quantize/w8a16",
     "quantize/gate",
-    "serve/deploy",
+    "serve/release",
 ]
 EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
 QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
@@ -60,7 +59,7 @@ def identities(overrides: list[str]) -> dict[str, str]:
 
 
 ROWS = [
-    ("curate.demo.seed=8", {"curate/demo"}),
+    ("curate.demo.seed=8", {"curate/ingest"}),
     ("curate.docs_per_shard=500", {"curate/ingest"}),
     ("curate.normalize.unicode_form=NFKC", {"curate/ingest"}),
     ("curate.near_dedup.ngram=4", {"curate/minhash"}),
@@ -84,7 +83,7 @@ ROWS = [
     ("pretrain.global_batch_size=32", {"pretrain/train"}),
     ("pretrain.guardrails.spike_zscore=4", {"pretrain/train"}),
     ("pretrain.checkpoint.every_steps=10", {"pretrain/train"}),
-    ("align.builtin.per_task=10", {"align/data"}),
+    ("align.builtin.per_skill=10", {"align/data"}),
     ("align.heldout_fraction=0.2", {"align/data"}),
     ("align.sft.lr=1e-4", {"align/sft"}),
     ("align.method=lora", {"align/sft"}),
@@ -109,12 +108,12 @@ ROWS = [
     # not a chat model: no chats to calibrate on (calibration's key changes through its upstream: chats drop out)
     ("quantize.model=pretrained", QUANT),
     ("quantize.gate.max_drop=0.1", {"quantize/gate"}),
-    ("serve.model=sft", {"serve/deploy"}),
+    ("serve.model=sft", {"serve/release"}),
     # the hf backend reads the served context length too (its windows match what will be served)
-    ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/deploy"}),
+    ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/release"}),
     (
         "serve.engine.dtype=float32",
-        EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")} | {"quantize/gate", "serve/deploy"},
+        EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")} | {"quantize/gate", "serve/release"},
     ),
     # how work is run, not what it produces: no key changes
     ("runtime.workers=8", set()),

@@ -84,7 +84,7 @@ def test_the_run_covers_the_lifecycle_and_computes_only_the_deployment(
     assert first_run.returncode == 0, first_run.stderr[-3000:]
     rows = statuses(first_run.stdout)
     assert {name.split("/")[0] for name in rows} == {"curate", "pretrain", "align", "evaluate", "quantize", "serve"}
-    assert rows.pop("serve/deploy") == "computed" and set(rows.values()) == {"cached"}
+    assert rows.pop("serve/release") == "computed" and set(rows.values()) == {"cached"}
     for line in ("model:", "results:", "SFT:", "DPO:", "eval:", "quant:", "served:"):
         assert line in first_run.stdout, line
     select = json.loads(next(workspace.glob("curate/select/*/manifest.json")).read_text())["counts"]
@@ -121,7 +121,7 @@ def test_the_run_ends_with_a_served_model_that_answers_through_openai(
         )
         == 401
     )
-    deploy = json.loads(next(workspace.glob("serve/deploy/*/manifest.json")).read_text())
+    deploy = json.loads(next(workspace.glob("serve/release/*/manifest.json")).read_text())
     assert deploy["counts"]["slo_levels"] >= 4 and deploy["counts"]["slo_errors"] == 0
 
 

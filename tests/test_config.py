@@ -117,7 +117,7 @@ def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
     ]
     config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
     active = {s.name for s in graph().active(config, ["curate"])}
-    assert active == {"curate/demo", "curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}
+    assert active == {"curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}
 
 
 def test_quality_classifier_needs_exactly_one_selection_rule() -> None:
@@ -134,3 +134,15 @@ def test_quality_classifier_needs_exactly_one_selection_rule() -> None:
     )
     with pytest.raises(ConfigError, match="needs a rule to select by"):
         load_config("tiny-cpu", ["curate.quality_classifier.keep_fraction=null"])
+
+
+def test_renamed_fields_still_load_for_one_release_with_a_notice(caplog) -> None:  # type: ignore[no-untyped-def]
+    """align.builtin.tasks/per_task are now skills/per_skill ("tasks" are lm-eval's, here)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="lmforge.config"):
+        config = load_config("tiny-cpu", ["align.builtin.per_task=7", "align.builtin.tasks=[add,copy]"])
+    assert config.align.builtin.per_skill == 7 and config.align.builtin.skills == ["add", "copy"]
+    assert "align.builtin.per_task is now align.builtin.per_skill" in caplog.text
+    with pytest.raises(ConfigError, match="skils"):
+        load_config("tiny-cpu", ["align.builtin.skils=[add]"])

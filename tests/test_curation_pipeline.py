@@ -14,7 +14,7 @@ from tests.conftest import small_config
 
 
 def _labels(manifests: dict) -> list[dict]:
-    path = Path(manifests["curate/demo"]["dir"]) / "labels.jsonl"
+    path = Path(manifests["curate/ingest"]["dir"]) / "sources" / "demo" / "labels.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -100,7 +100,6 @@ def test_threshold_change_reselects_without_recomputing_attributes(curated_copy:
     recomputed = {n for n, m in manifests.items() if m["timings"]["finished_at"] >= started}
     assert "curate/select" in recomputed
     assert not recomputed & {
-        "curate/demo",
         "curate/ingest",
         "curate/minhash",
         "curate/langid",

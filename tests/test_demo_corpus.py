@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.config import DemoCorpusConfig
-from data_prep.demo import build_demo_corpus, demo_sources_fingerprint
+from data_prep.sources.demo import build_demo_corpus, demo_sources_fingerprint
 from data_prep.textnorm import jaccard, normalize_document, shingle_set
 
 SMALL = dict(
@@ -90,7 +90,7 @@ def test_same_config_gives_byte_identical_files_in_another_process(corpus, tmp_p
     root = Path(__file__).resolve().parents[1]
     code = (
         "import sys; from pathlib import Path; from data_prep.config import DemoCorpusConfig; "
-        "from data_prep.demo import build_demo_corpus; "
+        "from data_prep.sources.demo import build_demo_corpus; "
         "build_demo_corpus(DemoCorpusConfig.model_validate_json(sys.argv[1]), Path(sys.argv[2]))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}

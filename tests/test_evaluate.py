@@ -311,7 +311,10 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
     manifests = _run_steps(config, ["evaluate/contamination"])
     select = manifests["curate/select"]
     removed = pq.read_table(Path(select["dir"]) / "removed").to_pylist()
-    planted = [json.loads(line) for line in next(workspace.glob("curate/demo/*/labels.jsonl")).read_text().splitlines()]
+    planted = [
+        json.loads(line)
+        for line in next(workspace.glob("curate/ingest/*/sources/demo/labels.jsonl")).read_text().splitlines()
+    ]
     planted_ids = {p["id"] for p in planted if p["kind"] == "contamination"}
     dropped = {r["id"] for r in removed if r["reason"] == "decontaminated"}
     assert planted_ids and planted_ids <= dropped, planted_ids - dropped

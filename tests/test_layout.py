@@ -40,7 +40,6 @@ def test_domain_packages_never_import_prefect_or_the_wrappers() -> None:
 # package or module and everything under it. tests/, benchmarks/ and scripts/ may import anything.
 ALLOWED: dict[str, set[str]] = {
     "lmforge": {"configs"},  # the embedded presets: YAML files and their folder, no stage code
-    "lmforge.cli": {"flows"},  # removed when flows registers its commands
     "configs": set(),
     "data_prep": {"lmforge"},
     "training": {"lmforge"},
@@ -129,11 +128,11 @@ def test_the_layering_check_reports_a_planted_import() -> None:
         "import numpy\n"
         "def run():\n"
         "    from evaluation.runs import evaluate_model\n"
-        "    import serving.deploy\n"
+        "    import serving.release\n"
     )
     assert forbidden_imports(planted, ROOT / "data_prep" / "planted.py") == [
         "data_prep/planted.py:4 imports evaluation.runs",
-        "data_prep/planted.py:5 imports serving.deploy",
+        "data_prep/planted.py:5 imports serving.release",
     ]
     # the gate may use evaluation's metric runs, not its steps, and the serve stage may use neither
     gate = "from evaluation import runs, steps\nfrom . import schemes\n"
@@ -147,3 +146,29 @@ def test_the_layering_check_reports_a_planted_import() -> None:
     assert forbidden_imports("from flows.pipeline import pipeline\n", ROOT / "lmforge" / "executor.py") == [
         "lmforge/executor.py:1 imports flows.pipeline"
     ]
+
+
+# -- the stage maps ------------------------------------------------------------------------------
+
+
+def test_readme_stage_maps_are_what_lmforge_stages_prints() -> None:
+    """Each stage's section in the README shows `lmforge stages STAGE`, drawn from the step graph."""
+    from lmforge.registry import stage_names
+    from lmforge.stagemap import MARKER, readme_with_stage_maps
+
+    text = (ROOT / "README.md").read_text()
+    missing = [s for s in stage_names() if MARKER.format(stage=s) not in text]
+    assert not missing, f"README.md has no stage map for {missing} (add `{MARKER}` before a code block)"
+    assert readme_with_stage_maps(text) == text, (
+        "README.md's stage maps differ from the step graph: run `lmforge stages --update-readme README.md`"
+    )
+
+
+def test_the_cli_core_finds_the_orchestrator_as_a_plugin_and_keeps_old_spellings(capsys) -> None:  # type: ignore[no-untyped-def]
+    from lmforge import cli
+
+    assert cli.main(["deploy", "--write-prefect-yaml", "/dev/null"]) == 0  # the old spelling, one release more
+    assert "`lmforge deploy` is now `lmforge deployments`" in capsys.readouterr().err
+    assert cli._commands is not None and cli._commands.orchestrator is not None  # flows.cli, via entry points
+    assert cli.main(["stages", "pretrain"]) == 0
+    assert "pretrain/train" in capsys.readouterr().out

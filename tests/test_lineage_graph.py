@@ -1,4 +1,4 @@
-"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (31 steps,
+"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (30 steps,
 6 stages) scaled to the page's width, every step name and key big enough and inside its box."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def lineage(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]
             "inputs": {u: {"key": manifests[u]["key"]} for u in graph().upstream(step, config)},
             "extra": {},
         }
-    manifests["serve/deploy"]["extra"] = {"served_name": "lmforge-0123456789ab", "url": "http://127.0.0.1:8000"}
+    manifests["serve/release"]["extra"] = {"served_name": "lmforge-0123456789ab", "url": "http://127.0.0.1:8000"}
     status = {n: "computed" if i % 3 else "cached" for i, n in enumerate(manifests)}
     computed_by = {
         n: "outside Prefect (--local), host ci" if i < 11 else "run tiny-cpu (brave-otter), host ci"
@@ -43,7 +43,7 @@ def test_every_step_name_and_key_is_readable_at_the_pages_width(lineage: tuple[d
     import matplotlib.pyplot as plt
 
     manifests = lineage[0]
-    assert len(manifests) == 31 and len({m["stage"] for m in manifests.values()}) == 6
+    assert len(manifests) == 30 and len({m["stage"] for m in manifests.values()}) == 6
     fig = draw_lineage(*lineage)
     try:
         fig.set_dpi(DISPLAY_WIDTH_PX / fig.get_figwidth())  # one figure pixel = one pixel on the page
@@ -66,7 +66,7 @@ def test_every_step_name_and_key_is_readable_at_the_pages_width(lineage: tuple[d
             assert px[id(text)] >= MIN_TEXT_PX, text.get_text()
             extent = text.get_window_extent()
             assert extent.x0 >= 0 and extent.x1 <= width and extent.y0 >= 0 and extent.y1 <= height, text.get_text()
-        assert text_px(NAME_PT, fig.get_figwidth()) == pytest.approx(px[id(by_gid["name:curate/demo"])])
+        assert text_px(NAME_PT, fig.get_figwidth()) == pytest.approx(px[id(by_gid["name:curate/ingest"])])
         assert {t.get_text() for t in texts} >= {"curate", "pretrain", "align", "evaluate", "quantize", "serve"}
     finally:
         plt.close(fig)

@@ -185,7 +185,7 @@ def _child_runs(parent_id) -> dict[str, object]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A real Prefect server (`lmforge server start`: its services expire the concurrency leases of
+    """A real Prefect server (`lmforge prefect start`: its services expire the concurrency leases of
     killed runs, which the test harness's ephemeral server does not), and lmforge-cpu and
     lmforge-gpu (a process pool standing in for GPUs), each with a real worker; one workspace for
     the module's tests, as a team's shared storage would be."""
@@ -435,7 +435,7 @@ def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path,
     height, width, _ = matplotlib.image.imread(png).shape
     assert width > 600 and height > 300
     columns = layout(manifests)
-    assert columns.box("curate/demo")[0] == columns.box("curate/pack")[0]  # one column per stage
+    assert columns.box("curate/ingest")[0] == columns.box("curate/pack")[0]  # one column per stage
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(
         "".join(

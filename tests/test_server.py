@@ -1,4 +1,4 @@
-"""`lmforge server start|status|stop`: a real Prefect server on 127.0.0.1 that runs are sent to."""
+"""`lmforge prefect start|status|stop`: a real Prefect server on 127.0.0.1 that runs are sent to."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         return subprocess.run([*cli, *args], capture_output=True, text=True, env=env, timeout=300)
 
     try:
-        started = lmforge("server", "start", "--port", port)
+        started = lmforge("prefect", "start", "--port", port)
         assert started.returncode == 0, started.stderr
         assert f"http://127.0.0.1:{port}/api" in started.stdout
-        assert lmforge("server", "status").stdout.startswith("running")
+        assert lmforge("prefect", "status").stdout.startswith("running")
         assert (tmp_path / "home" / "server" / "prefect" / "prefect.db").is_file()  # SQLite, in lmforge's home
         with socket.create_connection(("127.0.0.1", int(port)), timeout=2):
             pass
@@ -52,7 +52,7 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
 
         # the same pipeline as a deployment, triggered the way users do: `prefect deployment run`
         served = subprocess.Popen(
-            [*cli, "deploy", "--serve", "--workspace", str(curated_copy), "--set", "stages=[curate]", *overrides],
+            [*cli, "deployments", "--serve", "--workspace", str(curated_copy), "--set", "stages=[curate]", *overrides],
             env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -87,19 +87,19 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         finally:
             os.killpg(served.pid, signal.SIGTERM)
             served.wait(timeout=30)
-        exposed = lmforge("server", "start", "--host", "0.0.0.0", "--port", str(free_port()))
+        exposed = lmforge("prefect", "start", "--host", "0.0.0.0", "--port", str(free_port()))
         assert exposed.returncode == 0  # already running: the existing local server is reused
     finally:
-        stopped = lmforge("server", "stop")
+        stopped = lmforge("prefect", "stop")
     assert stopped.stdout.strip() == "stopped"
-    assert lmforge("server", "status").stdout.startswith("not running")
+    assert lmforge("prefect", "status").stdout.startswith("not running")
 
 
 def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
     env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
     result = subprocess.run(
-        [sys.executable, "-m", "lmforge.cli", "server", "start", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "lmforge.cli", "prefect", "start", "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
         env=env,

@@ -75,6 +75,7 @@ def rng_state() -> dict[str, Any]:
     import torch
 
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy global generator is MT19937: its state is a tuple
     state = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],

@@ -13,9 +13,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.config import ModelConfig
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -55,7 +58,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.out_dir = out_dir
         self.path = out_dir / METRICS_FILE
-        self._tb = None
+        self._tb: SummaryWriter | None = None
         resuming = enabled and history is not None and history.exists()
         if resuming:  # the checkpoint's copy is complete up to resume_step, whatever happened since
             shutil.copyfile(history, self.path)  # type: ignore[arg-type]
@@ -90,7 +93,8 @@ class MetricsWriter:
     def _scalars(self, step: int, values: dict[str, Any]) -> None:
         for key, value in values.items():
             if isinstance(value, (int, float)):
-                self._tb.add_scalar(key.replace(".", "/"), value, step)  # type: ignore[union-attr]
+                assert self._tb is not None, "rewind() opens the TensorBoard writer before anything is logged"
+                self._tb.add_scalar(key.replace(".", "/"), value, step)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -18,7 +18,8 @@ def llama_config(model: ModelConfig, vocab_size: int, max_positions: int, specia
         num_attention_heads=model.num_heads,
         num_key_value_heads=model.num_kv_heads,
         max_position_embeddings=max_positions,
-        rope_theta=model.rope_theta,
+        # transformers 5 reads the 4.x keyword (into rope_parameters) but no longer declares it
+        rope_theta=model.rope_theta,  # type: ignore[call-arg]
         tie_word_embeddings=model.tie_embeddings,
         initializer_range=model.init_std,
         hidden_act="silu",

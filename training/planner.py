@@ -101,10 +101,10 @@ def memory_per_rank(
     """
     w_bytes = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
-    weights = params * w_bytes
-    grads = params * w_bytes
+    weights: float = params * w_bytes
+    grads: float = params * w_bytes
     # fp32 master weights + fp32 gradient buffer (mixed precision only) + Adam m and v
-    optimizer = params * ((4 + 4 + 8) if mixed else 8)
+    optimizer: float = params * ((4 + 4 + 8) if mixed else 8)
     if stage >= 1:
         optimizer /= world
     if stage >= 2:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import ConfigError, TrainingDiverged
 from lmforge.stage import ArtifactSpec, Resources, Stage
 from training.config import FaultInjectionConfig, PretrainConfig
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 
 def _steps() -> list[Any]:
@@ -53,7 +56,7 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     return [f"model:   {manifests['pretrain/train']['dir']}/hf  (transformers.AutoModelForCausalLM.from_pretrained)"]
 
 
-def _check(config: Any, source: str) -> None:
+def _check(config: PipelineBase, source: str) -> None:
     hostfile = config.pretrain.distributed.hostfile
     if hostfile and not Path(hostfile).exists():
         raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")
@@ -67,7 +70,7 @@ def _cli(commands: Any) -> None:
     plan.set_defaults(handler=_cmd_plan, needs_config=True, check_paths=False)
 
 
-def _cmd_plan(args: argparse.Namespace, config: Any) -> int:
+def _cmd_plan(args: argparse.Namespace, config: PipelineBase) -> int:
     from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, peak_tflops
     from training.planner import format_plan, plan_parallelism, resolve_precision
 

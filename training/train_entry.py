@@ -65,6 +65,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
     state = consolidated_state(trainer.engine, plan.zero_stage)
     hf_dir = out_dir / "hf"
     if rank == 0:
+        if state is None:
+            raise RuntimeError("rank 0 holds no consolidated model state to export")
         save_hf(state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir)
     trainer._barrier()
     windows = list(range(min(4, len(trainer.val_data) or 1)))

@@ -401,7 +401,7 @@ def _package_descriptions(limit: int) -> list[tuple[str, str, str]]:
         if canonical in seen:
             continue
         seen.add(canonical)
-        text = meta.get_payload() or meta.get("Description") or ""
+        text = meta.get_payload() or meta.get("Description") or ""  # type: ignore[attr-defined]  # an email.message.Message
         if isinstance(text, str) and len(text) > _MIN_DESCRIPTION_CHARS:
             out.append((meta["Name"], version, text.strip("\n")))
     return out

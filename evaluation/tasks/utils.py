@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 _spec = importlib.util.spec_from_file_location(
     "lmforge_eval_sandbox", os.path.join(os.path.dirname(__file__), "sandbox.py")
 )
+if _spec is None or _spec.loader is None:
+    raise ImportError(f"cannot load sandbox.py beside {__file__}")
 sandbox = importlib.util.module_from_spec(_spec)
 sys.modules["lmforge_eval_sandbox"] = sandbox
 _spec.loader.exec_module(sandbox)

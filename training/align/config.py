@@ -7,23 +7,46 @@ micro-batch) is not, as in pretraining.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import logging
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 
+RENAMED_BUILTIN = {"tasks": "skills", "per_task": "per_skill"}  # old name -> new, accepted for one more release
+Skill = Literal["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]
+ALL_SKILLS: list[Skill] = ["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]
+
 
 class BuiltinDataConfig(StrictModel):
-    """The built-in instruction set, used when no inputs are given."""
+    """The built-in instruction set, used when no inputs are given.
 
-    tasks: list[Literal["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]] = Field(
-        default_factory=lambda: ["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"],
-        description="Generated tasks with one verifiable answer each.",
+    Its generators are called skills (not "tasks", which are lm-eval's evaluation tasks here)."""
+
+    skills: list[Skill] = Field(
+        default_factory=lambda: list(ALL_SKILLS),
+        description="Generated skills with one verifiable answer each.",
     )
-    per_task: int = Field(240, ge=1, description="Distinct examples generated per task (fewer where a task has fewer).")
+    per_skill: int = Field(
+        240, ge=1, description="Distinct examples generated per skill (fewer where a skill has fewer)."
+    )
     dialogue_conversations: int = Field(150, ge=0, description="Multi-turn chatterbot conversations added to SFT data.")
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not RENAMED_BUILTIN.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, new in RENAMED_BUILTIN.items():
+            if old in data:  # it wins over the new name (a preset's value, overridden with the old name)
+                logging.getLogger("lmforge.config").warning(
+                    "align.builtin.%s is now align.builtin.%s; the old name goes away in the next release", old, new
+                )
+                data[new] = data.pop(old)
+        return data
 
 
 class LoraConfig(StrictModel):

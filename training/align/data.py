@@ -179,19 +179,19 @@ def record_id(kind: str, content: Any) -> str:
     return f"{kind}-{xxhash.xxh64_hexdigest(json.dumps(content, sort_keys=True, ensure_ascii=False).encode())}"
 
 
-def builtin_examples(per_task: int, seed: int, tasks: list[str]) -> list[Example]:
-    """`per_task` distinct examples of each task (fewer where the task has fewer distinct prompts)."""
+def builtin_examples(per_skill: int, seed: int, skills: list[str]) -> list[Example]:
+    """`per_skill` distinct examples of each skill (fewer where the skill has fewer distinct prompts)."""
     words = _words()
     out: list[Example] = []
-    for task in tasks:
-        rng = random.Random(f"{seed}:{task}")
+    for skill in skills:
+        rng = random.Random(f"{seed}:{skill}")  # the seed string is unchanged since they were called tasks
         seen: set[str] = set()
-        for _ in range(per_task * 20):
-            example = GENERATORS[task](rng, words)
+        for _ in range(per_skill * 20):
+            example = GENERATORS[skill](rng, words)
             if example.prompt not in seen and example.wrong != example.answer:
                 seen.add(example.prompt)
                 out.append(example)
-            if len(seen) == per_task:
+            if len(seen) == per_skill:
                 break
     return out
 
@@ -353,7 +353,9 @@ def split(
     The built-in SFT record and preference pair made from one question share a split key, so a
     question held out from SFT is held out from DPO too (else DPO would train on SFT's test items).
     """
-    train, heldout, seen = [], [], set()
+    train: list[dict[str, Any]] = []
+    heldout: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for record in records:
         if record["id"] in seen:
             continue

@@ -22,10 +22,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.entry import main
 from training.device_setup import disable_shm_comm_op
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 log = logging.getLogger("training.align")
 METRICS = "metrics.jsonl"
@@ -124,7 +127,7 @@ def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     cfg, out_dir = spec["config"], Path(spec["out_dir"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_step = cfg["micro_batch_size"] * world
-    ds = None
+    ds: dict[str, Any] | None = None
     if spec["zero_stage"]:
         ds = {
             "zero_optimization": {"stage": spec["zero_stage"]},
@@ -212,6 +215,7 @@ def train(spec: dict[str, Any], rank: int) -> None:
         log.info("resuming from %s", resume.name)
     lora = spec.get("lora") is not None
     model = _load_model(spec["base_dir"], spec["precision"])
+    trainer: Trainer  # TRL's SFTTrainer or DPOTrainer
     if spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 

@@ -17,12 +17,15 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
 from lmforge.graph import Step, StepContext
 from lmforge.stage import Product, hf_model
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
 
 log = logging.getLogger(__name__)
 DATA, SFT, DPO = "align/data", "align/sft", "align/dpo"
@@ -70,7 +73,7 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     a = ctx.config.align
     counts: dict[str, Any] = {}
     quarantine: list[dict[str, Any]] = []
-    examples = data.builtin_examples(a.builtin.per_task, a.builtin.seed, list(a.builtin.tasks))
+    examples = data.builtin_examples(a.builtin.per_skill, a.builtin.seed, list(a.builtin.skills))
     for kind, inputs, validate, builtin in (
         (
             "sft",
@@ -151,8 +154,8 @@ def _training_fields(kind: str) -> list[str]:
     return [f"align.{kind}.{f}" for f in model.model_fields if f not in ("inputs", "enabled")]
 
 
-def _train_reads(kind: str) -> Callable[[Any], tuple[str, ...]]:
-    def reads(config: Any) -> tuple[str, ...]:
+def _train_reads(kind: str) -> Callable[[PipelineBase], tuple[str, ...]]:
+    def reads(config: PipelineBase) -> tuple[str, ...]:
         lora = config.align.method == "lora" if kind == "sft" else config.align.dpo.lora
         return (
             *_training_fields(kind),
