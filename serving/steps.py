@@ -144,7 +144,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 
     record = release.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
     atomic_write_json(ctx.out_dir / "slo.json", rows)
-    release = {
+    released = {
         "served_name": served_name,
         "model_dir": str(model_dir),
         "lineage": lineage,
@@ -152,7 +152,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "engine": cfg.engine.model_dump(),
         "startup_s": record["startup_s"],
     }
-    atomic_write_json(ctx.out_dir / "release.json", release)
+    atomic_write_json(ctx.out_dir / "release.json", released)
     first = rows[0] if rows else {}
     metrics: dict[str, Any] = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
     metrics["startup_s"] = record["startup_s"]
