@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 
@@ -65,6 +66,16 @@ class SandboxConfig(StrictModel):
     nproc: int = Field(32, ge=1, description="Processes it may have.")
 
 
+# a task name becomes a folder name under the step's output: nothing that could climb out of it
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def check_task_name(name: str, where: str) -> str:
+    if not TASK_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{where}: {name!r} is not a task name (letters, digits, _ . -; no path separators)")
+    return name
+
+
 class EvaluateConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
     tasks: list[str] = Field(
@@ -86,6 +97,22 @@ class EvaluateConfig(StrictModel):
     )
     builtin: BuiltinTaskConfig = BuiltinTaskConfig()
     contamination: ContaminationConfig = ContaminationConfig()
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: list[str]) -> list[str]:
+        for task in tasks:
+            if not task.endswith((".yaml", ".yml")):  # a path to a task YAML is checked by the stage's check
+                check_task_name(task, "task")
+        return tasks
+
+    @field_validator("limit")
+    @classmethod
+    def _limit_names(cls, limit: dict[str, int]) -> dict[str, int]:
+        for task in limit:
+            check_task_name(task, "task")
+        return limit
+
     sandbox: SandboxConfig = SandboxConfig()
     bootstrap_iters: int = Field(1000, ge=0, description="lm-eval's bootstrap iterations for its stderr.")
     seed: int = 0

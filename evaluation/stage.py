@@ -107,6 +107,40 @@ def _cmd_report(args: argparse.Namespace, config: PipelineBase) -> int:
     return 0
 
 
+def _check(config: Any, source: str) -> None:
+    """Task YAMLs exist and name their task; `evaluate.limit` names configured tasks (a typo would not limit)."""
+    import difflib
+
+    import yaml
+
+    from evaluation.config import check_task_name
+    from lmforge.errors import ConfigError
+
+    names: list[str] = []
+    for index, task in enumerate(config.evaluate.tasks):
+        if not task.endswith((".yaml", ".yml")):
+            names.append(task)
+            continue
+        where = f"{source}: evaluate.tasks[{index}]"
+        if not Path(task).is_file():
+            raise ConfigError(f"{where}: no such task file {task!r}")
+        try:
+            name = (yaml.safe_load(Path(task).read_text()) or {}).get("task")
+        except (yaml.YAMLError, AttributeError) as exc:
+            raise ConfigError(f"{where}: {task} is not an lm-eval task YAML ({type(exc).__name__})") from None
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: {task} has no `task:` name")
+        try:
+            names.append(check_task_name(name, f"{task}: task"))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    for task in config.evaluate.limit:
+        if task not in names:
+            close = difflib.get_close_matches(task, names, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"tasks: {', '.join(names)}"
+            raise ConfigError(f"{source}: evaluate.limit: {task!r} is not one of evaluate.tasks ({hint})")
+
+
 STAGE = Stage(
     name="evaluate",
     description="Evaluation: lm-eval on every model of the lineage (hf and vLLM), intervals, lineage-driven contamination gate.",
@@ -117,5 +151,6 @@ STAGE = Stage(
     resources=Resources(pool="gpu", gpus=1),
     packages=("evaluation",),
     summary=_summary,
+    check=_check,
     cli=_cli,
 )

@@ -71,8 +71,18 @@ class RuntimeConfig(StrictModel):
     )
 
 
+def _one_line(value: Any) -> Any:
+    """Values rendered into `#SBATCH` lines: a newline or control character would inject shell lines."""
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str) and any(ord(c) < 32 or ord(c) == 127 for c in item):
+            raise ValueError(f"{item!r} holds a newline or control character (it is written into the job script)")
+    return value
+
+
 class ClusterConfig(StrictModel):
     """A SLURM cluster for `lmforge slurm render|submit STAGE` (multi-node training)."""
+
+    _single_lines = field_validator("time", "partition", "account", "extra_sbatch")(_one_line)
 
     nodes: int = runtime_field(1, description="Nodes of the job.", ge=1)
     gpus_per_node: int = runtime_field(
@@ -108,6 +118,8 @@ class PipelineBase(StrictModel):
         # The stage sections (`config.curate`, `config.pretrain`, ...) and `debug` are added by
         # `pipeline_model()` from the registry at runtime; to the type checker they are Any.
         def __getattr__(self, name: str) -> Any: ...
+
+    _single_line_name = field_validator("name")(_one_line)
 
     @field_validator("stages")
     @classmethod
@@ -188,9 +200,24 @@ def resolve_preset(name_or_path: str) -> Path:
     return candidate
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a mapping with the same key twice (PyYAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (PyYAML would keep only the last)", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
@@ -312,9 +339,22 @@ def load_config(
         line = _describe(errors[0], str(path), overrides)
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         raise ConfigError(line + more) from None
+    check_names(config, str(path))
     if check_paths:
         check_files(config, str(path))
     return config
+
+
+def check_names(config: PipelineBase, source: str) -> None:
+    """Names that must match something that exists: `runtime.step_timeout_s` keys are steps or stages."""
+    from lmforge.executor import graph
+
+    known = {s.name for s in graph().steps} | set(_stage_names())
+    for key in config.runtime.step_timeout_s:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else " (a step such as pretrain/train, or a stage)"
+            raise ConfigError(f"{source}: runtime.step_timeout_s: no step or stage named {key!r}{hint}")
 
 
 def check_files(config: PipelineBase, source: str) -> None:

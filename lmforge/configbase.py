@@ -10,7 +10,7 @@ from __future__ import annotations
 import types
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmforge.errors import UndeclaredConfigRead
 
@@ -24,6 +24,26 @@ class StrictModel(BaseModel):
     """A config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        """`max_steps: true` is a mistake, not 1: pydantic's lax mode would take a bool for an int or float."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _numbers_only(field.annotation):
+                    raise ValueError(f"{name}: expected a number, got {str(value).lower()}")
+        return data
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """True for int, float and their optionals/unions without bool or str."""
+    import typing
+
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    members = [a for a in args if a is not type(None)] if args else [annotation]
+    return bool(members) and all(m in (int, float) for m in members)
 
 
 def runtime_field(default: Any = ..., *, description: str, **kwargs: Any) -> Any:

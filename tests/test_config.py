@@ -146,3 +146,40 @@ def test_renamed_fields_still_load_for_one_release_with_a_notice(caplog) -> None
     assert "align.builtin.per_task is now align.builtin.per_skill" in caplog.text
     with pytest.raises(ConfigError, match="skils"):
         load_config("tiny-cpu", ["align.builtin.skils=[add]"])
+
+
+BAD_CONFIGS = [  # each passed `lmforge config validate` before: (overrides, YAML body or None, what the line names)
+    (["runtime.step_timeout_s={pretrain/trian: 60}"], None, "runtime.step_timeout_s"),
+    (["evaluate.limit={lmforge_chat_exct: 3}"], None, "evaluate.limit"),
+    (["pretrain.max_steps=true"], None, "max_steps"),
+    ([], "extends: tiny-cpu\npretrain:\n  max_steps: 5\n  max_steps: 7\n", "line 4"),
+    (["evaluate.tasks=[/nonexistent/task.yaml]"], None, "evaluate.tasks[0]"),
+    ([], 'extends: tiny-cpu\nname: "demo\\n#SBATCH --nodes=1"\n', "name"),
+    (['cluster.partition="gpu\\nrm -rf ~"'], None, "cluster.partition"),
+    (['cluster.account="a\\rb"'], None, "cluster.account"),
+    (['cluster.time="1:00:00\\n#SBATCH --requeue"'], None, "cluster.time"),
+    (['cluster.extra_sbatch=["--qos=x\\n#SBATCH --nodes=9"]'], None, "cluster.extra_sbatch"),
+    (["evaluate.tasks=[../../outside]"], None, "evaluate.tasks"),
+    (["evaluate.limit={../x: 3}"], None, "evaluate.limit"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "body", "names"), BAD_CONFIGS)
+def test_configs_that_used_to_pass_exit_2_with_one_line(overrides, body, names, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from lmforge import cli
+
+    preset = "tiny-cpu"
+    if body is not None:
+        (tmp_path / "bad.yaml").write_text(body)
+        preset = str(tmp_path / "bad.yaml")
+    argv = ["config", "validate", "--config", preset]
+    for override in overrides:
+        argv += ["--set", override]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: ") and names in err, err
+
+
+def test_a_step_timeout_for_a_real_step_or_stage_is_accepted() -> None:
+    config = load_config("tiny-cpu", ["runtime.step_timeout_s={pretrain/train: 60, curate: 600}"])
+    assert config.runtime.step_timeout_s == {"pretrain/train": 60, "curate": 600}
