@@ -71,6 +71,9 @@ class EngineConfig(StrictModel):
     startup_timeout_s: float = runtime_field(
         240.0, description="Seconds to wait for /health and a first completion.", gt=0
     )
+    max_n: int = runtime_field(4, description="Largest `n`/`best_of` a request may ask for (400 beyond).", ge=1)
+    max_request_bytes: int = runtime_field(1 << 20, description="Largest request body in bytes (413 beyond).", ge=1024)
+    max_concurrent_per_key: int = runtime_field(64, description="Requests in flight per API key (429 beyond).", ge=1)
     seed: int = 0
 
 
@@ -109,6 +112,9 @@ def server_command(
         "--generation-config",
         "auto",
         "--disable-log-stats",
+        # a key on every path but /health, bounded bodies, n and concurrency (vLLM's own check covers /v1 only)
+        "--middleware",
+        "lmforge.vllm_guard.Guard",
     ]
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
@@ -130,8 +136,26 @@ def server_command(
     return command
 
 
+MIN_KEY_CHARS = 16
+
+
+def check_key(key: str, where: str) -> str:
+    """A key that is empty or short is refused: an empty one would turn authentication off."""
+    if len(key.strip()) < MIN_KEY_CHARS:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"{where}: the API key must be at least {MIN_KEY_CHARS} characters (got {len(key.strip())})")
+    return key.strip()
+
+
 def server_env(cfg: EngineConfig, api_key: str) -> dict[str, str]:
+    """The server's environment: the key (never on the command line) and the guard's limits."""
+    from lmforge.vllm_guard import guard_env
+
+    if api_key:
+        check_key(api_key, "vLLM server")
     return {
+        **guard_env(api_key, cfg.max_request_bytes, cfg.max_n, cfg.max_concurrent_per_key),
         "VLLM_API_KEY": api_key,
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
         "VLLM_MAX_STOP_STRINGS": str(cfg.max_stop_strings),

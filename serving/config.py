@@ -61,8 +61,9 @@ class ServeConfig(StrictModel):
     )
     require_api_key: bool = runtime_field(
         True,
-        description="Requests need `Authorization: Bearer <key>`. The key comes from "
-        "LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600).",
+        description="Requests on every path but /health need `Authorization: Bearer <key>`. The key comes "
+        "from LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600). "
+        "false: the served model takes requests without a key (loopback only).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")

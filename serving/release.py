@@ -60,21 +60,31 @@ def serving_dir(workspace: str | Path) -> Path:
 
 def api_key(workspace: str | Path) -> tuple[str, str]:
     """(key, where it came from). LMFORGE_API_KEY wins; else one generated once, stored 0600."""
-    if os.environ.get(KEY_ENV):
-        return os.environ[KEY_ENV], KEY_ENV
+    from lmforge.vllm_server import check_key
+
+    if KEY_ENV in os.environ:  # set, even to "": an empty key is refused, never taken as "no key"
+        return check_key(os.environ[KEY_ENV], KEY_ENV), KEY_ENV
     path = serving_dir(workspace) / "api_key"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        # written whole beside it, then linked into place: never a half-written (empty) key file, and
+        # link() fails when another process made one first
+        tmp = path.with_name(f".api_key.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"sk-lmforge-{secrets.token_urlsafe(24)}\n")
+            out.flush()
+            os.fsync(out.fileno())
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(f"sk-lmforge-{secrets.token_urlsafe(24)}\n")
+            os.link(tmp, path)
         except FileExistsError:  # another process made it first
             pass
+        finally:
+            tmp.unlink()
     if path.stat().st_mode & 0o077:
         os.chmod(path, 0o600)
         log.warning("%s was readable by others; its permissions are now 0600", path)
-    return path.read_text().strip(), str(path)
+    return check_key(path.read_text(), str(path)), str(path)
 
 
 def fingerprint(key: str) -> str:
@@ -133,8 +143,11 @@ def start(
     port: int | None = None,
     lineage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Start a detached server for `model_dir` and wait until it is ready; returns its record."""
+    """Start a detached server for `model_dir` and wait until it is ready; returns its record.
+
+    With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
+    required = key if cfg.require_api_key else ""
     port = _port(port, cfg.host)
     directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -158,7 +171,7 @@ def start(
         command,
         Path(record["log_file"]),
         Path(record["pid_file"]),
-        env=server_env(cfg.engine, key),
+        env=server_env(cfg.engine, required),
         meta={"served_name": served_name},
     )
     log.info(
@@ -186,6 +199,19 @@ def start(
         raise
     record["pid"], record["started_at"] = pid, time.time()
     return record
+
+
+# paths vLLM's own key check leaves open; the smoke test checks each answers 401 without the key
+UNGUARDED_BY_VLLM = (
+    ("GET", "/v1/models"),
+    ("POST", "/invocations"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/metrics"),
+    ("GET", "/version"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+)
 
 
 def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
@@ -223,9 +249,11 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
         problems.append("the answer is empty")
     if "".join(streamed) != answer or finish != "stop":
         problems.append(f"the streamed answer differs ({''.join(streamed)[:60]!r}, finish_reason={finish})")
-    status, _ = request(f"{record['url']}/v1/models", None)
-    if status != 401:
-        problems.append(f"a request without the API key got HTTP {status}, not 401")
+    if cfg.require_api_key:  # every path but /health needs the key (lmforge.vllm_guard), /v1 and beyond
+        for method, path in UNGUARDED_BY_VLLM:
+            status, _ = request(f"{record['url']}{path}", None, {} if method == "POST" else None)
+            if status != 401:
+                problems.append(f"{method} {path} without the API key got HTTP {status}, not 401")
     if problems:
         raise SmokeFailed(f"smoke test of {name} failed: {'; '.join(problems)} (answer: {answer[:80]!r})")
     log.info("smoke test of %s passed: %r -> %r", name, cfg.smoke_prompt, answer)

@@ -78,6 +78,17 @@ def raw_post(url: str, body: bytes, key: str | None) -> int:
         return exc.code
 
 
+def raw_get(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_the_run_covers_the_lifecycle_and_computes_only_the_deployment(
     first_run: subprocess.CompletedProcess, workspace: Path
 ) -> None:
@@ -148,8 +159,18 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
             chat, json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(), key
         ),
         "wrong key": raw_post(chat, body(max_tokens=4), "sk-wrong"),
+        "n above the bound": raw_post(chat, body(max_tokens=4, n=10000), key),
+        "a 4 MiB body": raw_post(chat, body(max_tokens=4, padding="x" * (4 << 20)), key),
     }
     assert all(400 <= code < 500 for code in cases.values()), cases
+    assert cases["n above the bound"] == 400 and cases["a 4 MiB body"] == 413
+    from serving.release import UNGUARDED_BY_VLLM  # paths vLLM's own key check leaves open
+
+    for method, path in UNGUARDED_BY_VLLM:
+        url = f"{record['url']}{path}"
+        status = raw_post(url, b"{}", None) if method == "POST" else raw_get(url)
+        assert status == 401, (method, path, status)
+    assert raw_get(f"{record['url']}/health") == 200
 
     async def load(clients: int = 64, seconds: float = 20.0) -> tuple[int, list[str]]:
         done, failures = 0, []
