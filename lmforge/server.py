@@ -205,9 +205,23 @@ class TemporaryServer:
             "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
             "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
         }
+        # under lmforge.supervise watching this process: a run that is SIGKILLed (no atexit) leaves no
+        # server behind, its supervisor stops it within about a second
+        supervisor = [
+            sys.executable,
+            "-m",
+            "lmforge.supervise",
+            "--grace",
+            "5",
+            "--quiet",
+            "--watch",
+            str(os.getpid()),
+            "--",
+        ]
         with sigterm_deliverable():
             self.process = subprocess.Popen(
                 [
+                    *supervisor,
                     sys.executable,
                     "-m",
                     "uvicorn",

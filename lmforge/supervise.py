@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-fd", type=int, help="an inherited fd (the step lock) to keep open until the end")
     parser.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--deadline", type=float, help="epoch seconds after which the command is stopped")
+    parser.add_argument("--quiet", action="store_true", help="say nothing when asked to stop (a normal end)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.deadline and time.time() > args.deadline:
             reason = "time limit reached"
         if reason:
-            _say(f"lmforge.supervise: {reason}; stopping {' '.join(command[:3])} ...")
+            if not (args.quiet and reason == "stopped"):
+                _say(f"lmforge.supervise: {reason}; stopping {' '.join(command[:3])} ...")
             stop_tree(child, args.grace)
             break
         time.sleep(0.2)

@@ -90,9 +90,41 @@ def test_server_lifecycle_and_runs_land_in_it(tmp_path: Path, curated_copy: Path
         exposed = lmforge("prefect", "start", "--host", "0.0.0.0", "--port", str(free_port()))
         assert exposed.returncode == 0  # already running: the existing local server is reused
     finally:
+        began = time.time()
         stopped = lmforge("prefect", "stop")
+        stop_s = time.time() - began
     assert stopped.stdout.strip() == "stopped"
+    assert stop_s < 3 + 2, stop_s  # SIGTERM is delivered (not blocked, then SIGKILL after 15 s); +2 s CLI start
     assert lmforge("prefect", "status").stdout.startswith("not running")
+
+
+def test_a_sigkilled_run_leaves_no_temporary_prefect_server(tmp_path: Path) -> None:
+    """The temporary API a run without a managed server starts is supervised: SIGKILL of the run stops it."""
+    script = (
+        "import os, sys, time\n"
+        "os.environ.pop('PREFECT_API_URL', None)\n"
+        "from lmforge import server\n"
+        "server.connect_for_run(); server.wait_for_api()\n"
+        "print(server._temporary.port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "LMFORGE_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    port = int(run.stdout.readline())  # type: ignore[union-attr]
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    run.kill()
+    run.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError(f"the temporary Prefect server on port {port} outlived the SIGKILLed run by 10 s")
 
 
 def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
