@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.entry import main
+from lmforge.hashing import atomic_write_text
 
 log = logging.getLogger("evaluation.lmeval")
 
@@ -122,7 +123,8 @@ def evaluate_task(spec: dict[str, Any], task: dict[str, Any], model: str, model_
     metrics = sorted({key.split(",")[0] for key in result["results"][name] if "_stderr" not in key and "," in key})
     out.mkdir(parents=True, exist_ok=True)
     rows = sample_rows(result["samples"][name], metrics)
-    (out / "samples.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    # each file is written whole (temporary name, then renamed), result.json last: it marks the task done
+    atomic_write_text(out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     summary = {
         "task": name,
         "backend": spec["backend"],
@@ -134,7 +136,7 @@ def evaluate_task(spec: dict[str, Any], task: dict[str, Any], model: str, model_
         "seconds": round(time.time() - started, 2),
         "metrics": metrics,
     }
-    (out / "result.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / "result.json", json.dumps(summary, indent=1, default=str))
     log.info(
         "%s on %s: %s (%.0fs)",
         name,

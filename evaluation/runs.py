@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -148,9 +149,27 @@ def _run_lmeval(
                 what=f"lm-eval on {backend}",
             )
         finally:  # whatever finished is kept under its own key, so a retry resumes from it
-            for name, (_, directory) in todo.items():
-                if (directory / "result.json").exists() and store.read_manifest(directory) is None:
-                    store.finish(directory, {"task": name, "key": directory.name, "step": RESULTS})
+            keep_finished({name: directory for name, (_, directory) in todo.items()}, store)
+
+
+def keep_finished(directories: dict[str, Path], store: Any) -> None:
+    """Finish (checksum, manifest) each task result that is complete; remove any other leftovers."""
+    for name, directory in directories.items():
+        if store.read_manifest(directory) is not None:
+            continue
+        if complete_result(directory):
+            store.finish(directory, {"task": name, "key": directory.name, "step": RESULTS})
+        elif directory.exists():  # a killed run's leftovers: never taken as done, computed again
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def complete_result(directory: Path) -> bool:
+    """A task's result folder holds a parseable result.json with metrics and its samples.jsonl."""
+    try:
+        result = json.loads((directory / "result.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and bool(result.get("results")) and (directory / "samples.jsonl").is_file()
 
 
 def _cuda() -> bool:

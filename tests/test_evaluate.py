@@ -323,3 +323,22 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
     assert counts["input"] == counts["kept"] + counts["removed_total"] + counts["quarantined"]
     after = json.loads((Path(manifests["evaluate/contamination"]["dir"]) / "summary.json").read_text())
     assert next(s for s in after if s["task"] == "lmforge_humaneval")["contaminated"] == 0
+
+
+def test_a_killed_lmeval_run_leaves_nothing_that_passes_for_done(tmp_path: Path) -> None:
+    """A truncated result.json (lm-eval killed mid-write before results were atomic) is removed, not finished."""
+    from evaluation.runs import keep_finished
+    from lmforge.store import StageStore
+
+    store = StageStore(tmp_path)
+    good, truncated, no_samples = (tmp_path / n for n in ("good", "truncated", "no-samples"))
+    for directory in (good, truncated, no_samples):
+        directory.mkdir()
+    (good / "samples.jsonl").write_text('{"id": 0}\n')
+    (good / "result.json").write_text(json.dumps({"task": "t", "results": {"acc,none": 0.5}}))
+    (truncated / "samples.jsonl").write_text('{"id": 0}\n')
+    (truncated / "result.json").write_text('{"task": "t", "results": {"acc,n')
+    (no_samples / "result.json").write_text(json.dumps({"task": "t", "results": {"acc,none": 0.5}}))
+    keep_finished({"good": good, "truncated": truncated, "no-samples": no_samples}, store)
+    assert store.read_manifest(good) is not None
+    assert not truncated.exists() and not no_samples.exists()
