@@ -134,11 +134,16 @@ def _check(config: Any, source: str) -> None:
             names.append(check_task_name(name, f"{task}: task"))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+    from evaluation.config import BUILTIN_TASKS
+
+    known = [*names, *(t for t in BUILTIN_TASKS if t not in names)]  # a limit for an unselected built-in is harmless
     for task in config.evaluate.limit:
-        if task not in names:
-            close = difflib.get_close_matches(task, names, n=1)
+        if task not in known:
+            close = difflib.get_close_matches(task, known, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"tasks: {', '.join(names)}"
-            raise ConfigError(f"{source}: evaluate.limit: {task!r} is not one of evaluate.tasks ({hint})")
+            raise ConfigError(
+                f"{source}: evaluate.limit: {task!r} is neither in evaluate.tasks nor a built-in task ({hint})"
+            )
 
 
 STAGE = Stage(

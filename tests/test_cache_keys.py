@@ -190,6 +190,9 @@ ROWS = [
     ("serve.engine.enforce_eager=false", set()),
     ("serve.engine.max_stop_strings=8", set()),
     ("serve.engine.startup_timeout_s=60", set()),
+    ("serve.engine.max_n=2", set()),
+    ("serve.engine.max_request_bytes=2048", set()),
+    ("serve.engine.max_concurrent_per_key=8", set()),
     # orchestration: where stages and units run, never what they produce
     ("runtime.dispatch=deployments", set()),
     ("runtime.deployment=other", set()),
