@@ -107,7 +107,7 @@ def _cmd_report(args: argparse.Namespace, config: PipelineBase) -> int:
     return 0
 
 
-def _check(config: Any, source: str) -> None:
+def _check(config: PipelineBase, source: str) -> None:
     """Task YAMLs exist and name their task; `evaluate.limit` names configured tasks (a typo would not limit)."""
     import difflib
 
