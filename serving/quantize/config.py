@@ -82,7 +82,7 @@ class QuantizeFaultConfig(StrictModel):
     break_scale_factor: float | None = Field(
         None,
         gt=0,
-        description="Multiply the MLP down-projections' weight scales by this after quantizing (a broken checkpoint).",
+        description="Multiply every quantized projection's weight scales by this after quantizing (a broken checkpoint).",
     )
 
 

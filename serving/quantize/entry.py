@@ -143,11 +143,12 @@ def calibrated(model: Any, tokenizer: Any, spec: dict[str, Any]) -> int:
 
 
 def break_scales(model: Any, factor: float) -> None:
-    """Test hook: scale every MLP down-projection's weight scales by `factor` (a broken checkpoint)."""
+    """Test hook: scale every quantized projection's weight scales by `factor` (a broken checkpoint, in
+    any scheme: down-projections alone are absorbed by the next norm in an INT8 checkpoint)."""
     import torch
 
-    for name, module in model.named_modules():
-        if name.endswith("down_proj") and hasattr(module, "weight_scale"):
+    for _, module in model.named_modules():
+        if hasattr(module, "weight_scale"):
             with torch.no_grad():
                 module.weight_scale.mul_(factor)
 
