@@ -116,15 +116,14 @@ def test_a_sigkilled_run_leaves_no_temporary_prefect_server(tmp_path: Path) -> N
         pass
     run.kill()
     run.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline:
+    deadline, closed = time.time() + 10, False
+    while time.time() < deadline and not closed:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            time.sleep(0.25)
         except OSError:
-            break
-        time.sleep(0.25)
-    else:
-        raise AssertionError(f"the temporary Prefect server on port {port} outlived the SIGKILLed run by 10 s")
+            closed = True
+    assert closed, f"the temporary Prefect server on port {port} outlived the SIGKILLed run by 10 s"
 
 
 def test_exposing_the_server_requires_an_auth_string(tmp_path: Path) -> None:
