@@ -86,6 +86,23 @@ class _Live:
 _live = _Live()
 
 
+def _start(
+    full: list[str], env: dict[str, str] | None, cwd: str | Path | None, fds: tuple[int, ...]
+) -> subprocess.Popen[str]:
+    """The supervised command, its output merged into one line-buffered pipe, in a session of its own."""
+    return subprocess.Popen(
+        full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=child_env(env),
+        cwd=cwd,
+        start_new_session=True,
+        pass_fds=fds,
+    )
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launched command: ours, quiet Hugging Face settings, the repo on the path."""
     env = {**os.environ, **QUIET_ENV, **(extra or {})}
@@ -127,17 +144,7 @@ def run(
     full, fds = _supervised(command, watch=True, scope=scope, grace=grace)
     log.info("launching: %s", " ".join(command))
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    process = subprocess.Popen(
-        full,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        env=child_env(env),
-        cwd=cwd,
-        start_new_session=True,
-        pass_fds=fds,
-    )
+    process = _start(full, env, cwd, fds)
     with _live.lock:
         _live.processes[process.pid] = process
     try:
@@ -227,17 +234,7 @@ class Service:
         full, fds = _supervised(command, watch=True, scope=None, grace=20.0)
         log.info("starting: %s", " ".join(command))
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self.process = subprocess.Popen(
-            full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env=child_env(env),
-            cwd=cwd,
-            start_new_session=True,
-            pass_fds=fds,
-        )
+        self.process = _start(full, env, cwd, fds)
         with _live.lock:
             _live.processes[self.process.pid] = self.process
         self._reader = threading.Thread(target=self._stream, args=(log, noise), daemon=True)
