@@ -60,7 +60,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
 # old spellings that still work for one release, with a one-line notice: old -> new
 RENAMED = {"server": "prefect", "deploy": "deployments"}
 
-Orchestrator = Callable[[argparse.Namespace, "list[str] | None", Any], "tuple[dict[str, Any], str | None]"]
+# (arguments, loaded config, stages, a factory of the terminal context) -> (run result, UI's API URL or None)
+Orchestrator = Callable[
+    [argparse.Namespace, Any, "list[str] | None", Callable[[], Any]], "tuple[dict[str, Any], str | None]"
+]
 
 
 class Commands:
@@ -210,7 +213,7 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
             "no orchestrator is installed (the `lmforge.commands` entry point of flows.cli): "
             "run with --local, or reinstall lmforge (`bash scripts/setup.sh`)"
         )
-    result, api_url = _commands.orchestrator(args, stages, terminal(args.verbose, until_exit=True))
+    result, api_url = _commands.orchestrator(args, config, stages, lambda: terminal(args.verbose, until_exit=True))
     _print_summary(result["steps"], result["manifests"], result["workspace"], time.time() - started, api_url)
     return 0
 

@@ -376,9 +376,40 @@ def run_pipeline_locally(config: PipelineBase, stages: Iterable[str]) -> dict[st
             manifests[step.name], hit = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
             store.record_use(step.name, manifests[step.name])
             log.info("%s: %s (%s)", step.name, "cache hit" if hit else "computed", manifests[step.name]["key"])
+    reconcile(config, manifests)
+    return manifests
+
+
+def reuse_everything(config: PipelineBase, stages: Iterable[str]) -> dict[str, dict[str, Any]] | None:
+    """Every active step's manifest when each output can be reused as it is; None when any step would compute.
+
+    Planning reads only and stops at the first step that would compute, so a run with work to do
+    loses little to it. When everything is reused, it does what a run that reuses everything does:
+    one line per step, the record `lmforge explain` compares against, and the live state that
+    follows the outputs (a served model that stopped is started again).
+    """
+    store = StageStore(config.workspace, config.runtime.verify)
+    plans: list[StepPlan] = []
+    manifests: dict[str, dict[str, Any]] = {}
+    for step in graph().active(config, list(stages)):
+        plan = plan_step(step, config, store, manifests)
+        if plan.manifest is None:
+            return None
+        plans.append(plan)
+        manifests[step.name] = plan.manifest
+    for plan in plans:
+        with console.step_on_screen(plan.step.name) as shown:
+            report_reuse(plan)
+            shown.ended("cached", plan.directory)
+        store.record_use(plan.step.name, manifests[plan.step.name])
+    reconcile(config, manifests)
+    return manifests
+
+
+def reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> None:
+    """Bring the live state that follows the outputs (a running server) in line with them, stage by stage."""
     from lmforge.registry import stages as registered
 
-    for stage in registered():  # live state that follows the cached outputs (a running server)
+    for stage in registered():
         if stage.reconcile is not None and any(m["stage"] == stage.name for m in manifests.values()):
             stage.reconcile(config, manifests)
-    return manifests

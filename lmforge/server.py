@@ -277,14 +277,10 @@ def connect_for_run() -> str | None:
     None is returned.
     """
     global _temporary
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
-    url = running_api_url()
+    url = use_running_server()
     if url is None:
         _temporary = TemporaryServer()
         os.environ["PREFECT_API_URL"] = _temporary.api_url
-        return None
-    os.environ["PREFECT_API_URL"] = url
     return url
 
 

@@ -249,6 +249,8 @@ def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
     rows = statuses(second.stdout)
     assert set(rows.values()) == {"cached"} and rows.keys() == statuses(first_run.stdout).keys()
     assert served(workspace)[0] == before  # the same server, not restarted
+    # nothing to orchestrate and no server to record it: no temporary Prefect server is started
+    assert "no Prefect run was needed" in second.stdout
     assert elapsed < 60
 
 
@@ -273,6 +275,7 @@ def test_deleted_model_file_is_rebuilt_by_resuming_from_the_final_checkpoint(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     rows = statuses(rerun.stdout)
     assert rows["pretrain/train"] == "computed" and all(v == "cached" for k, v in rows.items() if k != "pretrain/train")
+    assert "no Prefect run was needed" not in rerun.stdout  # one step to compute: the run goes through Prefect
     assert (out / "hf" / "model.safetensors").exists()
     assert "resumed from step-00000160" in (out / "logs" / "rank-0.log").read_text()
     assert time.perf_counter() - started < 120  # no retraining

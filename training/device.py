@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +35,26 @@ class DeviceInfo:
     host_memory_bytes: int | None = None  # the node's RAM; None when planning for a machine described by hand
 
 
+def no_gpu_here() -> bool:
+    """True when this Linux host certainly has no GPU that CUDA or ROCm could use: no device node of either.
+
+    Answering that without importing torch (1-2 s) matters: step keys resolve `precision: auto`
+    on every run, including a cached rerun that has nothing else to do.
+    """
+    if not sys.platform.startswith("linux") or not Path("/dev").is_dir():
+        return False
+    return not any(Path("/dev").glob("nvidia*")) and not Path("/dev/kfd").exists() and not Path("/dev/dxg").exists()
+
+
 def detect_device() -> DeviceInfo:
     import psutil
-    import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if no_gpu_here():
+        ram = psutil.virtual_memory().total
+        return DeviceInfo("cpu", _cpu_name(), 1, ram, _cpu_bf16(), cores, ram)
+    import torch
+
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return DeviceInfo(
