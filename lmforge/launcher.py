@@ -48,6 +48,7 @@ QUIET_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 TIMED_OUT = 124  # lmforge.supervise's exit code when the deadline passed
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,12 @@ _live = _Live()
 def _start(
     full: list[str], env: dict[str, str] | None, cwd: str | Path | None, fds: tuple[int, ...]
 ) -> subprocess.Popen[str]:
-    """The supervised command, its output merged into one line-buffered pipe, in a session of its own."""
-    return subprocess.Popen(
+    """The supervised command, its output merged into one line-buffered pipe, in a session of its own.
+
+    A thread waits for the supervisor: were it killed (it then stopped nothing), what is left of
+    its session is stopped within seconds, which also closes the pipe a reader may be blocked on.
+    """
+    process = subprocess.Popen(
         full,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -101,6 +106,21 @@ def _start(
         start_new_session=True,
         pass_fds=fds,
     )
+    threading.Thread(target=_clean_after, args=(process,), name=f"lmforge-watch-{process.pid}", daemon=True).start()
+    return process
+
+
+def _clean_after(process: subprocess.Popen) -> None:
+    from lmforge.supervise import stop_session
+
+    code = process.wait()
+    if left := stop_session(process.pid, grace=5.0):
+        _log.warning(
+            "the supervisor of %s ended (exit %s) leaving %d process(es) of its tree; they were stopped",
+            " ".join(str(a) for a in process.args[-3:]),  # type: ignore[index]
+            code,
+            len(left),
+        )
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -337,12 +357,40 @@ def process_arguments(pid: int, settle_s: float = 2.0) -> list[bytes] | None:
         time.sleep(0.01)
 
 
+def survivors(record: dict | None) -> list[int]:
+    """Processes of a detached service whose supervisor is gone (SIGKILLed, so it stopped nothing).
+
+    They are found by the supervisor's session. A session id is not handed to a new process while
+    the session has members, so a pid that is alive again belongs to someone else, and then the
+    service's session had emptied before: nothing survives.
+    """
+    if not record or detached_alive(record):
+        return []
+    try:
+        os.kill(record["pid"], 0)
+        return []
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return []
+    from lmforge.supervise import session_members
+
+    return session_members(record["pid"])
+
+
 def stop_detached(pid_file: Path, wait_s: float = 90.0) -> bool:
-    """Stop the service of `pid_file` by pid; False if it was not running. Idempotent."""
+    """Stop the service of `pid_file` by pid; False if it was not running. Idempotent.
+
+    A service whose supervisor was killed is stopped too: what is left of its session."""
     record = read_pid_file(pid_file)
     if not detached_alive(record):
+        left = survivors(record)
+        if left:
+            from lmforge.supervise import stop_session
+
+            stop_session(record["pid"], grace=min(wait_s, 20.0))  # type: ignore[index]
         pid_file.unlink(missing_ok=True)
-        return False
+        return bool(left)
     pid = record["pid"]  # type: ignore[index]
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)

@@ -5,6 +5,9 @@ the quantizer) and guarantees what a plain `Popen` cannot:
 
 - the command runs in its own process group, and the supervisor is a child subreaper, so
   every descendant (ranks, engine workers) stays findable even after its parent exits;
+- if the supervisor itself is SIGKILLed, the command gets SIGTERM (a parent-death signal) and
+  stops its tree; anything left is still in the supervisor's session, where `serve status/stop`
+  and the launcher that started it find it (`session_members`, `stop_session`);
 - when the process that launched it dies -- killed, crashed, OOM-killed, or evicted -- it
   stops the whole tree within about a second, so no rank trains on as an orphan;
 - on SIGTERM it stops the tree (SIGTERM, then SIGKILL after `--grace` seconds) and only then
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import time
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TIMED_OUT = 124
 _stop_requested = False
@@ -37,6 +41,60 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: descendants are found by process group only
         pass
+
+
+def _die_with(parent: int) -> None:
+    """In the command, before exec: SIGTERM when the supervisor dies, even by SIGKILL (Linux).
+
+    The command then stops its own tree as it would on `stop` (vLLM, DeepSpeed and torchrun do);
+    whatever ignores it is still found by session (`session_members`) by `lmforge serve
+    status/stop` and by the launcher that started the supervisor.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the supervisor died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def session_members(session: int) -> list[int]:
+    """Live processes of session `session`: a supervisor started with its own session keeps every
+    process it started in it (the command is only put in a group of its own), so this finds them
+    all after the supervisor itself is gone (Linux keeps a session id from reuse while it has members)."""
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == session:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:
+            found.append(int(name))
+    return found
+
+
+def stop_session(session: int, grace: float = 10.0) -> list[int]:
+    """SIGTERM every process left in `session`, SIGKILL what remains after `grace`; returns who was there."""
+    members = session_members(session)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pid in session_members(session):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while session_members(session) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not session_members(session):
+            break
+    return members
 
 
 def _alive(pid: int) -> bool:
@@ -154,13 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)
     _become_subreaper()
-    parent = os.getppid()
-    child = subprocess.Popen(command, start_new_session=True)
+    try:  # a session of our own (if the launcher did not start us in one): `session_members` finds the tree by it
+        os.setsid()
+    except OSError:  # already its leader
+        pass
+    launcher = os.getppid()
+    # a group of its own (signalled as one), in our session (found by it if we are killed)
+    parent = os.getpid()
+    child = subprocess.Popen(command, process_group=0, preexec_fn=lambda: _die_with(parent))  # noqa: PLW1509
     reason = ""
     while child.poll() is None:
         if _stop_requested:
             reason = "stopped"
-        elif args.watch and (not _alive(args.watch) or (args.watch == parent and os.getppid() != parent)):
+        elif args.watch and (not _alive(args.watch) or (args.watch == launcher and os.getppid() != launcher)):
             reason = f"process {args.watch} that launched it is gone"
         elif args.deadline and time.time() > args.deadline:
             reason = "time limit reached"

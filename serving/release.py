@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
-from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
+from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
 from lmforge.vllm_server import (
     NOISE,
     ServerFailed,
@@ -328,16 +328,22 @@ def status_lines(workspace: str | Path) -> tuple[bool, list[str]]:
             "no model has been served from this workspace yet (`lmforge run`, or `lmforge serve start --model DIR`)"
         ]
     running = alive(record)
-    pid = (read_pid_file(Path(record["pid_file"])) or {}).get("pid", record.get("pid"))
+    pid_record = read_pid_file(Path(record["pid_file"]))
+    pid = (pid_record or {}).get("pid", record.get("pid"))
+    left = [] if running else survivors(pid_record)
+    if running:
+        state = f"running, pid {pid}, up {_uptime(time.time() - record.get('started_at', time.time()))}"
+    elif left:
+        state = (
+            f"UNSUPERVISED: its supervisor (pid {pid}) was killed, but pid(s) {', '.join(map(str, left))} of "
+            "the server are still running; `lmforge serve stop` ends them"
+        )
+    else:
+        state = "NOT RUNNING (the process died or was stopped); `lmforge serve start` brings the promoted model back"
     lines = [
         f"model:   {record['served_name']}  ({record['model_dir']})",
         f"url:     {record['url']}/v1  (OpenAI-compatible; Authorization: Bearer <key {record['key_fingerprint']}>)",
-        "state:   "
-        + (
-            f"running, pid {pid}, up {_uptime(time.time() - record.get('started_at', time.time()))}"
-            if running
-            else "NOT RUNNING (the process died or was stopped); `lmforge serve start` brings the promoted model back"
-        ),
+        f"state:   {state}",
         f"logs:    {record['log_file']}",
     ]
     return running, lines
