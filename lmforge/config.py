@@ -19,10 +19,10 @@ import difflib
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
 import yaml
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from configs import PRESETS_DIR, preset_names
 from lmforge.configbase import RUNTIME_MARK, ConfigView, StrictModel, runtime_field
@@ -67,8 +67,32 @@ class RuntimeConfig(StrictModel):
     )
     dask_address: str | None = runtime_field(
         None,
-        description="Scheduler address of the Dask cluster (tcp://host:8786); None: a local cluster of `workers` processes.",
+        description="Scheduler address of the Dask cluster (tls://host:8786; tcp:// only on loopback or with "
+        "dask_allow_plain_tcp); None: a local cluster of `workers` processes.",
     )
+    dask_allow_plain_tcp: bool = runtime_field(
+        False,
+        description="Accept a tcp:// scheduler on another host. Dask ships pickled code and data, unencrypted "
+        "and unauthenticated over tcp://: anyone who can reach the port can run code on every worker.",
+    )
+
+    @model_validator(mode="after")
+    def _dask_transport(self) -> Self:
+        address = self.dask_address or ""
+        scheme, _, rest = address.rpartition("://")  # Dask's default scheme is tcp
+        host = rest.rsplit(":", 1)[0].strip("[]")
+        if (
+            scheme in ("tcp", "")
+            and address
+            and host not in ("127.0.0.1", "localhost", "::1")
+            and not self.dask_allow_plain_tcp
+        ):
+            raise ValueError(
+                f"runtime.dask_address={address}: a plain-TCP Dask scheduler on another host takes pickled code from "
+                "anyone who reaches it; use tls:// (with certificates), or set runtime.dask_allow_plain_tcp=true "
+                "on a network you trust"
+            )
+        return self
 
 
 def _one_line(value: Any) -> Any:

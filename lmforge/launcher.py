@@ -123,9 +123,32 @@ def _clean_after(process: subprocess.Popen) -> None:
         )
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launched command: ours, quiet Hugging Face settings, the repo on the path."""
-    env = {**os.environ, **QUIET_ENV, **(extra or {})}
+# what a long-lived service (the served model) inherits: it answers clients, so it gets what it runs
+# on and nothing else (no cloud credentials, no tokens: HF_TOKEN is left out although HF_ is kept)
+SERVICE_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV",
+    "PYTHONPATH", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "XDG_CACHE_HOME", "OMP_NUM_THREADS",
+)  # fmt: skip
+SERVICE_ENV_PREFIXES = (
+    "LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HF_", "TRANSFORMERS_", "VLLM_", "TORCH", "TRITON_",
+    "NCCL_", "MKL_", "KMP_", "LMFORGE_LOG",
+)  # fmt: skip
+SERVICE_ENV_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+
+
+def service_env(inherit: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """The allow-listed part of this process's environment, plus the names in `inherit`."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name in inherit
+        or (name not in SERVICE_ENV_SECRETS and (name in SERVICE_ENV or name.startswith(SERVICE_ENV_PREFIXES)))
+    }
+
+
+def child_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched command: ours (or `base`), quiet Hugging Face settings, the repo on the path."""
+    env = {**(os.environ if base is None else base), **QUIET_ENV, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -297,11 +320,13 @@ def start_detached(
     cwd: Path | str | None = None,
     env: dict[str, str] | None = None,
     meta: dict | None = None,
+    inherit: list[str] | None = None,
 ) -> int:
     """Start `command` supervised but unwatched, output to `log_file`; returns the supervisor's pid.
 
     The pid file records the pid, the command and `meta`, so `stop_detached` can make sure the
-    pid still belongs to this service before signalling it.
+    pid still belongs to this service before signalling it. It inherits only the allow-listed part
+    of this environment (`service_env`) and the names in `inherit`, then `env`.
     """
     full, _ = _supervised(command, watch=False, scope=None, grace=20.0)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -311,7 +336,7 @@ def start_detached(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env(env),
+            env=child_env(env, base=service_env(inherit or [])),
             cwd=cwd,
             start_new_session=True,
         )

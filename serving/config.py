@@ -65,6 +65,12 @@ class ServeConfig(StrictModel):
         "from LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600). "
         "false: the served model takes requests without a key (loopback only).",
     )
+    inherit_env: list[str] = runtime_field(
+        [],
+        description="More environment variables the served model inherits, beyond the allow-list "
+        "(locale, paths, CUDA/ROCm, Hugging Face cache and offline settings, vLLM, torch, threads). "
+        "Nothing else reaches it: cloud credentials and tokens in the starting shell stay out.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")
     smoke_max_tokens: int = Field(

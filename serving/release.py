@@ -173,6 +173,7 @@ def start(
         Path(record["pid_file"]),
         env=server_env(cfg.engine, required),
         meta={"served_name": served_name},
+        inherit=cfg.inherit_env,
     )
     log.info(
         "starting vLLM for %s as %s on %s (pid %d, log %s)",

@@ -161,7 +161,18 @@ BAD_CONFIGS = [  # each passed `lmforge config validate` before: (overrides, YAM
     (['cluster.extra_sbatch=["--qos=x\\n#SBATCH --nodes=9"]'], None, "cluster.extra_sbatch"),
     (["evaluate.tasks=[../../outside]"], None, "evaluate.tasks"),
     (["evaluate.limit={../x: 3}"], None, "evaluate.limit"),
+    (["runtime.dask_address=tcp://10.1.2.3:8786"], None, "runtime.dask_address"),  # pickles from anyone
+    (["runtime.dask_address=10.1.2.3:8786"], None, "runtime.dask_address"),  # tcp by default
 ]
+
+
+def test_a_loopback_or_tls_dask_scheduler_or_an_explicit_opt_in_is_accepted() -> None:
+    for settings in (
+        ["runtime.dask_address=tcp://127.0.0.1:8786"],
+        ["runtime.dask_address=tls://10.1.2.3:8786"],
+        ["runtime.dask_address=tcp://10.1.2.3:8786", "runtime.dask_allow_plain_tcp=true"],
+    ):
+        assert load_config("tiny-cpu", settings).runtime.dask_address
 
 
 @pytest.mark.parametrize(("overrides", "body", "names"), BAD_CONFIGS)

@@ -1,4 +1,6 @@
-"""A killed supervisor leaves no orphan: its command gets a parent-death SIGTERM, and whatever
+"""Detached services: what they inherit, and what is left when their supervisor is killed.
+
+A killed supervisor leaves no orphan: its command gets a parent-death SIGTERM, and whatever
 ignores that is found by the supervisor's session by `serve status`/`stop` and by the launcher.
 
 Before: the command of a SIGKILLed supervisor kept running with ppid 1, `serve status` said NOT
@@ -156,3 +158,28 @@ def test_a_launch_whose_supervisor_is_killed_returns_and_leaves_nothing(tmp_path
     assert time.monotonic() - started < 40
     assert code != 0  # killed by a signal: the caller's policy calls that retryable
     assert len(seen) >= 3 and _wait_for(lambda: not _living(seen), 10), _living(seen)
+
+
+def test_a_detached_service_inherits_only_the_allow_list_and_what_it_is_told(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The served model answers clients: cloud credentials and tokens of the shell that started it stay out."""
+    from lmforge.launcher import start_detached, stop_detached
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    monkeypatch.setenv("HF_HOME", "/somewhere/hf")
+    monkeypatch.setenv("MY_SETTING", "wanted")
+    script = "import json, os, time; print(json.dumps(dict(os.environ)), flush=True); time.sleep(60)"
+    log_file, pid_file = tmp_path / "svc.log", tmp_path / "svc.pid"
+    start_detached(
+        [sys.executable, "-c", script, "env"], log_file, pid_file, env={"X_SET": "1"}, inherit=["MY_SETTING"]
+    )
+    try:
+        assert _wait_for(lambda: log_file.exists() and log_file.read_text().strip(), 20)
+        import json
+
+        seen = json.loads(log_file.read_text().splitlines()[0])
+    finally:
+        stop_detached(pid_file, wait_s=5)
+    assert "AWS_SECRET_ACCESS_KEY" not in seen and "HF_TOKEN" not in seen
+    assert seen["HF_HOME"] == "/somewhere/hf" and seen["MY_SETTING"] == "wanted" and seen["X_SET"] == "1"
+    assert seen["PATH"] == os.environ["PATH"]
