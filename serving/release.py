@@ -16,6 +16,7 @@ that stops the candidate and leaves the old server serving: a rollback, not an o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import os
 import secrets
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +136,58 @@ def _port(wanted: int | None, host: str) -> int:
     return free_port()
 
 
+def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
+    """What a running server was started with, beyond its model: a change to any of it takes a restart.
+
+    The key enters as its fingerprint; the engine as its arguments; the port as configured (a
+    server on another port because the configured one was taken is not restarted for that).
+    """
+    from lmforge.hashing import digest
+
+    key, _ = api_key(workspace)
+    engine = cfg.engine.model_dump(mode="json", exclude={"startup_timeout_s"})
+    return {
+        "key_fingerprint": fingerprint(key) if cfg.require_api_key else "none (serve.require_api_key=false)",
+        "host": cfg.host,
+        "port": cfg.port,
+        "engine": digest(json.dumps(engine, sort_keys=True))[:16],
+        "inherit_env": sorted(cfg.inherit_env),
+    }
+
+
+_held: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def promotion_lock(workspace: str | Path) -> Iterator[None]:
+    """One promotion at a time per workspace (two concurrent runs could otherwise each stop the
+    other's server or leave one running that no `current.json` names). Re-entrant in this process."""
+    import fcntl
+
+    path = serving_dir(workspace) / ".promotion.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = str(path.resolve())
+    if _held.get(name):
+        _held[name] += 1
+        try:
+            yield
+        finally:
+            _held[name] -= 1
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another run is promoting a server in %s; waiting for it", path.parent)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        _held[name] = 1
+        try:
+            yield
+        finally:
+            _held.pop(name, None)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def start(
     model_dir: Path,
     served_name: str,
@@ -165,6 +219,7 @@ def start(
         "pid_file": str(directory / "server.pid"),
         "log_file": str(directory / "server.log"),
         "key_fingerprint": fingerprint(key),
+        "settings": settings(cfg, workspace),
         "lineage": lineage or {},
     }
     pid = start_detached(
@@ -294,6 +349,19 @@ def start_and_promote(
 
     On any failure the candidate is stopped and the current server is left as it was.
     """
+    with promotion_lock(workspace):
+        return _start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
+
+
+def _start_and_promote(
+    model_dir: Path,
+    served_name: str,
+    cfg: ServeConfig,
+    workspace: str | Path,
+    *,
+    lineage: dict[str, Any] | None,
+    check: Any,
+) -> dict[str, Any]:
     old = current(workspace)
     port = cfg.port if not (old and alive(old)) else None
     try:
@@ -359,13 +427,24 @@ def _uptime(seconds: float) -> str:
 def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Make the server described by `want` (served_name, model_dir, lineage) the running current one.
 
-    ("kept", record) when it already is, else it is started, smoke-tested and promoted.
+    ("kept", record) when it already is, with the settings it was started with; else ("started",
+    record): it is started, smoke-tested and promoted, and the old server stopped. A server whose key,
+    host, port or engine settings differ from `cfg` is replaced so, with one line saying what changed.
     """
-    record = current(workspace)
-    if record and record["served_name"] == want["served_name"] and alive(record):
-        return "kept", record
-    if record and record["served_name"] == want["served_name"]:
-        log.warning("the promoted server %s is not running; starting it again", record["served_name"])
-    return "started", start_and_promote(
-        Path(want["model_dir"]), want["served_name"], cfg, workspace, lineage=want.get("lineage")
-    )
+    with promotion_lock(workspace):
+        record = current(workspace)
+        if record and record["served_name"] == want["served_name"] and alive(record):
+            wanted = settings(cfg, workspace)
+            changed = [name for name, value in wanted.items() if record.get("settings", {}).get(name) != value]
+            if not changed:
+                return "kept", record
+            log.warning(
+                "%s is running with other settings (%s changed): starting it with the new ones, then stopping the old",
+                record["served_name"],
+                ", ".join(changed),
+            )
+        elif record and record["served_name"] == want["served_name"]:
+            log.warning("the promoted server %s is not running; starting it again", record["served_name"])
+        return "started", start_and_promote(
+            Path(want["model_dir"]), want["served_name"], cfg, workspace, lineage=want.get("lineage")
+        )

@@ -77,9 +77,14 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     manifest = manifests.get("serve/release")
     if manifest is None:
         return []
+    from serving import release
+
     extra = manifest["extra"]
+    # where it answers now: a restart after the release (it had died, or its settings changed) moves it
+    record = release.current(manifest["dir"].split("/serve/release/")[0]) or {}
+    url = record["url"] if record.get("served_name") == extra["served_name"] else extra["url"]
     return [
-        f"served:  {extra['served_name']} at {extra['url']}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
+        f"served:  {extra['served_name']} at {url}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
         "or <workspace>/serving/api_key)"
     ]
 

@@ -254,6 +254,33 @@ def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
     assert elapsed < 60
 
 
+def test_a_rotated_key_is_in_force_after_serve_start(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
+    """Before: `serve start` kept the running server when only its key had changed, so rotating a
+    leaked key did nothing, silently."""
+    import secrets
+
+    before, old_key = served(workspace)
+    new_key = f"sk-rotated-{secrets.token_urlsafe(24)}"
+    (workspace / "serving" / "api_key").write_text(new_key + "\n")
+    started = lmforge("serve", "start", "--workspace", str(workspace), *small())
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert "key_fingerprint changed" in started.stderr and old_key not in started.stdout + started.stderr
+    after, key = served(workspace)
+    assert key == new_key and after["pid_file"] != before["pid_file"] and after["served_name"] == before["served_name"]
+    body = json.dumps(
+        {"model": after["served_name"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ).encode()
+    assert raw_post(f"{after['url']}/v1/chat/completions", body, old_key) == 401
+    assert raw_post(f"{after['url']}/v1/chat/completions", body, new_key) == 200
+    try:  # the old server is gone
+        old_answers = before["url"] != after["url"] and raw_get(before["url"] + "/health") == 200
+    except OSError:
+        old_answers = False
+    assert not old_answers
+    again = lmforge("serve", "start", "--workspace", str(workspace), *small())
+    assert again.returncode == 0 and "already running" in again.stdout  # same settings: kept
+
+
 def test_explain_names_the_changed_field(first_run: subprocess.CompletedProcess, workspace: Path) -> None:
     result = lmforge("explain", "all", "--workspace", str(workspace), *small(), "--set", "pretrain.optim.lr=1e-3")
     assert result.returncode == 0, result.stderr
