@@ -1,49 +1,334 @@
-"""Which code made a step's output: digests of the step's own modules and versions of its libraries.
+"""Which code makes a step's output: its import closure inside the project, part of its key.
 
-Only the hand-bumped `Step.version` is part of a cache key: putting source digests in keys
-would rerun a week of training after a comment was fixed. Instead every manifest records
-this fingerprint, and a later run compares it with the code it is about to reuse the output
-with. A difference is *drift*: `lmforge explain` names it ("code of curate/heuristics
-changed since this output was made: data_prep/heuristics.py") and `runtime.on_code_drift`
-decides whether the step warns (default) or reruns.
+A step's code is the modules defining its functions (identity, units, finalize) plus those it
+names in `Step.code` (the entry modules its launches run, which no import reaches), and then
+every project module those import, directly or not, found by reading their source: nothing is
+listed by hand, so no module a step uses can be forgotten. Each module counts by a digest of
+its syntax tree without docstrings, so a comment or docstring edit reruns nothing, while any
+edit to what the code does reruns every step that imports it and, through their outputs,
+whatever reads those only if the bytes changed (keys take upstream *digests*).
 
-A step's modules are those that define its functions (identity, units, finalize) plus the
-ones it names in `Step.code`; its libraries are the distributions it names in
-`Step.libraries` (torch, tokenizers, transformers, fasttext, datasketch, ...).
+Two kinds of modules are left out, and the closure does not follow their imports: the
+orchestration that runs steps but never shapes what they write (`NOT_STEP_CODE`: the CLI,
+the executor and store, the terminal, the supervisor, stage registration) and the orchestrator
+packages (`flows`, `tasks`). Leaving a module out wrongly would let one key name two
+contents, so only modules that provably do not touch outputs are listed; listing too few only
+costs reruns.
+
+What no import shows: a module loaded by name at run time (`importlib.import_module`) is
+counted when a package is named in `Step.code` (every module of the package counts); library
+versions are recorded beside the key, not in it (a library upgrade is *drift*: `lmforge
+explain` names it and `runtime.on_code_drift` decides whether the step warns or reruns).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
-import importlib.util
-import sys
+import hashlib
+import json
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lmforge.hashing import file_sha256
-
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("lmforge", "training", "data_prep", "evaluation", "serving", "configs")
+ORCHESTRATOR = ("flows", "tasks")  # Prefect wrappers: never imported by steps (tests/test_layout.py)
+NOT_STEP_CODE = frozenset(
+    {
+        "lmforge.cli",
+        "lmforge.codeprint",
+        "lmforge.console",
+        "lmforge.errors",
+        "lmforge.executor",
+        "lmforge.explain",
+        "lmforge.graph",
+        "lmforge.launcher",
+        "lmforge.registry",
+        "lmforge.server",
+        "lmforge.slurm",
+        "lmforge.stage",
+        "lmforge.stagemap",
+        "lmforge.steplog",
+        "lmforge.store",
+        "lmforge.supervise",
+    }
+)
 
 
-def _module_file(name: str) -> Path | None:
-    module = sys.modules.get(name)
-    origin = getattr(module, "__file__", None) if module else None
-    if origin is None:
-        spec = importlib.util.find_spec(name)
-        origin = spec.origin if spec else None
-    return Path(origin) if origin and origin.endswith(".py") else None
+def _excluded(module: str) -> bool:
+    # `<package>.stage` modules register a stage (its steps, artifacts, CLI): they run nothing a step writes
+    return module in NOT_STEP_CODE or module.split(".")[0] in ORCHESTRATOR or module.endswith(".stage")
+
+
+def _file(module: str) -> Path | None:
+    """The project file of `module`, None for anything outside the project."""
+    if module.split(".")[0] not in PACKAGES:
+        return None
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _label(path: Path) -> str:
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return str(path.relative_to(ROOT))
 
 
-def step_modules(step: Any) -> list[str]:
+class _Normalized(ast.NodeTransformer):
+    """Drop docstrings: they do not change what the code does."""
+
+    def _strip(self, node: Any) -> Any:
+        self.generic_visit(node)
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            if isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return node
+
+    visit_Module = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _strip
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Project modules that `tree` (of `module`) imports anywhere (functions included), except under TYPE_CHECKING."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            found.add(source)
+            found.update(f"{source}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        todo.extend(ast.iter_child_nodes(node))
+    modules = set()
+    for name in found:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+            prefix = ".".join(parts[:i])
+            if _file(prefix) is not None:
+                modules.add(prefix)
+    return modules
+
+
+def _parse(module: str, path: Path) -> tuple[str, list[str]]:
+    """(digest of the normalized syntax tree, project modules it imports)."""
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    imports = _imports(tree, module, path.name == "__init__.py")
+    normalized = ast.dump(_Normalized().visit(tree), annotate_fields=False, include_attributes=False)
+    return hashlib.sha256(normalized.encode()).hexdigest()[:16], sorted(imports)
+
+
+def _top_level(tree: ast.Module) -> tuple[dict[str, list[ast.stmt]], list[ast.stmt]]:
+    """The module's top-level statements by the names they define (one per imported name), and those
+    that define no name (they run on import: always part of a slice). TYPE_CHECKING blocks run never."""
+    named: dict[str, list[ast.stmt]] = {}
+    unnamed: list[ast.stmt] = []
+    body = list(tree.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            body[:0] = node.orelse
+        elif isinstance(node, (ast.If, ast.Try)):  # conditional definitions: what either branch defines
+            unnamed.append(ast.Expr(node.test) if isinstance(node, ast.If) else ast.Pass())
+            inner = [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            inner += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+            body[:0] = inner
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            named.setdefault(node.name, []).append(node)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                one = (
+                    ast.Import(names=[alias])
+                    if isinstance(node, ast.Import)
+                    else ast.ImportFrom(module=node.module, names=[alias], level=node.level)
+                )
+                named.setdefault((alias.asname or alias.name).split(".")[0], []).append(one)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            for name in names:
+                named.setdefault(name, []).append(node)
+            if not names:
+                unnamed.append(node)
+        else:
+            unnamed.append(node)
+    return named, unnamed
+
+
+def _slice(module: str, path: Path, roots: tuple[str, ...]) -> tuple[str, list[str]]:
+    """(digest, imports) of only the parts of `module` that `roots` reach by name, transitively.
+
+    A root is a top-level name, or `lambda@LINE` for the lambdas on that line. A module that
+    defines the functions of many steps (`data_prep/steps.py`) thus counts for each step by what
+    that step's functions use: an edit to the tokenizer's step code does not rerun ingestion.
+    """
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    named, unnamed = _top_level(tree)
+    reached: dict[int, ast.AST] = {id(n): n for n in unnamed}
+    todo: list[ast.AST] = list(unnamed)
+    for root in roots:
+        if root.startswith("lambda@"):
+            line = int(root.split("@")[1])
+            found: list[ast.AST] = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda) and n.lineno == line]
+        else:
+            found = list(named.get(root, []))
+        if not found:
+            raise KeyError(root)
+        todo += found
+    seen: set[str] = set()
+    while todo:
+        node = todo.pop()
+        reached[id(node)] = node
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Name) and inner.id in named and inner.id not in seen:
+                seen.add(inner.id)
+                todo.extend(named[inner.id])
+    nodes = sorted(reached.values(), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+    imports: set[str] = set()
+    parts = []
+    for node in nodes:
+        imports |= _imports(node, module, path.name == "__init__.py")
+        parts.append(ast.dump(_Normalized().visit(node), annotate_fields=False, include_attributes=False))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16], sorted(imports)
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("LMFORGE_CACHE_DIR", Path.home() / ".cache" / "lmforge")) / "code-digests.json"
+
+
+@functools.cache
+def _disk_cache() -> dict[str, Any]:
+    """Parsing the whole project takes about a second: digests are kept across runs, by file stat."""
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _read(module: str, roots: tuple[str, ...] = ()) -> tuple[str, frozenset[str]]:
+    """(digest, imports) of the whole module, or of the slice `roots` reach (see `_slice`)."""
+    path = _file(module)
+    assert path is not None
+    stat = path.stat()
+    stamp = f"{path}:{stat.st_mtime_ns}:{stat.st_size}:{stat.st_ino}"
+    cache = _disk_cache()
+    slices = cache.get(stamp)
+    if not isinstance(slices, dict):
+        slices = cache[stamp] = {}
+    entry = slices.get(",".join(roots))
+    if entry is None:
+        entry = _slice(module, path, roots) if roots else _parse(module, path)
+        slices[",".join(roots)] = entry
+        _dirty.add(stamp)
+    return entry[0], frozenset(entry[1])
+
+
+_dirty: set[str] = set()
+
+
+def _save() -> None:
+    """Write new digests back (whole, atomically), dropping entries of files that changed since."""
+    if not _dirty:
+        return
+    cache = _disk_cache()
+    current = {key.rsplit(":", 3)[0]: key for key in cache}  # the newest stamp seen per file
+    for key in _dirty:
+        current[key.rsplit(":", 3)[0]] = key
+    kept = {key: cache[key] for key in current.values()}
+    target = _cache_file()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(kept))
+        os.replace(tmp, target)
+        _dirty.clear()
+    except OSError:  # a read-only home: digests are recomputed next time
+        pass
+
+
+def _package_modules(package: str) -> list[str]:
+    path = _file(package)
+    if path is None or path.name != "__init__.py":
+        return []
+    return sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in path.parent.rglob("*.py")
+    )
+
+
+def _function_root(function: Any) -> str:
+    """The top-level name (or `lambda@LINE`) of the module that holds `function`'s source."""
+    qualname = function.__qualname__
+    if qualname == "<lambda>":
+        return f"lambda@{function.__code__.co_firstlineno}"
+    return qualname.split(".<locals>")[0].split(".")[0]  # a closure counts by its factory, a method by its class
+
+
+def step_roots(step: Any) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """({module: names} of the step's functions, whole modules): the modules defining its functions
+    count by what those functions reach; those it names in `Step.code` count whole."""
     functions = [step.derive, step.finalize, step.run_unit, step.units]
-    found = {f.__module__ for f in functions if f is not None and getattr(f, "__module__", None)}
-    found.discard("lmforge.graph")  # the default no-op callables
-    return sorted(found | set(step.code))
+    sliced: dict[str, set[str]] = {}
+    for function in functions:
+        module = getattr(function, "__module__", None)
+        if function is not None and module and module != "lmforge.graph":  # the default no-op callables
+            sliced.setdefault(module, set()).add(_function_root(function))
+    whole = set(step.code)
+    for name in step.code:  # a package named in `code`: every module of it (some are loaded by name)
+        whole.update(_package_modules(name))
+    return {m: tuple(sorted(n)) for m, n in sliced.items()}, sorted(whole)
+
+
+def closure(sliced: dict[str, tuple[str, ...]], whole: list[str]) -> dict[str, str]:
+    """{project file: digest} of the roots and every project module they import, directly or not.
+
+    A module that something imports counts whole (replacing its slice, if it had one)."""
+    digests: dict[str, str] = {}
+    done_whole: set[str] = set()
+    todo: list[tuple[str, tuple[str, ...]]] = [(m, n) for m, n in sliced.items() if m not in whole]
+    todo += [(m, ()) for m in whole]
+    while todo:
+        module, names = todo.pop()
+        if module in done_whole or _file(module) is None or _excluded(module):
+            continue
+        if not names:
+            done_whole.add(module)
+        try:
+            digest, imports = _read(module, names)
+        except KeyError:  # a root the slicer cannot find by name: the module counts whole
+            digest, imports = _read(module)
+            done_whole.add(module)
+        digests[_label(_file(module))] = digest  # type: ignore[arg-type]
+        todo += [(name, ()) for name in imports if name not in done_whole]
+    return dict(sorted(digests.items()))
+
+
+def code_identity(step: Any) -> dict[str, str]:
+    """What enters the step's key: its import closure, one digest per file."""
+    identity = closure(*step_roots(step))
+    _save()
+    return identity
 
 
 def library_version(distribution: str) -> str:
@@ -53,32 +338,22 @@ def library_version(distribution: str) -> str:
         return "not installed"
 
 
-@functools.cache
-def _fingerprint(name: str, modules: tuple[str, ...], libraries: tuple[str, ...]) -> dict[str, Any]:
-    files = {}
-    for module in modules:
-        path = _module_file(module)
-        if path is not None:
-            files[_label(path)] = file_sha256(path)[:16]
-    return {"modules": files, "libraries": {lib: library_version(lib) for lib in libraries}}
-
-
 def fingerprint(step: Any) -> dict[str, Any]:
-    """{"modules": {path: sha256 prefix}, "libraries": {distribution: version}} for this process's code."""
-    return _fingerprint(step.name, tuple(step_modules(step)), tuple(step.libraries))
+    """Recorded in the manifest: {"modules": {file: digest}, "libraries": {distribution: version}}."""
+    return {
+        "modules": code_identity(step),
+        "libraries": {lib: library_version(lib) for lib in step.libraries},
+    }
 
 
 def drift(step: Any, recorded: dict[str, Any] | None) -> list[str]:
-    """One line per difference between the code that made an output and the code here now."""
+    """One line per library whose version differs from the one that made the output (code is in the key)."""
     if not recorded:
-        return []  # made before fingerprints were recorded: nothing to compare with
-    now = fingerprint(step)
+        return []
     lines: list[str] = []
-    changed = [path for path, sha in now["modules"].items() if recorded.get("modules", {}).get(path) not in (None, sha)]
-    if changed:
-        lines.append(f"code of {step.name} changed since this output was made ({', '.join(changed)})")
-    for lib, version in now["libraries"].items():
+    for lib in step.libraries:
         before = recorded.get("libraries", {}).get(lib)
+        version = library_version(lib)
         if before is not None and before != version:
             lines.append(f"library {lib} changed {before} -> {version} since this output was made")
     return lines

@@ -43,8 +43,9 @@ class RuntimeConfig(StrictModel):
     )
     on_code_drift: Literal["warn", "rerun"] = runtime_field(
         "warn",
-        description="When a step's code or libraries changed since its output was made: warn (one line, "
-        "reuse the output) or rerun the step.",
+        description="When the libraries that shape a step's output (its `libraries`: torch, tokenizers, ...) "
+        "changed version since the output was made: warn (one line, reuse the output) or rerun the step. "
+        "Code needs no such setting: it is part of every step's key.",
     )
     step_timeout_s: dict[str, float] = runtime_field(
         default_factory=dict,

@@ -3,9 +3,10 @@
 For every step of the requested stages (and what they need upstream) this computes the
 key the current config gives, checks the store, and when the output cannot be reused
 compares the key's ingredients with those of the step's last completed run: the config
-fields that differ, the upstream outputs that changed, a version bump, or damage to an
-existing output. A reusable output made by other code than what is here now is reported
-as drift ("code of curate/heuristics changed since this output was made"); with
+fields that differ, the project files of its code that changed ("code changed:
+data_prep/heuristics.py"), the upstream outputs that changed, a version bump, or damage to an
+existing output. A reusable output made with other versions of the libraries that shape it
+is reported as drift ("library datasketch changed 1.6 -> 1.7"); with
 `runtime.on_code_drift: rerun` it is recomputed.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lmforge.codeprint import code_identity
 from lmforge.executor import graph, plan_step
 from lmforge.graph import config_identity
 from lmforge.hashing import flatten
@@ -45,6 +47,13 @@ def diff_components(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     for name in sorted(set(before) | set(after)):
         if before.get(name, "<unset>") != after.get(name, "<unset>"):
             reasons.append(f"{name} changed {_fmt(before.get(name, '<unset>'))} -> {_fmt(after.get(name, '<unset>'))}")
+    old_code, new_code = old.get("code"), new.get("code")
+    if old_code is not None and new_code is not None and old_code != new_code:
+        edited = sorted(f for f in set(old_code) | set(new_code) if old_code.get(f) != new_code.get(f))
+        shown = ", ".join(edited[:4]) + (f" and {len(edited) - 4} more" if len(edited) > 4 else "")
+        reasons.append(f"code changed: {shown}")
+    elif old_code is None and new_code is not None:
+        reasons.append("code is part of the key now (this output was made before it was)")
     old_up, new_up = old.get("upstream", {}), new.get("upstream", {})
     for name in sorted(set(old_up) | set(new_up)):
         if name not in old_up:
@@ -74,6 +83,7 @@ def explain(config: PipelineBase, stages: list[str]) -> list[Explanation]:
                     "step": step.name,
                     "version": step.version,
                     "config": config_identity(step, config),
+                    "code": code_identity(step),
                     "upstream": {},
                 }
                 reasons += diff_components({**latest["key_components"], "upstream": {}}, own)

@@ -2,20 +2,22 @@
 
 A step is one cacheable unit of work with a name like `curate/minhash`; a stage
 (`curate`, `pretrain`) is the steps sharing its first path component. A step's key is a
-digest of four things, and nothing else:
+digest of these things, and nothing else:
 
-- its name and hand-bumped `version` (bump when the code's semantics change),
+- its name and hand-bumped `version` (for what no code shows: a changed data file, a fix
+  in a library that must be taken),
 - `identity(config)`: the config fields it declares it reads (`Step.reads`), the only ones it
   can read, plus values derived from them,
+- its code: a digest per project module of its import closure (`lmforge.codeprint`),
 - the output digests of its upstream steps (content, not keys, so an upstream rerun that
   produces identical bytes does not invalidate anything downstream).
 
 A step names what it reads either as a step of its own stage (`"curate/select"`) or as a
 typed `Product` of another stage (`TOKEN_SHARDS`, `hf_model("sft")`); the graph resolves a
 product to the enabled step that `provides` it, so stages never refer to each other's steps.
-Which code a step's output came from (its own modules and the libraries that shape it) is
-recorded beside the key, not in it: editing code is reported as drift (`lmforge explain`)
-and `runtime.on_code_drift` decides whether it reruns.
+The versions of the libraries that shape an output are recorded beside the key, not in it: an
+upgrade is reported as drift (`lmforge explain`) and `runtime.on_code_drift` decides whether
+the step reruns.
 """
 
 from __future__ import annotations
@@ -115,8 +117,10 @@ class Step:
     bookkeeping: tuple[str, ...] = ()
     # output path prefixes that make up the digest downstream keys see (None: all outputs)
     digest_paths: tuple[str, ...] | None = None
-    # modules whose source shapes the output, besides those defining finalize/run_unit; and the
-    # libraries (distribution names) whose versions do (recorded in the manifest: code drift)
+    # modules no import reaches that shape the output (entry modules its launches run, packages loaded
+    # by name): with the import closure of its functions they are its code identity, in its key
+    # (lmforge.codeprint); and the libraries (distribution names) whose versions shape it (recorded
+    # beside the key: code drift)
     code: tuple[str, ...] = ()
     libraries: tuple[str, ...] = ()
     timeout_s: float | None = None  # default wall-clock limit (runtime.step_timeout_s overrides)
@@ -167,10 +171,13 @@ def key_components(
     `debug:` settings are no part of a normal run's key; a step run with a fault injected is
     keyed apart, so what it makes is never reused by a run without the fault.
     """
+    from lmforge.codeprint import code_identity
+
     components = {
         "step": step.name,
         "version": step.version,
         "config": config_identity(step, config),
+        "code": code_identity(step),
         "upstream": {name: upstream[name]["digest"] for name in upstream_names},
     }
     debug = debug_settings(step, config)
