@@ -205,5 +205,10 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
         definition = [(f.name, file_sha256(f)) for f in files[1:]] + [
             ("yaml", digest((TEMPLATES / f"{task}.yaml").read_text()))
         ]
-        built[task] = {"items": len(items), "digest": digest(definition, 32), "yaml": str(yaml_path)}
+        built[task] = {
+            "items": len(items),
+            "digest": digest(definition, 32),
+            "yaml": str(yaml_path),
+            "sandboxed": task == "lmforge_humaneval",  # its utils run model code only through sandbox.py
+        }
     return built

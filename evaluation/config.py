@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -76,6 +77,19 @@ def check_task_name(name: str, where: str) -> str:
     return name
 
 
+def task_yaml(path: str | Path) -> dict[str, Any]:
+    """A user's lm-eval task YAML, read safely: lm-eval's own tags (`!function utils.score`) are kept
+    as their text, never resolved (that would import the task's code)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: f"!{suffix} {getattr(node, 'value', '')}")
+    loaded = yaml.load(Path(path).read_text(), Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return loaded if isinstance(loaded, dict) else {}
+
+
 class EvaluateConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
     tasks: list[str] = Field(
@@ -97,6 +111,11 @@ class EvaluateConfig(StrictModel):
     )
     builtin: BuiltinTaskConfig = BuiltinTaskConfig()
     contamination: ContaminationConfig = ContaminationConfig()
+    allow_unsafe_code: list[str] = runtime_field(
+        default_factory=list,
+        description="Tasks (beyond the built-in, sandboxed lmforge_humaneval) whose model-generated code lm-eval "
+        "may run in the evaluation process itself, unsandboxed (stock humaneval, mbpp). Others are refused.",
+    )
 
     @field_validator("tasks")
     @classmethod

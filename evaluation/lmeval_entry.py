@@ -112,7 +112,7 @@ def evaluate_task(spec: dict[str, Any], task: dict[str, Any], model: str, model_
         device=spec["device"],
         log_samples=True,
         bootstrap_iters=spec["bootstrap_iters"],
-        confirm_run_unsafe_code=True,
+        confirm_run_unsafe_code=bool(task.get("unsafe_code")),
         apply_chat_template=False,
         random_seed=spec["seed"],
         numpy_random_seed=spec["seed"],

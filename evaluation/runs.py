@@ -44,6 +44,13 @@ def engine_config(config: ConfigView) -> Any:
     return config.serve.engine if has_section(config, "serve") else EngineConfig()
 
 
+def unsafe_code_allowed(name: str, task: dict[str, Any], allowed: list[str]) -> bool:
+    """May lm-eval run this task's model-generated code (`confirm_run_unsafe_code`)? Only lmforge's
+    sandboxed task runs it (through `evaluation/sandbox.py`); a stock task that executes code in the
+    evaluation process itself (humaneval, mbpp) only where `evaluate.allow_unsafe_code` names it."""
+    return bool(task.get("sandboxed")) or name in allowed
+
+
 def run_identity(config: ConfigView, backend: str) -> dict[str, Any]:
     """What a metric run's results depend on besides the model and the tasks: every field it reads
     and the versions of what runs it. The quantization gate computes the same for its runs, so
@@ -126,7 +133,13 @@ def _run_lmeval(
         "num_concurrent": cfg.num_concurrent,
         "sandbox": cfg.sandbox.model_dump(),
         "tasks": [
-            {"name": n, "include_path": t["include_path"], "limit": cfg.limit.get(n), "out_dir": str(d)}
+            {
+                "name": n,
+                "include_path": t["include_path"],
+                "limit": cfg.limit.get(n),
+                "out_dir": str(d),
+                "unsafe_code": unsafe_code_allowed(n, t, cfg.allow_unsafe_code),
+            }
             for n, (t, d) in todo.items()
         ],
     }

@@ -113,7 +113,7 @@ def _check(config: PipelineBase, source: str) -> None:
 
     import yaml
 
-    from evaluation.config import check_task_name
+    from evaluation.config import check_task_name, task_yaml
     from lmforge.errors import ConfigError
 
     names: list[str] = []
@@ -125,8 +125,8 @@ def _check(config: PipelineBase, source: str) -> None:
         if not Path(task).is_file():
             raise ConfigError(f"{where}: no such task file {task!r}")
         try:
-            name = (yaml.safe_load(Path(task).read_text()) or {}).get("task")
-        except (yaml.YAMLError, AttributeError) as exc:
+            name = task_yaml(task).get("task")
+        except yaml.YAMLError as exc:
             raise ConfigError(f"{where}: {task} is not an lm-eval task YAML ({type(exc).__name__})") from None
         if not isinstance(name, str):
             raise ConfigError(f"{where}: {task} has no `task:` name")

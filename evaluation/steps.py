@@ -61,13 +61,56 @@ def _graph() -> Graph:
 
 
 def _task_files(config: ConfigView) -> dict[str, Any]:
-    """The content of the user's task YAMLs (a path alone would miss an edit)."""
+    """What defines the tasks besides their names.
+
+    A user's task YAML: its whole folder (lm-eval reads `!function` utils, included YAMLs and data
+    files beside it), so an edit to any of them is a different task; the folder's location is not.
+    A task of lm-eval's registry: its resolved definition and the dataset it names, with the
+    dataset revision when the task pins one (the hub's data are otherwise whatever it serves).
+    """
+    from evaluation.build import BUILTIN
+
     user = [t for t in config.evaluate.tasks if t.endswith((".yaml", ".yml"))]
-    if not user:
-        return {}
+    registry = [t for t in config.evaluate.tasks if t not in BUILTIN and t not in user]
+    identity: dict[str, Any] = {}
+    if user:
+        identity["task_files"] = {t: _folder_digest(Path(t).resolve().parent) for t in user}
+    if registry:
+        identity["registry_tasks"] = registry_identity(registry)
+    return identity
+
+
+def registry_identity(names: list[str]) -> dict[str, dict[str, Any]]:
+    """{task: definition digest, dataset, revision} from lm-eval's own index of its task YAMLs."""
+    from lm_eval.tasks import TaskManager
+
+    index = TaskManager().task_index
+    out = {}
+    for name in names:
+        entry = index.get(name)
+        if entry is None:
+            raise ConfigError(f"evaluate.tasks: {name!r} is not a built-in task, a task YAML, or a task lm-eval knows")
+        cfg = entry.cfg or {}
+        out[name] = {
+            "kind": str(getattr(entry.kind, "name", entry.kind)),
+            "definition": digest(json.dumps(cfg, sort_keys=True, default=str), 32),
+            "dataset": cfg.get("dataset_path"),
+            "dataset_name": cfg.get("dataset_name"),
+            "revision": (cfg.get("dataset_kwargs") or {}).get("revision"),
+        }
+    return out
+
+
+def _folder_digest(folder: Path) -> str:
     from lmforge.hashing import file_sha256
 
-    return {"task_files": {t: file_sha256(t) for t in user}}
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
+    )
+    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)
 
 
 def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +134,9 @@ def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 continue
             tasks[name] = {**built[name], "include_path": str(ctx.out_dir), "builtin": True}
         elif name.endswith((".yaml", ".yml")):  # a user's lm-eval task YAML (its folder is the include path)
-            import yaml
+            from evaluation.config import task_yaml
 
-            task_name = (yaml.safe_load(Path(name).read_text()) or {}).get("task")
+            task_name = task_yaml(name).get("task")
             if not task_name:
                 raise ConfigError(f"evaluate.tasks: {name} has no `task:` name")
             tasks[task_name] = {
@@ -102,7 +145,11 @@ def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 "digest": ctx.identity["task_files"][name],
             }
         else:  # a task lm-eval knows (mmlu, hellaswag, gsm8k: their data come from the hub)
-            tasks[name] = {"include_path": None, "builtin": False, "digest": digest(name)}
+            tasks[name] = {
+                "include_path": None,
+                "builtin": False,
+                "digest": digest([name, ctx.identity["registry_tasks"][name]]),
+            }
     return {"counts": {t: v.get("items") for t, v in tasks.items()}, "extra": {"tasks": tasks}}
 
 

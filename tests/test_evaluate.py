@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from evaluation.contamination import Index, Settings, build_index, check_tasks
+from lmforge.errors import ConfigError
 
 
 def _edit(text: str, rate: float, rng: random.Random) -> str:
@@ -342,3 +343,60 @@ def test_a_killed_lmeval_run_leaves_nothing_that_passes_for_done(tmp_path: Path)
     keep_finished({"good": good, "truncated": truncated, "no-samples": no_samples}, store)
     assert store.read_manifest(good) is not None
     assert not truncated.exists() and not no_samples.exists()
+
+
+def test_a_user_task_is_keyed_by_its_whole_folder_not_where_it_lives(tmp_path: Path) -> None:
+    """lm-eval reads the YAML's folder (`!function utils.x`, included YAMLs, data): before, only the YAML counted."""
+    import shutil
+
+    from evaluation.steps import _task_files
+    from tests.conftest import small_config
+
+    folder = tmp_path / "mytask"
+    folder.mkdir()
+    (folder / "task.yaml").write_text("task: mytask\nprocess_results: !function utils.score\n")
+    (folder / "utils.py").write_text("def score(doc, results):\n    return {'acc': 1.0}\n")
+
+    def key(path: Path) -> str:
+        return _task_files(small_config(tmp_path / "ws", f"evaluate.tasks=[{path}]"))["task_files"][str(path)]
+
+    first = key(folder / "task.yaml")
+    (folder / "utils.py").write_text("def score(doc, results):\n    return {'acc': 0.0}\n")
+    edited = key(folder / "task.yaml")
+    assert edited != first  # the scoring function changed: another task
+    shutil.copytree(folder, tmp_path / "elsewhere")
+    assert key(tmp_path / "elsewhere" / "task.yaml") == edited  # same content elsewhere: the same task
+
+
+def test_a_registry_task_is_keyed_by_its_definition_and_dataset() -> None:
+    from evaluation.steps import registry_identity
+
+    identity = registry_identity(["hellaswag"])["hellaswag"]
+    assert identity["dataset"] == "Rowan/hellaswag" and len(identity["definition"]) == 32
+    with pytest.raises(ConfigError, match="not-a-task"):
+        registry_identity(["not-a-task"])
+
+
+def test_model_code_runs_only_in_the_sandbox_unless_a_task_is_named(tmp_path: Path) -> None:
+    """Before: confirm_run_unsafe_code=True for every task, so a stock humaneval would have run model code in
+    the evaluation process itself. lm-eval refuses an unsafe task unless told: lmforge tells it only for
+    its own sandboxed task, or for a task `evaluate.allow_unsafe_code` names."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.build import build
+    from evaluation.runs import unsafe_code_allowed
+
+    built = build(tmp_path, ["lmforge_humaneval"], {}, {})
+    assert unsafe_code_allowed("lmforge_humaneval", built["lmforge_humaneval"], [])
+    stock = {"include_path": None, "builtin": False}
+    assert not unsafe_code_allowed("humaneval", stock, []) and not unsafe_code_allowed("mbpp", stock, ["humaneval"])
+    assert unsafe_code_allowed("humaneval", stock, ["humaneval"])
+    with pytest.raises(ValueError, match="unsafe"):  # what a stock humaneval meets when not named
+        lm_eval.simple_evaluate(
+            model="dummy",
+            tasks=["lmforge_humaneval"],
+            limit=1,
+            task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+            confirm_run_unsafe_code=False,
+        )
