@@ -237,3 +237,33 @@ def test_a_killed_rank_is_retried_and_resumes_to_the_same_held_out_loss(
         aligned["align/sft"]["metrics"]["heldout_loss_after"],
     )
     assert abs(resumed - reference) < 1e-4, (resumed, reference)
+
+
+def test_a_checkpoint_with_a_truncated_rank_file_or_no_seal_is_set_aside_and_the_previous_one_resumed(
+    tmp_path: Path,
+) -> None:
+    """Before: a checkpoint counted as complete when trainer_state.json existed, although the other ranks'
+    files were written without a barrier or checksums."""
+    from training.align.entry import newest_checkpoint
+    from training.checkpoint import seal
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        directory = root / f"checkpoint-{step}"
+        directory.mkdir(parents=True)
+        (directory / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        for rank in (0, 1):
+            (directory / f"rng_state_{rank}.pth").write_bytes(bytes(range(256)) * 4)
+        seal(directory)
+    assert newest_checkpoint(root) == root / "checkpoint-20"
+    with open(root / "checkpoint-20" / "rng_state_1.pth", "r+b") as handle:  # a rank killed mid-write
+        handle.truncate(100)
+    assert newest_checkpoint(root) == root / "checkpoint-10"
+    aside = [p.name for p in root.iterdir() if p.name.startswith(".corrupt-checkpoint-20-")]
+    assert len(aside) == 1 and not (root / "checkpoint-20").exists()
+    # a checkpoint the Trainer wrote but nobody sealed (killed before every rank was done): incomplete
+    unsealed = root / "checkpoint-30"
+    unsealed.mkdir()
+    (unsealed / "trainer_state.json").write_text('{"global_step": 30}')
+    assert newest_checkpoint(root) == root / "checkpoint-10"
+    assert not unsealed.exists() and len([p for p in root.iterdir() if p.name.startswith(".corrupt-")]) == 2

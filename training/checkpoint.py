@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,25 @@ def latest_verified(root: Path) -> Path | None:
         problem = verify(candidate)
         if problem is None:
             return candidate
-        log.warning(
-            "checkpoint %s is damaged (%s); setting it aside and trying the previous one", candidate.name, problem
-        )
-        candidate.rename(candidate.with_name(f".corrupt-{candidate.name}"))
+        set_aside(candidate, problem)
     return None
+
+
+def set_aside(candidate: Path, problem: str) -> Path:
+    """Rename a damaged checkpoint out of the way, under a name no later one can collide with
+    (the same step can be damaged twice: a replay after a rollback reaches it again)."""
+    target = candidate.with_name(f".corrupt-{candidate.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    log.warning(
+        "checkpoint %s is damaged (%s); set aside as %s, trying the previous one", candidate.name, problem, target.name
+    )
+    candidate.rename(target)
+    return target
+
+
+def seal(directory: Path) -> None:
+    """Record the SHA-256 of every file of a written checkpoint, last: until this exists it is incomplete."""
+    files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    atomic_write_json(directory / CHECKSUMS, {rel: file_sha256(directory / rel) for rel in files})
 
 
 def rng_state() -> dict[str, Any]:
@@ -127,8 +142,7 @@ def save(
         for name, source in (extra_files or {}).items():
             if source.exists():
                 shutil.copy2(source, tmp / name)
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        atomic_write_json(tmp / CHECKSUMS, {rel: file_sha256(tmp / rel) for rel in files})
+        seal(tmp)
         if final.exists():  # a replay after rollback reaches the same step again
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -35,8 +35,11 @@ METRICS = "metrics.jsonl"
 
 
 def newest_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint whose `trainer_state.json` (written last) is there: a kill mid-save
-    leaves a folder without it, which is skipped (and set aside) rather than resumed from."""
+    """The newest checkpoint that verifies against the checksums `SealCheckpoints` wrote once every
+    rank had finished writing it. One without them (a kill mid-save) or with a file that differs (a
+    truncated rank file) is set aside under a unique name, never resumed from; the previous one is."""
+    from training.checkpoint import set_aside, verify
+
     if not root.exists():
         return None
     found = sorted(
@@ -45,10 +48,10 @@ def newest_checkpoint(root: Path) -> Path | None:
         reverse=True,
     )
     for candidate in found:
-        if (candidate / "trainer_state.json").exists():
+        problem = verify(candidate)
+        if problem is None:
             return candidate
-        log.warning("checkpoint %s is incomplete; setting it aside", candidate.name)
-        candidate.rename(candidate.with_name(f".incomplete-{candidate.name}"))
+        set_aside(candidate, "incomplete: " + problem if problem.startswith("no ") else problem)
     return None
 
 
@@ -118,7 +121,26 @@ def _callbacks(spec: dict[str, Any], trainer_holder: dict[str, Any]) -> list[Any
                 handle.write(json.dumps({"step": state.global_step, "heldout_exact_match": score}) + "\n")
             log.info("step %d: held-out exact match %.3f", state.global_step, score)
 
-    return [JsonlMetrics(), HeldoutGeneration()]
+    class SealCheckpoints(TrainerCallback):
+        """After the Trainer saved `checkpoint-N` on every rank: wait for all of them (each writes its own
+        RNG state, DeepSpeed its shards), then rank 0 writes the checksums that make it complete."""
+
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            from training.checkpoint import seal
+
+            _barrier()
+            if state.is_world_process_zero:
+                seal(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            _barrier()
+
+    return [JsonlMetrics(), HeldoutGeneration(), SealCheckpoints()]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
