@@ -54,10 +54,16 @@ class ServeConfig(StrictModel):
     )
     port: int | None = runtime_field(
         None,
-        description="Port of the first server (None: a free one). A promotion starts the "
-        "new model on a free port and switches `serving/current.json` to it.",
+        description="Port of the endpoint (None: a free one, chosen at the first start and kept). It stays "
+        "the same across promotions: the front on it forwards to whichever server is current.",
         ge=1,
         le=65535,
+    )
+    front: bool = runtime_field(
+        True,
+        description="Serve through lmforge's front (serving/front.py): a stable endpoint on serve.host:serve.port, "
+        "servers on loopback ports of their own. false: vLLM listens on serve.host itself, and a promotion "
+        "moves the endpoint to the new server's port.",
     )
     require_api_key: bool = runtime_field(
         True,

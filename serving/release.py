@@ -7,11 +7,17 @@ State lives in `<workspace>/serving/`:
     history.jsonl      every promotion, in order
     servers/<id>/      one folder per started server: server.pid (pid, command), server.log
 
+    front/             the endpoint's front (serving/front.py): target.json, front.json, pid, log
+
 A server runs detached (its own session, a pid file, `lmforge.supervise` as its parent), so it
-outlives the flow run that started it; it is stopped by pid, never by name. A new model starts
-on a fresh port beside the running one, is smoke-tested (and SLO-checked by `serve/release`),
-and only then does `current.json` switch to it and the old server stop. Any failure before
-that stops the candidate and leaves the old server serving: a rollback, not an outage.
+outlives the flow run that started it; it is stopped by pid, never by name. Clients use the
+endpoint, the front on `serve.host:serve.port`; servers listen on loopback ports of their own.
+A new model starts on a fresh port beside the running one, is smoke-tested (and SLO-checked by
+`serve/release`), and only then does the front send new connections to it, `current.json`
+switch to it and the old server stop. Any failure before that stops the candidate and leaves
+the old server serving: a rollback, not an outage, and the endpoint never moves. Promotions
+are serialized by a lock on the serving folder; a server whose key or engine settings differ
+from the config is replaced the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import json
 import logging
 import os
 import secrets
+import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
+from lmforge.launch import free_port
 from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
 from lmforge.vllm_server import (
     NOISE,
@@ -121,11 +130,11 @@ def _tail(log_file: Path, lines: int = 8) -> list[str]:
         return []
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _port(wanted: int | None, host: str) -> int:
-    import socket
-
-    from lmforge.launch import free_port
-
     if wanted:
         with socket.socket() as s:
             try:
@@ -146,13 +155,15 @@ def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
 
     key, _ = api_key(workspace)
     engine = cfg.engine.model_dump(mode="json", exclude={"startup_timeout_s"})
-    return {
+    wanted = {
         "key_fingerprint": fingerprint(key) if cfg.require_api_key else "none (serve.require_api_key=false)",
-        "host": cfg.host,
-        "port": cfg.port,
         "engine": digest(json.dumps(engine, sort_keys=True))[:16],
         "inherit_env": sorted(cfg.inherit_env),
+        "front": cfg.front,
     }
+    if not cfg.front:  # the server itself is the endpoint: its address is a server setting
+        wanted |= {"host": cfg.host, "port": cfg.port}
+    return wanted
 
 
 _held: dict[str, int] = {}
@@ -202,19 +213,21 @@ def start(
     With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
     required = key if cfg.require_api_key else ""
-    port = _port(port, cfg.host)
+    bind = "127.0.0.1" if cfg.front else cfg.host  # behind the front, a server is never exposed itself
+    port = free_port() if cfg.front else _port(port, cfg.host)
     directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
     directory.mkdir(parents=True, exist_ok=True)
     template = plain_chat_template(model_dir, directory / "chat_template.jinja")
     command = server_command(
-        model_dir, cfg.engine, port=port, host=cfg.host, served_name=served_name, chat_template=template
+        model_dir, cfg.engine, port=port, host=bind, served_name=served_name, chat_template=template
     )
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     record: dict[str, Any] = {
         "served_name": served_name,
         "model_dir": str(model_dir),
-        "url": f"http://{host}:{port}",
-        "host": cfg.host,
+        "url": f"http://{_url_host(host)}:{port}",  # the server itself; clients use "endpoint"
+        "endpoint": f"http://{_url_host(host)}:{port}",  # the front's, once promoted behind one
+        "host": bind,
         "port": port,
         "pid_file": str(directory / "server.pid"),
         "log_file": str(directory / "server.log"),
@@ -322,17 +335,20 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
     }
 
 
-def promote(workspace: str | Path, record: dict[str, Any]) -> dict[str, Any] | None:
-    """Make `record` the current server, then stop the one it replaces; returns the old record."""
+def promote(workspace: str | Path, record: dict[str, Any], cfg: ServeConfig | None = None) -> dict[str, Any] | None:
+    """Make `record` the current server (the front forwards new connections to it), then stop the one
+    it replaces; returns the old record."""
     directory = serving_dir(workspace)
     old = current(workspace)
+    if cfg is not None and cfg.front:
+        record["endpoint"] = point_front(workspace, cfg, record)
     atomic_write_json(directory / "current.json", record)
     with open(directory / "history.jsonl", "a") as out:
         out.write(json.dumps({"promoted_at": time.time(), **record}) + "\n")
     if old and old["pid_file"] != record["pid_file"]:
         if stop_detached(Path(old["pid_file"])):
             log.info("stopped the previous server %s (%s)", old["served_name"], old["url"])
-    log.info("serving %s at %s (key %s)", record["served_name"], record["url"], record["key_fingerprint"])
+    log.info("serving %s at %s (key %s)", record["served_name"], record["endpoint"], record["key_fingerprint"])
     return old
 
 
@@ -381,13 +397,91 @@ def _start_and_promote(
         if keeps:
             log.error("%s was not promoted%s", served_name, keeps)
         raise
-    promote(workspace, record)
+    promote(workspace, record, cfg)
     return record
 
 
 def stop(workspace: str | Path) -> bool:
+    """Stop the served model and its front; False when neither was running."""
     record = current(workspace)
-    return bool(record) and stop_detached(Path(record["pid_file"]))  # type: ignore[index]
+    stopped = bool(record) and stop_detached(Path(record["pid_file"]))  # type: ignore[index]
+    return stop_detached(front_dir(workspace) / "front.pid", wait_s=10) or stopped
+
+
+# -- the front: the stable endpoint (serving/front.py) ---------------------------------------------
+
+
+def front_dir(workspace: str | Path) -> Path:
+    return serving_dir(workspace) / "front"
+
+
+def _front_address(workspace: str | Path, cfg: ServeConfig) -> tuple[str, int]:
+    """Where the front listens: serve.host and serve.port, or the port it had (chosen once when unset)."""
+    if cfg.port:
+        return cfg.host, cfg.port
+    try:
+        previous = json.loads((front_dir(workspace) / "front.json").read_text())
+        if previous["host"] == cfg.host:
+            return cfg.host, int(previous["port"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return cfg.host, free_port()
+
+
+def ensure_front(workspace: str | Path, cfg: ServeConfig) -> str:
+    """Start the front (or restart it on a new address); returns the endpoint URL clients use."""
+    directory = front_dir(workspace)
+    host, port = _front_address(workspace, cfg)
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    endpoint = f"http://{_url_host(client_host)}:{port}"
+    pid_file = directory / "front.pid"
+    try:
+        running = json.loads((directory / "front.json").read_text())
+    except (OSError, ValueError):
+        running = {}
+    if detached_alive(read_pid_file(pid_file)):
+        if running.get("host") == host and running.get("port") == port:
+            return endpoint
+        log.warning(
+            "the endpoint moves from %s:%s to %s:%s (serve.host/serve.port changed)",
+            running.get("host"),
+            running.get("port"),
+            host,
+            port,
+        )
+        stop_detached(pid_file, wait_s=10)
+    command = [
+        sys.executable,
+        "-m",
+        "serving.front",
+        "--listen",
+        f"{host}:{port}",
+        "--target",
+        str(directory / "target.json"),
+    ]
+    start_detached(command, directory / "front.log", pid_file, meta={"front": f"{host}:{port}"})
+    atomic_write_json(directory / "front.json", {"host": host, "port": port})
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        if not detached_alive(read_pid_file(pid_file)):
+            raise ServerFailed(
+                f"the endpoint's front could not listen on {host}:{port}: {' | '.join(_tail(directory / 'front.log', 3))}"
+            )
+        with contextlib.suppress(OSError), socket.create_connection((client_host, port), timeout=1):
+            return endpoint
+        time.sleep(0.05)
+    raise ServerFailed(f"the endpoint's front did not start listening on {host}:{port} within 15 s")
+
+
+def point_front(workspace: str | Path, cfg: ServeConfig, record: dict[str, Any]) -> str:
+    """Send new connections of the endpoint to `record`'s server (one atomic write); returns the endpoint."""
+    directory = front_dir(workspace)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        directory / "target.json",
+        {"host": record["host"], "port": record["port"], "served_name": record["served_name"]},
+    )
+    return ensure_front(workspace, cfg)
 
 
 def status_lines(workspace: str | Path) -> tuple[bool, list[str]]:
@@ -411,10 +505,14 @@ def status_lines(workspace: str | Path) -> tuple[bool, list[str]]:
         state = "NOT RUNNING (the process died or was stopped); `lmforge serve start` brings the promoted model back"
     lines = [
         f"model:   {record['served_name']}  ({record['model_dir']})",
-        f"url:     {record['url']}/v1  (OpenAI-compatible; Authorization: Bearer <key {record['key_fingerprint']}>)",
+        f"url:     {record.get('endpoint', record['url'])}/v1  (OpenAI-compatible; Authorization: Bearer "
+        f"<key {record['key_fingerprint']}>)",
         f"state:   {state}",
         f"logs:    {record['log_file']}",
     ]
+    if record.get("endpoint", record["url"]) != record["url"]:
+        front = "running" if detached_alive(read_pid_file(front_dir(workspace) / "front.pid")) else "NOT RUNNING"
+        lines.insert(2, f"server:  {record['url']} (behind the endpoint's front: {front})")
     return running, lines
 
 
@@ -437,6 +535,11 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
             wanted = settings(cfg, workspace)
             changed = [name for name, value in wanted.items() if record.get("settings", {}).get(name) != value]
             if not changed:
+                if cfg.front:  # the front may have died, or serve.host/port changed: the server stays
+                    endpoint = point_front(workspace, cfg, record)
+                    if endpoint != record.get("endpoint"):
+                        record["endpoint"] = endpoint
+                        atomic_write_json(serving_dir(workspace) / "current.json", record)
                 return "kept", record
             log.warning(
                 "%s is running with other settings (%s changed): starting it with the new ones, then stopping the old",

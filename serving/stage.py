@@ -34,7 +34,7 @@ def _reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> li
         log.info(
             "%s is current at %s (pid file %s): kept, not restarted",
             record["served_name"],
-            record["url"],
+            record.get("endpoint", record["url"]),
             record["pid_file"],
         )
     return [outcome]
@@ -82,7 +82,7 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     extra = manifest["extra"]
     # where it answers now: a restart after the release (it had died, or its settings changed) moves it
     record = release.current(manifest["dir"].split("/serve/release/")[0]) or {}
-    url = record["url"] if record.get("served_name") == extra["served_name"] else extra["url"]
+    url = record.get("endpoint", record["url"]) if record.get("served_name") == extra["served_name"] else extra["url"]
     return [
         f"served:  {extra['served_name']} at {url}/v1  (lmforge serve status; key: LMFORGE_API_KEY "
         "or <workspace>/serving/api_key)"

@@ -163,7 +163,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "served_name": served_name,
             "model_dir": str(model_dir),
             "lineage": lineage,
-            "url": record["url"],
+            "url": record["endpoint"],
             "slo": rows,
         },
     }

@@ -109,7 +109,8 @@ def test_the_run_ends_with_a_served_model_that_answers_through_openai(
 
     record, key = served(workspace)
     assert "served:" in first_run.stdout and record["served_name"] in first_run.stdout
-    client = OpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0)
+    assert f"{record['endpoint']}/v1" in first_run.stdout  # the summary names the endpoint, not a server
+    client = OpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0)  # the stable endpoint
     messages = [{"role": "user", "content": "What is 4 + 5?"}]
     reply = client.chat.completions.create(model=record["served_name"], messages=messages, max_tokens=48, temperature=0)
     answer = reply.choices[0].message.content
@@ -144,7 +145,7 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
     from openai import APIConnectionError, APIStatusError, AsyncOpenAI
 
     record, key = served(workspace)
-    chat, name = f"{record['url']}/v1/chat/completions", record["served_name"]
+    chat, name = f"{record['endpoint']}/v1/chat/completions", record["served_name"]
 
     def body(**fields) -> bytes:
         return json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
@@ -167,14 +168,14 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
     from serving.release import UNGUARDED_BY_VLLM  # paths vLLM's own key check leaves open
 
     for method, path in UNGUARDED_BY_VLLM:
-        url = f"{record['url']}{path}"
+        url = f"{record['endpoint']}{path}"
         status = raw_post(url, b"{}", None) if method == "POST" else raw_get(url)
         assert status == 401, (method, path, status)
-    assert raw_get(f"{record['url']}/health") == 200
+    assert raw_get(f"{record['endpoint']}/health") == 200
 
     async def load(clients: int = 64, seconds: float = 20.0) -> tuple[int, list[str]]:
         done, failures = 0, []
-        async with AsyncOpenAI(base_url=f"{record['url']}/v1", api_key=key, max_retries=0, timeout=120) as client:
+        async with AsyncOpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0, timeout=120) as client:
             deadline = time.perf_counter() + seconds
 
             async def user(k: int) -> None:
@@ -217,7 +218,7 @@ def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
         while not stop.is_set():
             answers.append(
                 request(
-                    f"{before['url']}/v1/completions",
+                    f"{before['endpoint']}/v1/completions",  # through the front, as a client would
                     key,
                     {"model": before["served_name"], "prompt": "a", "max_tokens": 1},
                 )[0]
@@ -267,11 +268,12 @@ def test_a_rotated_key_is_in_force_after_serve_start(first_run: subprocess.Compl
     assert "key_fingerprint changed" in started.stderr and old_key not in started.stdout + started.stderr
     after, key = served(workspace)
     assert key == new_key and after["pid_file"] != before["pid_file"] and after["served_name"] == before["served_name"]
+    assert after["endpoint"] == before["endpoint"]  # the port clients know did not change
     body = json.dumps(
         {"model": after["served_name"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ).encode()
-    assert raw_post(f"{after['url']}/v1/chat/completions", body, old_key) == 401
-    assert raw_post(f"{after['url']}/v1/chat/completions", body, new_key) == 200
+    assert raw_post(f"{after['endpoint']}/v1/chat/completions", body, old_key) == 401
+    assert raw_post(f"{after['endpoint']}/v1/chat/completions", body, new_key) == 200
     try:  # the old server is gone
         old_answers = before["url"] != after["url"] and raw_get(before["url"] + "/health") == 200
     except OSError:
