@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lmforge import launcher
+from lmforge import devices, launcher
 from lmforge.entry import EXIT_RECORD, STARTED_MARK
 from lmforge.errors import (
     PROGRAMMING_ERRORS,
@@ -216,6 +216,9 @@ def run_entry(
         {"command": command, "launcher": launch.launcher, "world_size": launch.world_size, "policy": policy.name},
     )
     name = what or policy.what
+    env, placement = devices.launch_env(env)  # GPUs a served model holds are left out
+    if placement:
+        (logger or logging.getLogger(module)).info("%s", placement)
     returncode, tail = launcher.run(
         command,
         logger or logging.getLogger(module),

@@ -278,7 +278,12 @@ class TemporaryServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         template = plain_chat_template(model_dir, work_dir / "chat_template.plain.jinja")
         command = server_command(model_dir, cfg, port=self.port, served_name=served_name, chat_template=template)
-        self.service = Service(command, log, env=server_env(cfg, self.api_key), noise=NOISE, tail_lines=200)
+        from lmforge.devices import launch_env
+
+        env, placement = launch_env(server_env(cfg, self.api_key))  # not on the GPUs a served model holds
+        if placement:
+            log.info("%s", placement)
+        self.service = Service(command, log, env=env, noise=NOISE, tail_lines=200)
         try:
             self.startup_s = wait_ready(
                 self.base_url,

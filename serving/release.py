@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge import devices
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
 from lmforge.launch import free_port
@@ -207,8 +208,9 @@ def start(
     *,
     port: int | None = None,
     lineage: dict[str, Any] | None = None,
+    gpus: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Start a detached server for `model_dir` and wait until it is ready; returns its record.
+    """Start a detached server for `model_dir` on `gpus` and wait until it is ready; returns its record.
 
     With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
@@ -232,17 +234,23 @@ def start(
         "pid_file": str(directory / "server.pid"),
         "log_file": str(directory / "server.log"),
         "key_fingerprint": fingerprint(key),
+        "gpus": list(gpus or []),
         "settings": settings(cfg, workspace),
         "lineage": lineage or {},
     }
+    env = server_env(cfg.engine, required)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     pid = start_detached(
         command,
         Path(record["log_file"]),
         Path(record["pid_file"]),
-        env=server_env(cfg.engine, required),
+        env=env,
         meta={"served_name": served_name},
         inherit=cfg.inherit_env,
     )
+    # held until it stops (or dies): launches and other servers are placed on the other GPUs
+    devices.hold(record["pid_file"], list(gpus or []), pid, f"served model {served_name}")
     log.info(
         "starting vLLM for %s as %s on %s (pid %d, log %s)",
         model_dir,
@@ -265,6 +273,7 @@ def start(
         )
     except BaseException:
         stop_detached(Path(record["pid_file"]))
+        devices.release(record["pid_file"])
         raise
     record["pid"], record["started_at"] = pid, time.time()
     return record
@@ -348,6 +357,7 @@ def promote(workspace: str | Path, record: dict[str, Any], cfg: ServeConfig | No
     if old and old["pid_file"] != record["pid_file"]:
         if stop_detached(Path(old["pid_file"])):
             log.info("stopped the previous server %s (%s)", old["served_name"], old["url"])
+        devices.release(old["pid_file"])
     log.info("serving %s at %s (key %s)", record["served_name"], record["endpoint"], record["key_fingerprint"])
     return old
 
@@ -369,6 +379,27 @@ def start_and_promote(
         return _start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
 
 
+def placement(usable: list[str], current: list[str], needed: int) -> tuple[str, list[str]]:
+    """Where a candidate server goes: ("cpu", []) on a host without GPUs; ("beside", devices) when enough
+    usable GPUs are free of the current server, so both run at once; ("replace", devices) when there is
+    room for one only: the current server is stopped first and started again if the candidate fails.
+
+    `usable`: the GPUs no other holder has (`lmforge.devices`); `current`: those the current server holds.
+    """
+    if not usable and not current:
+        return "cpu", []
+    spare = [g for g in usable if g not in current]
+    if len(spare) >= needed:
+        return "beside", spare[:needed]
+    pool = [*current, *spare]
+    if len(pool) >= needed:
+        return "replace", pool[:needed]
+    raise ServerFailed(
+        f"the server needs {needed} GPU(s) (serve.engine.tensor_parallel_size) and this host has {len(pool)} "
+        "not held by another service"
+    )
+
+
 def _start_and_promote(
     model_dir: Path,
     served_name: str,
@@ -379,19 +410,39 @@ def _start_and_promote(
     check: Any,
 ) -> dict[str, Any]:
     old = current(workspace)
-    port = cfg.port if not (old and alive(old)) else None
+    running = bool(old) and alive(old)
+    mine = old.get("gpus", []) if old and running else []
+    usable = devices.free(exclude=old["pid_file"] if old else None)
     try:
-        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage)
+        strategy, gpus = placement(usable, mine, cfg.engine.tensor_parallel_size)
     except ServerFailed as exc:
-        keeps = f"; {old['served_name']} keeps serving at {old['url']}" if old and alive(old) else ""
-        raise SmokeFailed(f"{served_name} not promoted: {exc}{keeps}") from None
+        raise SmokeFailed(f"{served_name} not promoted: {exc}") from None
+    if strategy == "replace" and running:
+        assert old is not None
+        log.warning(
+            "no room for two servers on GPU %s: stopping %s before starting %s (it is started again if %s fails)",
+            ",".join(gpus),
+            old["served_name"],
+            served_name,
+            served_name,
+        )
+        stop_detached(Path(old["pid_file"]))
+        devices.release(old["pid_file"])
+    port = cfg.port if not running else None
+    try:
+        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage, gpus=gpus)
+    except ServerFailed as exc:
+        raise SmokeFailed(
+            f"{served_name} not promoted: {exc}{_fallback(old, running, strategy, cfg, workspace)}"
+        ) from None
     try:
         record["smoke"] = smoke_test(record, cfg, workspace)
         if check is not None:
             check(record)
     except BaseException as exc:
         stop_detached(Path(record["pid_file"]))
-        keeps = f"; {old['served_name']} keeps serving at {old['url']}" if old and alive(old) else ""
+        devices.release(record["pid_file"])
+        keeps = _fallback(old, running, strategy, cfg, workspace)
         if isinstance(exc, (ServerFailed, SmokeFailed)):
             raise SmokeFailed(f"{served_name} not promoted: {exc}{keeps}") from None
         if keeps:
@@ -401,10 +452,32 @@ def _start_and_promote(
     return record
 
 
+def _fallback(
+    old: dict[str, Any] | None, was_running: bool, strategy: str, cfg: ServeConfig, workspace: str | Path
+) -> str:
+    """After a failed candidate: what keeps serving. A server stopped to make room is started again
+    (health-checked and smoke-tested) on its devices; the front still points at it."""
+    if not old or not was_running:
+        return ""
+    if strategy != "replace":
+        return f"; {old['served_name']} keeps serving at {old.get('endpoint', old['url'])}" if alive(old) else ""
+    try:
+        again = start(
+            Path(old["model_dir"]), old["served_name"], cfg, workspace, lineage=old.get("lineage"), gpus=old.get("gpus")
+        )
+        again["smoke"] = smoke_test(again, cfg, workspace)
+    except Exception as exc:  # noqa: BLE001 - reported in the one line, with the candidate's failure
+        return f"; {old['served_name']}, stopped to make room, did not start again either ({str(exc)[:200]})"
+    promote(workspace, again, cfg)
+    return f"; {old['served_name']} was started again and serves at {again['endpoint']}"
+
+
 def stop(workspace: str | Path) -> bool:
     """Stop the served model and its front; False when neither was running."""
     record = current(workspace)
     stopped = bool(record) and stop_detached(Path(record["pid_file"]))  # type: ignore[index]
+    if record:
+        devices.release(record["pid_file"])
     return stop_detached(front_dir(workspace) / "front.pid", wait_s=10) or stopped
 
 
