@@ -218,6 +218,10 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
     return 0
 
 
+_terminated = False  # a SIGTERM arrived: the run ends with 143 and one line, however it unwinds
+STOPPED = "launched processes were stopped, completed work and checkpoints are kept (the next run resumes from them)"
+
+
 def _stop_launched_on_signals() -> None:
     """Ctrl-C and SIGTERM stop every launched command (and wait until it is gone) before the run ends.
 
@@ -243,8 +247,10 @@ def _stop_launched_on_signals() -> None:
         raise SystemExit(128 + signum)
 
     def take_sigterm() -> None:
+        global _terminated
         while True:
             signal.sigwait({signal.SIGTERM})
+            _terminated = True
             launcher.stop_all()
             _thread.interrupt_main(signal.SIGTERM)
 
@@ -352,8 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if _terminated:
+            print(f"terminated (SIGTERM); {STOPPED}", file=sys.stderr)
+            return 143
         print("interrupted; completed work is kept and the next run resumes from it", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        if _terminated and exc.code == 143:
+            print(f"terminated (SIGTERM); {STOPPED}", file=sys.stderr)
+        raise
     except Exception as exc:  # noqa: BLE001 - one line for the user; LMFORGE_DEBUG=1 shows the traceback
         if os.environ.get("LMFORGE_DEBUG"):
             raise
@@ -366,11 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         if type(exc).__name__ != "TerminationSignal":  # Prefect's: the run was cancelled from the UI or API
             raise
-        print(
-            "cancelled; launched processes were stopped, completed work and checkpoints are kept "
-            "(the next run resumes from them)",
-            file=sys.stderr,
-        )
+        if _terminated:  # Prefect turned our SIGTERM into its termination of the flow run
+            print(f"terminated (SIGTERM); {STOPPED}", file=sys.stderr)
+            return 143
+        print(f"cancelled; {STOPPED}", file=sys.stderr)
         return 130
 
 
