@@ -331,3 +331,37 @@ def test_a_config_error_found_mid_run_is_one_line_without_traceback(tmp_path: Pa
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
     assert errors == ["config error: curate.quality_classifier.reference: no reference documents to train on"]
+
+
+def test_a_served_model_whose_supervisor_is_sigkilled_leaves_nothing_running(
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
+    """Before: vLLM kept answering with ppid 1, `serve status` said NOT RUNNING and `serve stop` deleted the
+    pid file. Now the server gets SIGTERM when its supervisor dies; what would ignore it, status names and
+    stop ends. (Last in this module: the served model is gone afterwards.)"""
+    import os
+    import signal
+
+    import psutil
+
+    from lmforge.launcher import read_pid_file
+
+    record, _ = served(workspace)
+    supervisor = read_pid_file(Path(record["pid_file"]))["pid"]  # type: ignore[index]
+    tree = [p.pid for p in psutil.Process(supervisor).children(recursive=True)]
+    assert tree, "the served model has no processes under its supervisor"
+    os.kill(supervisor, signal.SIGKILL)
+
+    def living() -> list[int]:
+        return [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.time() + 10
+    while living() and time.time() < deadline:
+        time.sleep(0.2)
+    status = lmforge("serve", "status", "--workspace", str(workspace))
+    if living():  # something ignored the parent-death signal: status must name it, stop must end it
+        assert "UNSUPERVISED" in status.stdout and all(str(p) in status.stdout for p in living()), status.stdout
+        assert lmforge("serve", "stop", "--workspace", str(workspace)).returncode == 0
+    else:
+        assert "NOT RUNNING" in status.stdout, status.stdout
+    assert not living()
