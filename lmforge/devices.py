@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DeterministicError
+from lmforge.supervise import pid_alive
 
 
 class NoFreeGpu(DeterministicError):
@@ -43,16 +44,6 @@ def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
     return sorted((m.group(1) for n in nodes if (m := re.fullmatch(r"nvidia(\d+)", n))), key=int)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 @contextlib.contextmanager
 def _locked() -> Iterator[dict[str, Any]]:
     path = _file()
@@ -63,7 +54,7 @@ def _locked() -> Iterator[dict[str, Any]]:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             state = {}
-        state = {k: v for k, v in state.items() if _alive(int(v.get("pid", 0)))}  # holders that died free theirs
+        state = {k: v for k, v in state.items() if int(v.get("pid", 0)) > 0 and pid_alive(int(v["pid"]))}  # dead: freed
         yield state
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(state, indent=1))

@@ -58,26 +58,30 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def session_members(session: int) -> list[int]:
-    """Live processes of session `session`: a supervisor started with its own session keeps every
-    process it started in it (the command is only put in a group of its own), so this finds them
-    all after the supervisor itself is gone (Linux keeps a session id from reuse while it has members)."""
+def _processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, session id) of every process, read from /proc ([] without it)."""
     found = []
     try:
         names = os.listdir("/proc")
     except OSError:
         return []
     for name in names:
-        if not name.isdigit() or int(name) == session:
+        if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as handle:
                 fields = handle.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[3]) == session:
-            found.append(int(name))
+        found.append((int(name), fields[0], int(fields[1]), int(fields[3])))
     return found
+
+
+def session_members(session: int) -> list[int]:
+    """Live processes of session `session`: a supervisor started with its own session keeps every
+    process it started in it (the command is only put in a group of its own), so this finds them
+    all after the supervisor itself is gone (Linux keeps a session id from reuse while it has members)."""
+    return [pid for pid, state, _, sid in _processes() if sid == session and pid != session and state != "Z"]
 
 
 def stop_session(session: int, grace: float = 10.0) -> list[int]:
@@ -97,7 +101,7 @@ def stop_session(session: int, grace: float = 10.0) -> list[int]:
     return members
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
@@ -110,20 +114,9 @@ def _alive(pid: int) -> bool:
 def _descendants(root: int | None = None) -> list[int]:
     """Living descendants of `root` (default: us; as subreaper, orphans of the tree are re-parented to us)."""
     children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
+    for pid, state, parent, _ in _processes():
+        if state != "Z":
+            children.setdefault(parent, []).append(pid)
     found, todo = [], list(children.get(os.getpid() if root is None else root, []))
     while todo:
         pid = todo.pop()
@@ -224,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     while child.poll() is None:
         if _stop_requested:
             reason = "stopped"
-        elif args.watch and (not _alive(args.watch) or (args.watch == launcher and os.getppid() != launcher)):
+        elif args.watch and (not pid_alive(args.watch) or (args.watch == launcher and os.getppid() != launcher)):
             reason = f"process {args.watch} that launched it is gone"
         elif args.deadline and time.time() > args.deadline:
             reason = "time limit reached"
