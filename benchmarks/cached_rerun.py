@@ -5,9 +5,12 @@
     .venv/bin/python benchmarks/cached_rerun.py --with-server         # also with `lmforge prefect start` running
 
 Every step of a cached rerun is a cache hit: what is left is lmforge's own overhead (imports,
-keys, verifying outputs, the Prefect API, artifacts, the serving stage's check of the running
-server). `--local` does the same planning and verification without Prefect, so it is the floor
-the Prefect run is compared with.
+keys and code identities, verifying outputs, the serving stage's check of the running server).
+`--local` does the same planning and verification without Prefect, so it is the floor the
+plain run is compared with. With no Prefect server running, a plain `lmforge run` whose every
+step is reusable starts no temporary server (it would record runs nobody can browse); with
+`--with-server`, the same rerun is also measured as a recorded Prefect run (flows, task runs,
+artifacts) on a managed server.
 
 The workspace is populated first when it holds no complete run (one full `lmforge run`: about
 15-25 minutes on 2 cores; the served model stays running afterwards, as after `lmforge run`). Each
@@ -89,6 +92,8 @@ def measure(modes: list[str], args: argparse.Namespace, env: dict[str, str]) -> 
                     f"{mode}: {computed} of {steps} steps were computed: not a cached rerun (did the "
                     "workspace, the config or the code change during the benchmark?)"
                 )
+            if mode == "prefect" and "no Prefect run was needed" not in stdout and not args.with_server_now:
+                sys.exit("a plain `lmforge run` went through Prefect although every step was a cache hit")
             times[mode].append(seconds)
             print(f"  {repeat}/{args.repeats}  {mode:8} {seconds:6.2f} s  ({steps} steps, all cache hits)", flush=True)
     return times
@@ -117,8 +122,10 @@ def main() -> None:
     if not populated(Path(args.workspace)):
         populate(args, env)
 
+    args.with_server_now = False
     times = measure(["prefect", "local"], args, env)
     if args.with_server:
+        args.with_server_now = True
         print("starting a managed Prefect server (lmforge prefect start) ...", flush=True)
         subprocess.run(lmforge("prefect", "start"), cwd=ROOT, env=env, check=True, capture_output=True)
         try:
@@ -127,7 +134,11 @@ def main() -> None:
             subprocess.run(lmforge("prefect", "stop"), cwd=ROOT, env=env, capture_output=True)
 
     print(f"\ncached rerun of {args.workspace} ({os.cpu_count()} CPUs), median of {args.repeats}:")
-    labels = {"prefect": "lmforge run", "local": "lmforge run --local", "server": "lmforge run, server running"}
+    labels = {
+        "prefect": "lmforge run",
+        "local": "lmforge run --local",
+        "server": "lmforge run, server running",
+    }
     medians = {mode: statistics.median(values) for mode, values in times.items()}
     for mode, median in medians.items():
         print(f"  {labels[mode]:30} {median:6.2f} s   (min {min(times[mode]):.2f}, max {max(times[mode]):.2f})")
