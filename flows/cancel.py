@@ -111,6 +111,7 @@ def _hand_over_to_engine() -> None:
         control_listener._set_intent("cancel")
     except (ImportError, AttributeError):
         pass
+    launcher.mark_cancelling()  # this SIGTERM carries a cancellation, not a termination from outside
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -250,7 +250,7 @@ def _stop_launched_on_signals() -> None:
         global _terminated
         while True:
             signal.sigwait({signal.SIGTERM})
-            _terminated = True
+            _terminated = not launcher.cancelling()  # else: our own hand-over of a cancellation
             launcher.stop_all()
             _thread.interrupt_main(signal.SIGTERM)
 

@@ -249,6 +249,19 @@ def stop_all(grace: float = 20.0) -> int:
     return len(running)
 
 
+_cancelling = threading.Event()
+
+
+def mark_cancelling() -> None:
+    """The SIGTERM this process is about to send itself hands a cancellation from the UI/API to the
+    engine: the CLI reports a cancelled run (130), not a terminated one (143)."""
+    _cancelling.set()
+
+
+def cancelling() -> bool:
+    return _cancelling.is_set()
+
+
 def running() -> int:
     with _live.lock:
         return len(_live.processes)
