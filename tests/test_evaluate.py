@@ -85,6 +85,7 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
     """A fake model answers HumanEval with correct code and with code that attacks the machine;
     lm-eval runs the task to the end and only the correct answers score."""
     import lm_eval
+    import lm_eval.models  # noqa: F401 - fill lm-eval's lazy model registry first: registering into an empty one hides "dummy"
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.tasks import TaskManager
@@ -382,6 +383,7 @@ def test_model_code_runs_only_in_the_sandbox_unless_a_task_is_named(tmp_path: Pa
     the evaluation process itself. lm-eval refuses an unsafe task unless told: lmforge tells it only for
     its own sandboxed task, or for a task `evaluate.allow_unsafe_code` names."""
     import lm_eval
+    import lm_eval.models  # noqa: F401 - the stock models (dummy), whatever another test registered before
     from lm_eval.tasks import TaskManager
 
     from evaluation.build import build
