@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -59,17 +60,11 @@ class _Watcher:
         with self.lock:
             self.ids.discard(flow_run_id)
 
-    def _cancelling(self) -> bool:
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
+    def _cancelling(self) -> list[uuid.UUID]:
+        """The watched runs being cancelled."""
         with self.lock:
             ids = list(self.ids)
-        if not ids:
-            return False
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
-        return any(run.state is not None and run.state.is_cancelling() for run in runs)
+        return _being_cancelled(ids) if ids else []
 
     def _loop(self) -> None:
         stop = threading.Event()
@@ -87,11 +82,44 @@ class _Watcher:
                 self.fired = True
                 log.warning("flow run is being cancelled: stopping launched commands")
                 launcher.stop_all()
+                atexit.register(_settle_within, cancelling, 5.0)
                 _hand_over_to_engine()
                 return
 
 
 _watcher = _Watcher()
+
+
+def _being_cancelled(ids: list[uuid.UUID]) -> list[uuid.UUID]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+    return [run.id for run in runs if run.state is not None and run.state.is_cancelling()]
+
+
+def _settle_within(ids: list[uuid.UUID], seconds: float) -> None:
+    """`_settle`, given at most `seconds` (a temporary API server may already be gone, and the client retries)."""
+    thread = threading.Thread(target=_settle, args=(ids,), name="lmforge-cancel-settle", daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+def _settle(ids: list[uuid.UUID]) -> None:
+    """At exit: a run the engine left "Cancelling" (it unwinds the innermost flow first, and the process can
+    end before the state of the run the user cancelled is written) is marked Cancelled, as a runner marks
+    the runs it killed."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    try:
+        left = _being_cancelled(ids)
+        with get_client(sync_client=True) as client:
+            for run_id in left:
+                client.set_flow_run_state(run_id, Cancelled(message="cancelled; launched processes were stopped"))
+    except Exception as exc:  # noqa: BLE001 - the API may be gone with a temporary server; nothing to settle then
+        log.debug("settling cancelled runs: %s", exc)
 
 
 def _hand_over_to_engine() -> None:
