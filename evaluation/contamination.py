@@ -3,55 +3,50 @@
 Every training source the lineage used (curated pretraining documents of the training split,
 SFT data, DPO data) gets a hashed word n-gram index, built once as a cached step and reused by
 every evaluation. Each item of every configured task (its prompt and reference answer) is then
-checked against each index:
+checked against each index with the rule of `lmforge.textmatch`, which curation's
+decontamination applies too:
 
-- text is normalised (lowercase, every run of non-alphanumerics a single space; digits kept,
-  since "3 + 5" and "4 + 6" are different questions) by `lmforge.textkeys`, which curation's
-  decontamination uses too;
-- items of at least `ngram` words are checked with `ngram`-grams (13 by default), shorter ones
-  with `short_ngram`-grams (8); an item is contaminated when at least `min_coverage` of its
-  n-grams occur in the source -- a ratio, so one shared phrase in a long item does not count;
-- items shorter than `short_ngram` words are checked whole: contaminated only if a training
-  record has exactly the same normalised text;
-- a hit is then verified exactly: the training document that holds most of the item's n-grams is
-  read back and the item's word n-grams are intersected with its own (strings, not hashes), which
-  gives the overlap ratio and the matching span recorded for the item.
+- the **exact** path (items of at least `ngram` words, 13 by default): at least `min_coverage` of
+  the item's n-grams occur in the source -- a ratio, so one shared phrase in a long item does not
+  count -- verified on the document holding most of them;
+- the **fuzzy** path (items of at least `fuzzy_ngram` words, 5): documents sharing a tenth of the
+  item's `fuzzy_ngram`-grams are candidates (n-grams held by more than `COMMON` documents say
+  nothing and are skipped), and the item is contaminated when its best-aligned window of one of
+  them is at least `min_similarity` similar token by token -- an item with three words of a
+  short prompt changed has no intact 13-gram left, and is found here;
+- shorter items are checked whole: contaminated only if a training record has exactly the same
+  normalised text.
 
-Hashing is numpy (`lmforge.textkeys`): each distinct word is hashed once (xxh64) and n-gram keys
-are formed with position-dependent odd multipliers, so no Python object is made per n-gram. An
-index is two sorted arrays (n-gram key, document number): 12 bytes per (document, distinct n-gram).
-`benchmarks/contamination.py` measures it against a Python set of n-gram strings.
+Each finding records the path that fired, the overlap and similarity, the training document and
+the span. Hashing is numpy (`lmforge.textkeys`): an index is two sorted arrays per n-gram size (key,
+document number), 12 bytes per (document, distinct n-gram). `benchmarks/contamination.py` measures
+it against a Python set of n-gram strings.
 
 Why by hand: lm-eval's decontamination is a stub for this use (it needs pre-built 13-gram
-files of The Pile), and no maintained library indexes a lineage's sources this way.
+files of The Pile), and no maintained library indexes a lineage's sources this way; the
+similarity is rapidfuzz's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lmforge.textkeys import gram_keys, whole_key, words
+from lmforge.textmatch import CANDIDATE_SHARE, MAX_CANDIDATES, Rule, decide
 
-
-@dataclass(frozen=True)
-class Settings:
-    ngram: int = 13
-    short_ngram: int = 8
-    min_coverage: float = 0.3
+COMMON = 1000  # a fuzzy n-gram held by more documents than this says nothing about which one holds the item
 
 
 # -- building an index ------------------------------------------------------------------------------
 
 
-def build_index(
-    records: Iterable[tuple[str, str]], out_dir: Path, settings: Settings, chunk: int = 5000
-) -> dict[str, int]:
+def build_index(records: Iterable[tuple[str, str]], out_dir: Path, rule: Rule, chunk: int = 5000) -> dict[str, int]:
     """Index (id, text) records into `out_dir`; returns counts. Memory: the pairs of one n, sorted once.
 
     The texts are kept beside the index (`texts.parquet`), so a hit can be verified without
@@ -64,7 +59,7 @@ def build_index(
     batch: list[str] = []
     out_dir.mkdir(parents=True, exist_ok=True)
     whole: list[int] = []
-    pairs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {settings.ngram: [], settings.short_ngram: []}
+    pairs: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {rule.ngram: [], rule.fuzzy_ngram: []}
     buffers: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {n: ([], []) for n in pairs}
     cache: dict[str, int] = {}
     for number, (record_id, text) in enumerate(records):
@@ -117,11 +112,9 @@ def _write_texts(writer, out_dir: Path, batch: list[str]):  # type: ignore[no-un
 class Index:
     """A built index, memory-mapped."""
 
-    def __init__(self, directory: Path, settings: Settings):
-        self.directory, self.settings = directory, settings
-        self.keys = {
-            n: np.load(directory / f"keys_{n}.npy", mmap_mode="r") for n in (settings.ngram, settings.short_ngram)
-        }
+    def __init__(self, directory: Path, rule: Rule):
+        self.directory, self.rule = directory, rule
+        self.keys = {n: np.load(directory / f"keys_{n}.npy", mmap_mode="r") for n in (rule.ngram, rule.fuzzy_ngram)}
         self.docs = {n: np.load(directory / f"docs_{n}.npy", mmap_mode="r") for n in self.keys}
         whole = np.load(directory / "whole.npy")
         self.whole = {int(k): i for i, k in enumerate(whole)}
@@ -145,72 +138,90 @@ class Index:
         holders = [owners[a : min(b, a + 50)] for a, b in zip(left[found], right[found])]
         return found, np.concatenate(holders) if holders else np.zeros(0, np.int32)
 
+    def candidates(self, tokens: list[str]) -> list[int]:
+        """Documents sharing at least CANDIDATE_SHARE of the item's distinct fuzzy n-grams, those sharing most first."""
+        n = self.rule.fuzzy_ngram
+        keys = np.unique(gram_keys(tokens, n))
+        table, owners = self.keys[n], self.docs[n]
+        left = np.searchsorted(table, keys, side="left")
+        right = np.searchsorted(table, keys, side="right")
+        rare = (right > left) & (right - left <= COMMON)
+        holders = [owners[a:b] for a, b in zip(left[rare], right[rare])]
+        if not holders:
+            return []
+        docs, shared = np.unique(np.concatenate(holders), return_counts=True)
+        enough = shared >= max(1, int(np.ceil(CANDIDATE_SHARE * len(keys))))
+        order = np.argsort(-shared[enough], kind="stable")[:MAX_CANDIDATES]
+        return [int(d) for d in docs[enough][order]]
+
 
 # -- checking items ---------------------------------------------------------------------------------
 
 
-def exact_overlap(item: list[str], doc: list[str], n: int) -> tuple[float, str]:
-    """(share of the item's word n-grams that occur in the document, the item span they cover)."""
-    if len(item) < n:
-        return (1.0, " ".join(item)) if " ".join(item) in " ".join(doc) else (0.0, "")
-    doc_grams = {tuple(doc[i : i + n]) for i in range(len(doc) - n + 1)}
-    hits = [i for i in range(len(item) - n + 1) if tuple(item[i : i + n]) in doc_grams]
-    total = len(item) - n + 1
-    if not hits:
-        return 0.0, ""
-    return len(hits) / total, " ".join(item[hits[0] : hits[-1] + n])
+def check_item(tokens: list[str], index: Index, fuzzy: bool = True) -> dict[str, Any]:
+    """The verified match of one item against one source (contaminated or not), by `lmforge.textmatch`'s rule.
 
-
-def check_item(tokens: list[str], index: Index) -> dict[str, Any]:
-    """The verified match of one item against one source (contaminated or not)."""
-    s = index.settings
-    if len(tokens) < s.short_ngram:
+    `fuzzy=False` applies the exact path alone (what the benchmark compares with)."""
+    rule = index.rule if fuzzy else replace(index.rule, min_similarity=float("inf"))
+    if len(tokens) < rule.fuzzy_ngram:
         hit = index.whole.get(whole_key(tokens))
-        if hit is None:
-            return {"contaminated": False, "overlap": 0.0, "checked_by": "whole-text"}
-        return {
-            "contaminated": True,
-            "overlap": 1.0,
-            "checked_by": "whole-text",
-            "train_doc_id": index.ids[hit],
-            "span": " ".join(tokens),
-        }
-    n = s.ngram if len(tokens) >= s.ngram else s.short_ngram
-    keys = gram_keys(tokens, n)
-    found, holders = index.lookup(keys, n)
-    coverage = float(found.mean()) if len(found) else 0.0
-    if coverage < s.min_coverage or not len(holders):
-        return {"contaminated": False, "overlap": round(coverage, 4), "checked_by": f"{n}-gram"}
-    best = int(np.bincount(holders).argmax())
-    overlap, span = exact_overlap(tokens, words(index.text(best)), n)
-    return {
-        "contaminated": overlap >= s.min_coverage,
-        "overlap": round(overlap, 4),
-        "checked_by": f"{n}-gram",
-        "train_doc_id": index.ids[best],
-        "span": span[:500],
-    }
+        found = {"contaminated": hit is not None, "path": "whole-text", "overlap": float(hit is not None)}
+        found["similarity"] = found["overlap"]
+        return found | ({"train_doc_id": index.ids[hit], "span": " ".join(tokens)} if hit is not None else {})
+    candidates = index.candidates(tokens) if fuzzy else []
+    coverage = 0.0
+    if len(tokens) >= rule.ngram:  # the exact path: the document holding most of the item's n-grams
+        found_keys, holders = index.lookup(gram_keys(tokens, rule.ngram), rule.ngram)
+        coverage = float(found_keys.mean()) if len(found_keys) else 0.0
+        if coverage >= rule.min_coverage and len(holders):
+            candidates = [int(np.bincount(holders).argmax()), *candidates]
+    best: dict[str, Any] = {"contained": False, "path": rule.path_for(tokens), "overlap": 0.0, "similarity": 0.0}
+    for number in dict.fromkeys(candidates):
+        verdict = decide(tokens, words(index.text(number)), rule) | {"train_doc_id": index.ids[number]}
+        if _rank(verdict) > _rank(best):
+            best = verdict
+    contained = best.pop("contained")
+    best["span"] = str(best.get("span") or "")[:500]
+    return {"contaminated": contained, **best, "overlap": best["overlap"] or round(coverage, 4)}
 
 
-def check_tasks(items: dict[str, list[dict[str, str]]], indexes: dict[str, Index]) -> Iterator[dict[str, Any]]:
-    """One record per item of every task: the worst verified match over all sources."""
+def _rank(verdict: dict[str, Any]) -> tuple[bool, bool, float, float]:
+    """Contained first, by the exact path before the fuzzy one, then the closest."""
+    return (
+        verdict["contained"],
+        verdict["contained"] and verdict["path"] == "exact",
+        verdict["similarity"] or 0.0,
+        verdict["overlap"],
+    )
+
+
+def check_tasks(
+    items: dict[str, list[dict[str, str]]], indexes: dict[str, Index], rule: Rule
+) -> Iterator[dict[str, Any]]:
+    """One record per item of every task: the worst verified match over all sources, with the rule that decided."""
+    described = rule.describe()
     for task, task_items in items.items():
         for item in task_items:
             tokens = words(item["text"])
             matches = {source: check_item(tokens, index) for source, index in indexes.items()}
             flagged = {s: m for s, m in matches.items() if m["contaminated"]}
             worst_source = (
-                max(matches, key=lambda s: (matches[s]["contaminated"], matches[s]["overlap"])) if matches else None
+                max(matches, key=lambda s: (matches[s]["contaminated"], matches[s]["similarity"] or 0.0))
+                if matches
+                else None
             )
             worst = matches.get(worst_source, {}) if worst_source else {}
             yield {
                 "task": task,
                 "doc_id": item["id"],
                 "contaminated": bool(flagged),
+                "path": worst.get("path") if flagged else None,
                 "overlap": worst.get("overlap", 0.0),
+                "similarity": worst.get("similarity", 0.0),
                 "source": worst_source if flagged else None,
                 "train_doc_id": worst.get("train_doc_id") if flagged else None,
                 "span": worst.get("span") if flagged else None,
                 "sources": sorted(flagged),
-                "checked_by": worst.get("checked_by"),
+                "checked_by": rule.path_for(tokens),
+                "rule": described,
             }

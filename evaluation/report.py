@@ -116,6 +116,7 @@ def card(
     deltas: list[dict[str, Any]],
     agreement: list[dict[str, Any]],
     contamination_summary: list[dict[str, Any]],
+    flagged: list[dict[str, Any]] | None = None,
 ) -> str:
     lines = [
         "# lmforge evaluation",
@@ -161,11 +162,29 @@ def card(
             "",
             "## Contamination",
             "",
-            "| task | items | contaminated | share | worst source |",
-            "|---|---|---|---|---|",
+            f"Rule (curation's decontamination applies the same): {contamination_summary[0].get('rule', '-')}.",
+            "",
+            "| task | items | contaminated | by path | share | worst source |",
+            "|---|---|---|---|---|---|",
         ]
         for c in contamination_summary:
+            paths = ", ".join(f"{p} {n}" for p, n in c.get("by_path", {}).items()) or "-"
             lines.append(
-                f"| {c['task']} | {c['items']} | {c['contaminated']} | {c['share']:.1%} | {c['worst_source'] or '-'} |"
+                f"| {c['task']} | {c['items']} | {c['contaminated']} | {paths} | {c['share']:.1%} | "
+                f"{c['worst_source'] or '-'} |"
+            )
+    if flagged:
+        lines += [
+            "",
+            "### Flagged items",
+            "",
+            "| task | item | path | n-gram overlap | similarity | source | training document | span |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in flagged:
+            span = str(r.get("span") or "")[:80].replace("|", "\\|")
+            lines.append(
+                f"| {r['task']} | {r['doc_id']} | {r.get('path') or '-'} | {r['overlap']:.2f} | "
+                f"{r.get('similarity') or 0.0:.2f} | {r['source']} | {r['train_doc_id']} | {span} |"
             )
     return "\n".join(lines) + "\n"

@@ -185,22 +185,24 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
             )
 
 
-INDEX_READS = ("evaluate.contamination.ngram", "evaluate.contamination.short_ngram")
+INDEX_READS = ("evaluate.contamination.ngram", "evaluate.contamination.fuzzy_ngram")
 
 
-def _settings(config: ConfigView, for_index: bool = False):  # type: ignore[no-untyped-def]
-    """The n-gram settings; an index is built by n-gram sizes alone (coverage is a query-time rule)."""
-    from evaluation.contamination import Settings
+def _rule(config: ConfigView, for_index: bool = False):  # type: ignore[no-untyped-def]
+    """The contamination rule; an index is built by n-gram sizes alone (the thresholds apply at query time)."""
+    from lmforge.textmatch import Rule
 
     c = config.evaluate.contamination
-    return Settings(c.ngram, c.short_ngram) if for_index else Settings(c.ngram, c.short_ngram, c.min_coverage)
+    if for_index:
+        return Rule(c.ngram, c.fuzzy_ngram)
+    return Rule(c.ngram, c.fuzzy_ngram, c.min_coverage, c.min_similarity)
 
 
 def _index_step(source: str) -> Step:
     def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         from evaluation.contamination import build_index
 
-        counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _settings(ctx.config, for_index=True))
+        counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _rule(ctx.config, for_index=True))
         return {"counts": counts}
 
     wanted = {"documents": (DOCUMENTS, TOKEN_SHARDS), "sft": (CHAT_DATA,), "dpo": (PREFERENCE_DATA,)}[source]
@@ -213,7 +215,7 @@ def _index_step(source: str) -> Step:
         finalize=finalize,
         provides={INDEXES[source]: "index"},
         when=lambda c: all(_graph().has(p, c) for p in wanted),
-        code=("evaluation.contamination", "lmforge.textkeys"),
+        code=("evaluation.contamination", "lmforge.textkeys", "lmforge.textmatch"),
     )
 
 
@@ -231,12 +233,12 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
     tasks = ctx.upstream[TASKS]["extra"]["tasks"]
     items_dir = ctx.upstream_dir(TASKS) / "items"
     items = {t: list(read_jsonl(items_dir / f"{t}.jsonl")) for t in tasks if (items_dir / f"{t}.jsonl").exists()}
-    settings = _settings(ctx.config)
+    rule = _rule(ctx.config)
     indexes = {}
     for source, product in INDEXES.items():
         if ctx.has(product):
-            indexes[source] = Index(ctx.path(product), settings)
-    records = list(check_tasks(items, indexes))
+            indexes[source] = Index(ctx.path(product), rule)
+    records = list(check_tasks(items, indexes, rule))
     write_jsonl(ctx.out_dir / "contamination.jsonl", records)
     summary = []
     for task in items:
@@ -254,15 +256,29 @@ def _contamination_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, An
                 "share": round(len(flagged) / max(len(rows), 1), 4),
                 "by_source": by_source,
                 "worst_source": max(by_source, key=lambda s: by_source[s]) if by_source else None,
-                "worst_items": sorted(flagged, key=lambda r: -r["overlap"])[:5],
+                "by_path": {p: sum(r["path"] == p for r in flagged) for p in sorted({r["path"] for r in flagged})},
+                "worst_items": sorted(flagged, key=lambda r: (-r["overlap"], -(r["similarity"] or 0.0)))[:5],
+                "rule": rule.describe(),
             }
         )
     atomic_write_json(ctx.out_dir / "summary.json", summary)
     gate(ctx.config, summary)
     return {
         "counts": {s["task"]: s["contaminated"] for s in summary},
-        "extra": {"summary": summary, "sources": sorted(indexes)},
+        "extra": {"summary": summary, "sources": sorted(indexes), "rule": rule.describe()},
     }
+
+
+def _contamination_findings(manifest: dict[str, Any]) -> list[str]:
+    """For `lmforge explain`: the rule, and per task what each path flagged."""
+    extra = manifest.get("extra", {})
+    lines = [f"rule: {extra['rule']}"] if extra.get("rule") else []
+    for s in extra.get("summary", []):
+        paths = ", ".join(f"{n} by {p}" for p, n in s.get("by_path", {}).items())
+        lines.append(
+            f"{s['task']}: {s['contaminated']} of {s['items']} items flagged" + (f" ({paths})" if paths else "")
+        )
+    return lines
 
 
 def gate(config: ConfigView, summary: list[dict[str, Any]]) -> None:
@@ -375,7 +391,8 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     deltas = [d for backend, models in per_backend.items() for d in report.comparisons(models, backend)]
     agreement = report.backend_agreement(rows, ctx.config.evaluate.backend_tolerance)
     summary = ctx.upstream[CONTAMINATION]["extra"]["summary"]
-    card = report.card(rows, deltas, agreement, summary)
+    flagged = [r for r in contamination if r["contaminated"]]
+    card = report.card(rows, deltas, agreement, summary, flagged)
     atomic_write_text(ctx.out_dir / "comparison.md", card)
     verdict = {
         "models": sorted({r["model"] for r in rows}),
@@ -432,7 +449,8 @@ EVALUATE_STEPS = [
         reads=("evaluate.contamination",),
         upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]),
         finalize=_contamination_finalize,
-        code=("evaluation.contamination", "lmforge.textkeys"),
+        findings=_contamination_findings,
+        code=("evaluation.contamination", "lmforge.textkeys", "lmforge.textmatch"),
     ),
     *RUN_STEPS,
     Step(

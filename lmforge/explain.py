@@ -93,7 +93,8 @@ def explain(config: PipelineBase, stages: list[str]) -> list[Explanation]:
         if plan.cached:
             manifests[step.name] = plan.manifest  # type: ignore[assignment]
             drifted = [f"{line} (runtime.on_code_drift=warn: reused anyway)" for line in plan.drift]
-            out.append(Explanation(step.name, plan.key, True, ["complete and verified", *drifted]))
+            found = step.findings(plan.manifest) if step.findings and plan.manifest else []
+            out.append(Explanation(step.name, plan.key, True, ["complete and verified", *drifted, *found]))
             continue
         rerun.add(step.name)
         latest = store.latest(step.name)

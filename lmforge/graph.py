@@ -127,6 +127,8 @@ class Step:
     # (done, total) of a running computation, read off its output folder (training steps, tasks
     # evaluated); shown as a progress artifact. Sharded steps report units without it.
     progress: Callable[[StepContext], tuple[float, float] | None] | None = None
+    # what a completed output found, as lines `lmforge explain` prints under the step (from its manifest)
+    findings: Callable[[dict[str, Any]], list[str]] | None = None
 
     def declared_reads(self, config: PipelineBase) -> tuple[str, ...]:
         return tuple(self.reads(config)) if callable(self.reads) else tuple(self.reads)

@@ -6,7 +6,8 @@ flags an item some training source contained (`evaluation.contamination`). Both 
 functions, so a document removed here is exactly one that check would have flagged.
 
 - `words`: lowercase, every run of non-alphanumerics one space; digits kept ("3 + 5" and
-  "4 + 6" are different questions). Not the near-dedup view of `data_prep.textnorm`, which
+  "4 + 6" are different questions), and so is the arithmetic between two numbers, as a word
+  ("6 + 0 = 6" is "6 plus 0 equals 6", not the same words as "6 - 0 = 6"). Not the near-dedup view of `data_prep.textnorm`, which
   folds digits and strips accents to find near-copies of documents.
 - `gram_keys`: each distinct word is hashed once (xxh64) and n-gram keys are formed with
   position-dependent odd multipliers, so no Python object is made per n-gram.
@@ -21,11 +22,14 @@ import numpy as np
 import xxhash
 
 _NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
+_ARITHMETIC = re.compile(r"(?<=\d)\s*([-+*/=])\s*(?=\d)")
+_OPERATOR_WORDS = {"+": " plus ", "-": " minus ", "*": " times ", "/": " over ", "=": " equals "}
 _MULTIPLIERS = np.random.default_rng(20241123).integers(1, 2**63, size=64, dtype=np.uint64) | np.uint64(1)
 
 
 def words(text: str) -> list[str]:
-    return _NON_WORD.sub(" ", text.lower()).split()
+    lowered = _ARITHMETIC.sub(lambda m: _OPERATOR_WORDS[m.group(1)], text.lower())
+    return _NON_WORD.sub(" ", lowered).split()
 
 
 def gram_keys(tokens: list[str], n: int, cache: dict[str, int] | None = None) -> np.ndarray:

@@ -51,6 +51,7 @@ ALL_STEPS = [
 ]
 EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
 QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
+INDEXES = {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo"}
 
 
 def identities(overrides: list[str]) -> dict[str, str]:
@@ -95,11 +96,15 @@ ROWS = [
     ("curate.decontaminate.tasks=[lmforge_humaneval]", {"curate/decontaminate"}),
     ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks", "quantize/gate"}),  # the gate runs evaluate.tasks
     ("evaluate.limit={lmforge_continuation: 5}", EVAL_RUNS | {"quantize/gate"}),  # the gate measures the same way
-    (
+    (  # decontamination applies the same rule (its key; it runs only with curate.decontaminate.tasks)
         "evaluate.contamination.ngram=10",
-        {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo", "evaluate/contamination"},
+        INDEXES | {"evaluate/contamination", "curate/decontaminate"},
     ),
     ("evaluate.contamination.max_fraction=0.5", {"evaluate/contamination", "evaluate/report"}),  # the verdict says it
+    # a query-time rule: the indexes are kept; decontamination applies the same rule
+    ("evaluate.contamination.min_similarity=0.7", {"evaluate/contamination", "curate/decontaminate"}),
+    ("evaluate.contamination.min_coverage=0.5", {"evaluate/contamination", "curate/decontaminate"}),
+    ("evaluate.contamination.fuzzy_ngram=6", INDEXES | {"evaluate/contamination", "curate/decontaminate"}),
     ("quantize.calibration.num_samples=32", {"quantize/calibration"}),
     ("quantize.calibration.smoothing_strength=0.5", {"quantize/w8a8-int8"}),  # SmoothQuant is W8A8's alone
     ("quantize.group_size=64", {"quantize/w4a16"}),

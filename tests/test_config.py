@@ -166,6 +166,20 @@ BAD_CONFIGS = [  # each passed `lmforge config validate` before: (overrides, YAM
 ]
 
 
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("evaluate.contamination.short_ngram=8", "fuzzy_ngram"),  # renamed when the fuzzy path came
+        ("curate.decontaminate.min_coverage=0.5", "evaluate.contamination"),  # one rule, set in one place
+        ("evaluate.contamination.fuzzy_ngram=20", "fuzzy_ngram 20 is larger than ngram 13"),
+    ],
+)
+def test_contamination_rule_settings_live_in_one_place(override: str, names: str) -> None:
+    with pytest.raises(ConfigError, match=names) as error:
+        load_config("tiny-cpu", [override])
+    assert "\n" not in str(error.value)
+
+
 def test_a_loopback_or_tls_dask_scheduler_or_an_explicit_opt_in_is_accepted() -> None:
     for settings in (
         ["runtime.dask_address=tcp://127.0.0.1:8786"],

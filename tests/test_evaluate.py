@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.contamination import Index, Settings, build_index, check_tasks
+from evaluation.contamination import Index, build_index, check_tasks
 from lmforge.errors import ConfigError
+from lmforge.textmatch import Rule
 
 
 def _edit(text: str, rate: float, rng: random.Random) -> str:
@@ -22,54 +23,65 @@ def _edit(text: str, rate: float, rng: random.Random) -> str:
     return " ".join(words)
 
 
-def test_planted_contamination_is_found_and_clean_items_are_not(tmp_path: Path) -> None:
-    """Exact and lightly edited copies of eval items in a training source: recall >= 0.95, clean <= 1%."""
-    from pydoc_data.topics import topics
+def test_lightly_edited_items_are_found_by_the_gate_and_by_decontamination_alike(tmp_path: Path) -> None:
+    """HumanEval items planted in longer documents with 0/1/3/10% of words replaced, dropped or inserted and
+    whitespace changed: recall >= 0.95 at every rate and <= 1% of clean items flagged (other HumanEval items,
+    documentation paragraphs, templated chat prompts whose siblings are training data), for the evaluation
+    gate's check and for curation's decontamination, which apply one rule. Before the fuzzy path, an item
+    with every 13-gram window edited was missed (the issue measured 14 of 18 lightly edited copies)."""
+    from data_prep.decontaminate import ItemIndex, shard_attributes
+    from tests.planted_items import RATES, planted_fixture
 
-    from evaluation.build import item_texts
-    from lmforge.humaneval import humaneval_items
-
-    rng = random.Random(0)
-    humaneval = item_texts("lmforge_humaneval", humaneval_items())
-    paragraphs = list(dict.fromkeys(p for t in topics.values() for p in t.split("\n\n") if len(p.split()) >= 30))
-    passages = [{"id": f"p{i}", "text": p} for i, p in enumerate(paragraphs[:300])]
-    items = {"humaneval": humaneval, "passages": passages[:150]}
-    planted = {("humaneval", h["id"]) for h in humaneval[:40]} | {("passages", p["id"]) for p in passages[:40]}
-    training = [(f"clean{i}", p["text"]) for i, p in enumerate(passages[150:])]  # other text, never evaluated
-    for n, (task, item_id) in enumerate(sorted(planted)):
-        text = next(i["text"] for i in items[task] if i["id"] == item_id)
-        copy = text if n % 2 else _edit(text, 0.05, rng)  # half exact, half with 5% of words changed
-        training.append((f"planted{n}", f"Some page header. {copy} Some footer text here."))
-    rng.shuffle(training)
-    settings = Settings()
-    build_index(training, tmp_path / "index", settings)
-    records = list(check_tasks(items, {"documents": Index(tmp_path / "index", settings)}))
-    flagged = {(r["task"], r["doc_id"]) for r in records if r["contaminated"]}
-    recall = len(flagged & planted) / len(planted)
-    clean = [r for r in records if (r["task"], r["doc_id"]) not in planted]
-    false_rate = sum(r["contaminated"] for r in clean) / len(clean)
-    assert recall >= 0.95 and false_rate <= 0.01, (recall, false_rate)
-    hit = next(r for r in records if (r["task"], r["doc_id"]) in planted and r["contaminated"])
-    assert (
-        hit["source"] == "documents"
-        and hit["train_doc_id"].startswith("planted")
-        and hit["span"]
-        and hit["overlap"] > 0.5
-    )
-    assert len(records) == sum(len(v) for v in items.values())  # one record per item
+    fixture, rule = planted_fixture(), Rule()
+    build_index(fixture.training, tmp_path / "index", rule)
+    records = list(check_tasks(fixture.items, {"documents": Index(tmp_path / "index", rule)}, rule))
+    assert len(records) == sum(len(v) for v in fixture.items.values())  # one record per item
+    planted = [r for r in records if fixture.is_planted(r["task"], r["doc_id"])]
+    clean = [r for r in records if not fixture.is_planted(r["task"], r["doc_id"])]
+    index = ItemIndex.build([(task, i["id"], i["text"]) for task, items in fixture.items.items() for i in items], rule)
+    columns = shard_attributes(index, [text for _, text in fixture.training])
+    removed = {doc for (doc, _), hit in zip(fixture.training, columns["decontaminated"]) if hit}
+    for rate in RATES:
+        at_rate = [r for r in planted if fixture.planted[(r["task"], r["doc_id"])][1] == rate]
+        gate_recall = sum(r["contaminated"] for r in at_rate) / len(at_rate)
+        docs = [fixture.planted[(r["task"], r["doc_id"])][0] for r in at_rate]
+        removed_recall = sum(d in removed for d in docs) / len(docs)
+        assert gate_recall >= 0.95 and removed_recall >= 0.95, (rate, gate_recall, removed_recall)
+    assert sum(r["contaminated"] for r in clean) / len(clean) <= 0.01  # humaneval, docs and templated chats
+    others = [doc for doc, _ in fixture.training if not doc.startswith("planted")]
+    assert sum(doc in removed for doc in others) / len(others) <= 0.01
+    fuzzy = [r for r in planted if r["contaminated"] and r["path"] == "fuzzy"]
+    assert fuzzy and all(r["overlap"] < rule.min_coverage <= 1 and r["similarity"] >= 0.8 for r in fuzzy)
+    for r in planted:  # each finding names its document (HumanEval/56 and /61 are near-twins), span, rule and path
+        assert r["train_doc_id"].startswith("planted") and r["span"], r
+        assert r["rule"] == rule.describe() and r["path"] in {"exact", "fuzzy"}
 
 
 def test_short_items_are_matched_whole_not_by_a_single_shared_phrase(tmp_path: Path) -> None:
-    settings = Settings()
+    rule = Rule()
     build_index(
         [("t1", "What is 3 + 5? 8"), ("t2", "a long unrelated sentence about rivers and hills and the sea")],
         tmp_path / "index",
-        settings,
+        rule,
     )
     items = {"chat": [{"id": "a", "text": "What is 3 + 5? 8"}, {"id": "b", "text": "What is 4 + 5? 9"}]}
-    records = {r["doc_id"]: r for r in check_tasks(items, {"sft": Index(tmp_path / "index", settings)})}
-    assert records["a"]["contaminated"] and records["a"]["checked_by"] == "whole-text"
+    records = {r["doc_id"]: r for r in check_tasks(items, {"sft": Index(tmp_path / "index", rule)}, rule)}
+    assert records["a"]["contaminated"] and records["a"]["checked_by"] == "fuzzy"
     assert not records["b"]["contaminated"]
+
+
+def test_an_item_shorter_than_the_exact_ngram_is_found_by_the_fuzzy_path(tmp_path: Path) -> None:
+    """Items of 5-12 words have no 13-gram: the fuzzy path alone checks them, edits included."""
+    rule = Rule()
+    item = "return the sum of all even numbers in the list"  # 10 words
+    build_index(
+        [("t1", "Exercise 4. Return the SUM of all even\nnumbers in a list! Good luck."), ("t2", "x y z")],
+        tmp_path / "index",
+        rule,
+    )
+    record = next(check_tasks({"chat": [{"id": "a", "text": item}]}, {"sft": Index(tmp_path / "index", rule)}, rule))
+    assert record["contaminated"] and record["path"] == "fuzzy" and record["checked_by"] == "fuzzy"
+    assert record["train_doc_id"] == "t1" and "even numbers" in record["span"] and 0.8 <= record["similarity"] < 1
 
 
 HOSTILE = {
@@ -271,13 +283,14 @@ def test_decontamination_index_finds_exact_and_edited_copies_of_items() -> None:
 
     rng = random.Random(1)
     items = load_items(["lmforge_humaneval"])
-    index = ItemIndex.build(items, 13, 8, 0.3)
+    index = ItemIndex.build(items, Rule())
     exact, edited = items[3][2], _edit(items[7][2], 0.05, rng)
     unrelated = "def add(a, b):\n    return a + b\n" * 5
     columns = shard_attributes(index, [f"header\n{exact}\nfooter", edited, unrelated, "short text"])
     assert columns["decontaminated"] == [True, True, False, False]
     assert columns["eval_item"][:2] == [f"lmforge_humaneval:{items[3][1]}", f"lmforge_humaneval:{items[7][1]}"]
-    assert columns["eval_overlap"][0] == 1.0 and 0.3 <= columns["eval_overlap"][1] < 1.0
+    assert columns["eval_overlap"][0] == 1.0 and columns["eval_path"][:2] == ["exact", columns["eval_path"][1]]
+    assert columns["eval_similarity"][1] >= 0.8 and columns["eval_path"][2:] == [None, None]
 
 
 def _run_steps(config, targets: list[str]) -> dict:
