@@ -340,6 +340,27 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
     assert next(s for s in after if s["task"] == "lmforge_humaneval")["contaminated"] == 0
 
 
+@pytest.mark.slow
+def test_explain_and_the_card_name_the_rule_that_flagged_each_item(evaluated: dict) -> None:
+    from lmforge.explain import explain
+    from tests.conftest import small_config
+
+    workspace = Path(evaluated["evaluate/report"]["dir"]).parents[2]
+    check = next(e for e in explain(small_config(workspace), ["evaluate"]) if e.step == "evaluate/contamination")
+    rule = Rule().describe()
+    assert check.reuse and f"rule: {rule}" in check.reasons, check.reasons
+    humaneval = next(line for line in check.reasons if line.startswith("lmforge_humaneval:"))
+    assert "items flagged (" in humaneval and " by exact" in humaneval  # the demo's verbatim planted copies
+    card = (Path(evaluated["evaluate/report"]["dir"]) / "comparison.md").read_text()
+    assert rule in card and "### Flagged items" in card
+    records = [
+        json.loads(line)
+        for line in (Path(evaluated["evaluate/contamination"]["dir"]) / "contamination.jsonl").read_text().splitlines()
+    ]
+    flagged = [r for r in records if r["contaminated"]]
+    assert flagged and all(r["rule"] == rule and f"| {r['doc_id']} | {r['path']} |" in card for r in flagged)
+
+
 def test_a_killed_lmeval_run_leaves_nothing_that_passes_for_done(tmp_path: Path) -> None:
     """A truncated result.json (lm-eval killed mid-write before results were atomic) is removed, not finished."""
     from evaluation.runs import keep_finished
