@@ -137,7 +137,7 @@ def lmforge_build(workdir: Path, rule: Rule):  # type: ignore[no-untyped-def]
     return build
 
 
-SWEEP = (0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+SWEEP = (0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
 
 
 def sweep() -> None:

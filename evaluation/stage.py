@@ -32,8 +32,11 @@ def _contamination_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "share": s["share"],
                 "worst_source": s["worst_source"] or "",
                 "by_source": str(s["by_source"]),
+                "by_path": str(s.get("by_path", {})),
                 "worst_item": worst.get("doc_id", ""),
+                "worst_path": worst.get("path", "") or "",
                 "worst_overlap": worst.get("overlap", ""),
+                "worst_similarity": worst.get("similarity", "") or "",
                 "worst_train_doc": worst.get("train_doc_id", "") or "",
             }
         )
@@ -64,7 +67,8 @@ def _artifacts(
                 "contamination-report",
                 "table",
                 _contamination_rows(contamination["extra"]["summary"]),
-                "contaminated evaluation items per task, by training source",
+                "contaminated evaluation items per task, by training source and by the path that found them; rule: "
+                + contamination["extra"].get("rule", "-"),
             )
         )
     report = manifests.get("evaluate/report")

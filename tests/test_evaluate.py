@@ -71,17 +71,50 @@ def test_short_items_are_matched_whole_not_by_a_single_shared_phrase(tmp_path: P
 
 
 def test_an_item_shorter_than_the_exact_ngram_is_found_by_the_fuzzy_path(tmp_path: Path) -> None:
-    """Items of 5-12 words have no 13-gram: the fuzzy path alone checks them, edits included."""
+    """Items of 5-12 words have no 13-gram: the fuzzy path alone checks them. One word inserted or dropped is
+    the same item; a changed slot word of a templated prompt is its sibling, not a copy."""
     rule = Rule()
-    item = "return the sum of all even numbers in the list"  # 10 words
-    build_index(
-        [("t1", "Exercise 4. Return the SUM of all even\nnumbers in a list! Good luck."), ("t2", "x y z")],
-        tmp_path / "index",
-        rule,
-    )
-    record = next(check_tasks({"chat": [{"id": "a", "text": item}]}, {"sft": Index(tmp_path / "index", rule)}, rule))
-    assert record["contaminated"] and record["path"] == "fuzzy" and record["checked_by"] == "fuzzy"
-    assert record["train_doc_id"] == "t1" and "even numbers" in record["span"] and 0.8 <= record["similarity"] < 1
+    items = {
+        "chat": [
+            {"id": "inserted", "text": "Return the sum of all even numbers in the list"},  # 10 words
+            {"id": "dropped", "text": "Reverse the order of these words: snow flag moon"},
+            {"id": "sibling", "text": "Reverse the order of these words: bird town girl\ngirl town bird"},
+        ]
+    }
+    training = [
+        ("t1", "Exercise 4. Return the SUM of all the even\nnumbers in the list! Good luck."),
+        ("t2", "Please reverse order of these words: snow flag moon"),
+        ("t3", "Reverse the order of these words: bird lamp town\ntown lamp bird"),  # the prompt and its answer
+    ]
+    build_index(training, tmp_path / "index", rule)
+    records = {r["doc_id"]: r for r in check_tasks(items, {"sft": Index(tmp_path / "index", rule)}, rule)}
+    inserted, dropped, sibling = records["inserted"], records["dropped"], records["sibling"]
+    assert inserted["contaminated"] and inserted["path"] == "fuzzy" and inserted["checked_by"] == "fuzzy"
+    assert inserted["train_doc_id"] == "t1" and "even numbers" in inserted["span"] and 0.9 <= inserted["similarity"] < 1
+    assert dropped["contaminated"] and dropped["train_doc_id"] == "t2"
+    assert not sibling["contaminated"] and sibling["similarity"] >= rule.min_similarity  # close, but another item
+
+
+def test_held_out_builtin_chats_at_gpu_scale_stay_under_the_presets_gate(tmp_path: Path) -> None:
+    """The built-in skills split as gpu-1node splits them (2,000 per skill, 10% held out): held-out prompts have
+    training siblings with other slot words at every turn, and must not read as contaminated (its gate fails
+    the run above 1%). A similarity bar for short items flagged 4.4% of them."""
+    from lmforge.config import load_config
+    from training.align.data import builtin_examples, is_heldout, record_id
+
+    config = load_config("gpu-1node", check_paths=False)
+    align = config.align
+    train, held = [], []
+    for e in builtin_examples(align.builtin.per_skill, align.builtin.seed, list(align.builtin.skills)):
+        rid = record_id(e.task, e.prompt)
+        held_out = is_heldout(rid, align.heldout_fraction, align.builtin.seed)
+        (held if held_out else train).append((rid, f"{e.prompt}\n{e.answer}"))
+    rule = Rule()
+    build_index(train, tmp_path / "index", rule)
+    items = {"chat": [{"id": i, "text": text} for i, text in held]}
+    records = list(check_tasks(items, {"sft": Index(tmp_path / "index", rule)}, rule))
+    share = sum(r["contaminated"] for r in records) / len(records)
+    assert len(records) > 400 and share <= config.evaluate.contamination.max_fraction, share
 
 
 HOSTILE = {
