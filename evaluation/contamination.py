@@ -165,8 +165,8 @@ def check_item(tokens: list[str], index: Index, fuzzy: bool = True) -> dict[str,
     rule = index.rule if fuzzy else replace(index.rule, min_similarity=float("inf"))
     if len(tokens) < rule.fuzzy_ngram:
         hit = index.whole.get(whole_key(tokens))
-        found = {"contaminated": hit is not None, "path": "whole-text", "overlap": float(hit is not None)}
-        found["similarity"] = found["overlap"]
+        score = float(hit is not None)
+        found = {"contaminated": hit is not None, "path": "whole-text", "overlap": score, "similarity": score}
         return found | ({"train_doc_id": index.ids[hit], "span": " ".join(tokens)} if hit is not None else {})
     candidates = index.candidates(tokens) if fuzzy else []
     coverage = 0.0

@@ -111,7 +111,7 @@ def decide(item: list[str], doc: list[str], rule: Rule) -> dict[str, Any]:
     else:  # a short item: the best window, give or take a word at either end, within SHORT_EDITS of it
         start, end = min(
             ((s, e) for s in (start - 1, start, start + 1) for e in (end - 1, end, end + 1) if 0 <= s < e <= len(doc)),
-            key=lambda span: Indel.distance(item, doc[span[0] : span[1]]),
+            key=lambda bounds: Indel.distance(item, doc[bounds[0] : bounds[1]]),
             default=(start, end),
         )
         window = doc[start:end]
