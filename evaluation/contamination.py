@@ -129,11 +129,15 @@ class Index:
             self._texts = pq.read_table(self.directory / "texts.parquet", memory_map=True).column("text")
         return self._texts[number].as_py()
 
+    def _ranges(self, keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per key, where its entries start and end in the sorted n-gram table (equal: absent)."""
+        table = self.keys[n]
+        return np.searchsorted(table, keys, side="left"), np.searchsorted(table, keys, side="right")
+
     def lookup(self, keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(per key: found?, document numbers holding the found keys, with repeats)."""
-        table, owners = self.keys[n], self.docs[n]
-        left = np.searchsorted(table, keys, side="left")
-        right = np.searchsorted(table, keys, side="right")
+        owners = self.docs[n]
+        left, right = self._ranges(keys, n)
         found = right > left
         holders = [owners[a : min(b, a + 50)] for a, b in zip(left[found], right[found])]
         return found, np.concatenate(holders) if holders else np.zeros(0, np.int32)
@@ -142,9 +146,8 @@ class Index:
         """Documents sharing at least CANDIDATE_SHARE of the item's distinct fuzzy n-grams, those sharing most first."""
         n = self.rule.fuzzy_ngram
         keys = np.unique(gram_keys(tokens, n))
-        table, owners = self.keys[n], self.docs[n]
-        left = np.searchsorted(table, keys, side="left")
-        right = np.searchsorted(table, keys, side="right")
+        owners = self.docs[n]
+        left, right = self._ranges(keys, n)
         rare = (right > left) & (right - left <= COMMON)
         holders = [owners[a:b] for a, b in zip(left[rare], right[rare])]
         if not holders:
