@@ -1,4 +1,12 @@
-"""Tokens/s of lmforge's DeepSpeed training step against a plain PyTorch loop, in one process.
+"""Tokens/s of lmforge's training step against a baseline, side by side in one command.
+
+Three comparisons (`--compare`):
+  plain     lmforge's DeepSpeed step vs a plain PyTorch loop, one process (the default);
+  backends  FSDP2 vs DeepSpeed on 2 ranks (torchrun): both engines live in every rank and step
+            in turn on the same batches from the same initial weights, so tokens/s and the loss
+            trajectories (largest relative gap per step) are compared under the same conditions;
+  compile   torch.compile (per decoder layer, inductor) vs eager, one process: the first step's
+            compile time apart from steady-state tokens/s.
 
 Both train the same model (same config, seed and initial weights) on the same batches,
 with the same dtype, thread count, AdamW settings, gradient clipping and LR schedule.
@@ -6,7 +14,8 @@ The lmforge side is the real `training.loop.Trainer.train_step` on a DeepSpeed e
 (world size 1, ZeRO-0 as the planner picks for this size), including its per-step loss
 all-reduce, spike detection and gradient-norm bookkeeping.
 
-    .venv/bin/python benchmarks/pretrain.py [--steps 30] [--preset tiny-cpu] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/pretrain.py [--compare plain|backends|compile] [--steps 30]
+        [--preset tiny-cpu] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -102,12 +111,118 @@ def _steady(timings: list[float]) -> float:
     return float(np.median(timings[3:] if len(timings) > 6 else timings))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--preset", default="tiny-cpu")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args()
+def _setup(args: argparse.Namespace, ranks: int) -> tuple:  # type: ignore[type-arg]
+    from dataclasses import replace
+
+    from lmforge.config import load_config
+    from training.device import detect_device, peak_tflops
+    from training.planner import plan_parallelism
+
+    overrides = [f"pretrain.distributed.num_ranks={ranks}", *args.overrides]
+    config = load_config(args.preset, overrides)
+    per_step = config.pretrain.distributed.micro_batch_size * ranks
+    cfg = config.pretrain.model_copy(update={"global_batch_size": per_step})
+    vocab = config.curate.tokenizer.vocab_size
+    device = detect_device()
+    plan = plan_parallelism(cfg, vocab, device)
+    peak = cfg.peak_tflops or peak_tflops(device, plan.precision)
+    return cfg, vocab, device, plan, peak, replace
+
+
+def _header(cfg, plan, trainer, threads: int, peak: float, device, steps: int, what: str) -> None:  # type: ignore[no-untyped-def]
+    print(
+        f"model {trainer.params / 1e6:.2f}M params, {plan.precision}, seq {cfg.seq_len}, batch {cfg.global_batch_size}, "
+        f"{threads} threads/rank, {what}, {steps} steps each, interleaved (median after warm-up)"
+    )
+    source = "configured" if cfg.peak_tflops else "data sheet" if device.kind == "cuda" else "measured matmul"
+    print(f"device peak {peak:.3f} TFLOP/s ({device.name}, {plan.precision}, {source})")
+
+
+def backends_worker(args: argparse.Namespace) -> None:
+    """One rank of `--compare backends` (started by torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from training.loop import Trainer
+    from training.metrics import flops_per_token
+    from training.train_entry import init_distributed
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, vocab, device, plan, peak, replace = _setup(args, world)
+    rank, world = init_distributed("deepspeed")
+    threads = torch.get_num_threads()
+    plans = {
+        "deepspeed": replace(plan, backend="deepspeed", zero_stage=2, sharding=""),
+        "fsdp2": replace(plan, backend="fsdp2", zero_stage=2, sharding="grad_op"),
+    }
+    special = {"bos_id": 0, "eos_id": 0, "pad_id": 1}
+    root = Path(args.workdir)
+    pack = root / "pack"
+    if rank == 0:
+        synthetic_pack(pack, vocab, 4_000_000)
+    dist.barrier()
+    trainers = {
+        name: Trainer(
+            cfg, p, pack, root / f"out-{name}", special, rank, world, peak * (world if device.kind == "cuda" else 1)
+        )
+        for name, p in plans.items()
+    }
+    timings: dict[str, list[float]] = {n: [] for n in trainers}
+    losses: dict[str, list[float]] = {n: [] for n in trainers}
+    for _ in range(args.steps):
+        for name, trainer in trainers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name].append(trainer.train_step())  # type: ignore[arg-type]
+            timings[name].append(time.perf_counter() - start)
+    if rank:
+        return
+    trainer = trainers["deepspeed"]
+    _header(
+        cfg,
+        plan,
+        trainer,
+        threads,
+        peak,
+        device,
+        args.steps,
+        f"{world} ranks (gloo)" if device.kind == "cpu" else f"{world} GPUs",
+    )
+    fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len, trainer.vocab_size)
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    tps = {n: tokens_per_step / _steady(t) for n, t in timings.items()}
+    peak_all = peak * 1e12 * (world if device.kind == "cuda" else 1)
+    print(f"{'path':28} {'tokens/s':>10} {'MFU':>7} {'first loss':>11} {'last loss':>10}")
+    for name, label in (("deepspeed", "DeepSpeed ZeRO-2"), ("fsdp2", "FSDP2 (grad_op, per layer)")):
+        print(
+            f"{label:28} {tps[name]:10.0f} {fpt * tps[name] / peak_all:7.1%} "
+            f"{losses[name][0]:11.4f} {losses[name][-1]:10.4f}"
+        )
+    gaps = [abs(a - b) / abs(b) for a, b in zip(losses["fsdp2"], losses["deepspeed"])]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    print(
+        f"loss trajectory: largest relative gap {gaps[worst]:.3%} at step {worst + 1}, mean {sum(gaps) / len(gaps):.3%}"
+    )
+    print(f"ratio (FSDP2 / DeepSpeed): {tps['fsdp2'] / tps['deepspeed']:.3f}  (target >= 0.95)")
+
+
+def compare_backends(args: argparse.Namespace) -> None:
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            f"--master_port={os.environ.get('MASTER_PORT', '29614')}",
+            __file__, "--worker", "--compare", "backends", "--workdir", tmp,
+            "--steps", str(args.steps), "--preset", args.preset,
+        ]  # fmt: skip
+        for item in args.overrides:
+            command += ["--set", item]
+        env = {**os.environ, "LOCAL_SIZE": "2"}
+        sys.exit(subprocess.run(command, env=env).returncode)
+
+
+def _single_process() -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -118,6 +233,71 @@ def main() -> None:
             "LOCAL_SIZE": "1",
         }
     )
+
+
+def compare_compile(args: argparse.Namespace) -> None:
+    """Eager vs torch.compile'd decoder layers, same engine, same batches."""
+    _single_process()
+    import torch
+
+    from training.loop import Trainer
+    from training.metrics import flops_per_token
+    from training.train_entry import init_distributed
+
+    cfg, vocab, device, plan, peak, replace = _setup(args, 1)
+    rank, world = init_distributed(plan.backend)
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        pack = synthetic_pack(Path(tmp) / "pack", vocab, 4_000_000)
+        special = {"bos_id": 0, "eos_id": 0, "pad_id": 1}
+        trainers = {
+            name: Trainer(
+                cfg, replace(plan, compile=name == "compiled"), pack, Path(tmp) / name, special, rank, world, peak
+            )
+            for name in ("eager", "compiled")
+        }
+        timings: dict[str, list[float]] = {n: [] for n in trainers}
+        losses: dict[str, list[float]] = {n: [] for n in trainers}
+        for _ in range(args.steps):
+            for name, trainer in trainers.items():
+                start = time.perf_counter()
+                losses[name].append(trainer.train_step())  # type: ignore[arg-type]
+                timings[name].append(time.perf_counter() - start)
+    trainer = trainers["eager"]
+    _header(cfg, plan, trainer, threads, peak, device, args.steps, f"{plan.label}, 1 rank")
+    fpt = flops_per_token(trainer.params, cfg.model, cfg.seq_len, trainer.vocab_size)
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    print(f"{'path':28} {'tokens/s':>10} {'MFU':>7} {'first step s':>13} {'last loss':>10}")
+    tps = {}
+    for name in trainers:
+        tps[name] = tokens_per_step / _steady(timings[name])
+        print(
+            f"{name:28} {tps[name]:10.0f} {fpt * tps[name] / (peak * 1e12):7.1%} "
+            f"{timings[name][0]:13.2f} {losses[name][-1]:10.4f}"
+        )
+    compile_s = timings["compiled"][0] - _steady(timings["compiled"])
+    print(f"compile time (first step beyond a steady one): {compile_s:.1f} s")
+    print(f"ratio (compiled / eager): {tps['compiled'] / tps['eager']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=("plain", "backends", "compile"), default="plain")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--preset", default="tiny-cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.compare == "backends":
+        return backends_worker(args) if args.worker else compare_backends(args)
+    if args.compare == "compile":
+        return compare_compile(args)
+    plain(args)
+
+
+def plain(args: argparse.Namespace) -> None:
+    _single_process()
     import torch
 
     from lmforge.config import load_config

@@ -64,6 +64,19 @@ def test_export_loads_generates_and_matches_the_engine(trained: dict) -> None:
     assert trained["digest"]  # downstream keys follow the exported weights
 
 
+def _local_rank(proc: psutil.Process, cmd: str) -> int | None:
+    """A rank's number: DeepSpeed's launcher passes --local_rank, torchrun sets LOCAL_RANK (the
+    launchers themselves have neither)."""
+    for part in cmd.split():
+        if part.startswith("--local_rank="):
+            return int(part.split("=", 1)[1])
+    try:
+        value = proc.environ().get("LOCAL_RANK")
+    except psutil.Error:
+        return None
+    return int(value) if value is not None else None
+
+
 def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event) -> None:
     """SIGKILL one training rank once the run has logged `step`."""
     while not done.is_set():
@@ -72,7 +85,7 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
             if lines and json.loads(lines[-1])["step"] >= step:
                 for proc in psutil.process_iter(["cmdline"]):
                     cmd = " ".join(proc.info["cmdline"] or [])
-                    if "training.train_entry" in cmd and f"--local_rank={rank}" in cmd and str(workspace) in cmd:
+                    if "training.train_entry" in cmd and str(workspace) in cmd and _local_rank(proc, cmd) == rank:
                         proc.send_signal(signal.SIGKILL)
                         return
         time.sleep(0.05)

@@ -404,3 +404,55 @@ def test_mfu_flops_leave_out_an_untied_input_embedding() -> None:
     untied = tied.model_copy(update={"tie_embeddings": False})
     n_tied, n_untied = count_parameters(tied, 4096), count_parameters(untied, 4096)
     assert flops_per_token(n_untied, untied, 256, 4096) == flops_per_token(n_tied, tied, 256, 4096)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "device", "chosen", "why"),
+    [
+        (
+            "tiny-cpu",
+            [],
+            DeviceInfo("cpu", "AMD EPYC", 1, 24 * GIB, True, 2, 24 * GIB),
+            "ZeRO-0 offload=none",
+            "tie with FSDP2 grad_op offload=none broken by prefer_backend=deepspeed",
+        ),
+        (
+            "tiny-cpu",
+            ["pretrain.distributed.prefer_backend=fsdp2"],
+            DeviceInfo("cpu", "AMD EPYC", 1, 24 * GIB, True, 2, 24 * GIB),
+            "FSDP2 grad_op offload=none",
+            "tie with ZeRO-0 offload=none broken by prefer_backend=fsdp2",
+        ),
+        ("gpu-1node", [], gpu(80), "ZeRO-0 offload=none", "no offload, the least traffic that fits)"),
+        ("gpu-multinode", [], gpu(80), "FSDP2 hybrid offload=none", "the least traffic that fits across nodes"),
+    ],
+)
+def test_the_planner_chooses_between_deepspeed_and_fsdp2(
+    preset: str, overrides: list[str], device: DeviceInfo, chosen: str, why: str
+) -> None:
+    """Both families are costed for every preset; the choice and its reason are pinned here."""
+    cfg = load_config(preset, overrides, check_paths=False).pretrain
+    plan = plan_parallelism(cfg, 50304 if preset != "tiny-cpu" else 8192, device)
+    assert plan.label == chosen and plan.reasoning[-1].startswith(f"chosen: {chosen} (") and why in plan.reasoning[-1]
+    listed = " ".join(plan.reasoning)
+    assert "ZeRO-3 offload=none" in listed and "FSDP2 full offload=none" in listed
+    assert ("FSDP2 hybrid" in listed) == (cfg.distributed.num_nodes > 1)
+
+
+def test_a_memory_bound_run_takes_fsdp2_full_shard_over_zero3_only_when_preferred() -> None:
+    """Equal traffic (3 GA) for ZeRO-3 and FSDP2 full shard: prefer_backend decides; FSDP2's smaller
+    gathered working set lets it fit a device ZeRO-3 does not."""
+    from training.planner import memory_fsdp2, memory_per_rank
+
+    base = ["pretrain.distributed.num_ranks=8", "pretrain.distributed.memory_headroom=0"]
+    cfg = load_config("gpu-1node", base, check_paths=False).pretrain
+    n = count_parameters(cfg.model, 50304)
+    zero3 = sum(memory_per_rank(n, cfg, "bf16", 8, 3, "none", 50304)[0].values())
+    full = sum(memory_fsdp2(n, cfg, "bf16", 8, 1, "full", "none", 50304)[0].values())
+    assert full < zero3
+    assert plan_parallelism(cfg, 50304, gpu(zero3 * 1.001)).label == "ZeRO-3 offload=none"
+    fsdp_first = load_config("gpu-1node", [*base, "pretrain.distributed.prefer_backend=fsdp2"], check_paths=False)
+    assert plan_parallelism(fsdp_first.pretrain, 50304, gpu(zero3 * 1.001)).label == "FSDP2 full offload=none"
+    assert plan_parallelism(cfg, 50304, gpu((full + zero3) / 2)).label == "FSDP2 full offload=none"
+    only_ds = load_config("gpu-1node", [*base, "pretrain.distributed.backend=deepspeed"], check_paths=False)
+    assert plan_parallelism(only_ds.pretrain, 50304, gpu(zero3 * 1.001)).backend == "deepspeed"

@@ -102,7 +102,20 @@ class DistributedConfig(StrictModel):
         "a SLURM job; `lmforge slurm` sets it) or openmpi.",
     )
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
-    zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field("auto", description="ZeRO stage; auto asks the planner.")
+    backend: Literal["auto", "deepspeed", "fsdp2"] = runtime_field(
+        "auto", description="Training engine: DeepSpeed ZeRO or PyTorch FSDP2; auto asks the planner."
+    )
+    prefer_backend: Literal["deepspeed", "fsdp2"] = runtime_field(
+        "deepspeed", description="The planner's choice when both families fit with the same traffic."
+    )
+    zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field(
+        "auto", description="DeepSpeed ZeRO stage; auto asks the planner."
+    )
+    sharding: Literal["auto", "full", "grad_op", "hybrid"] = runtime_field(
+        "auto",
+        description="FSDP2 sharding: full (ZeRO-3-like), grad_op (weights kept gathered through backward), "
+        "hybrid (sharded within a node, replicated across nodes); auto asks the planner.",
+    )
     offload: Literal["auto", "none", "optimizer", "optimizer+params"] = runtime_field(
         "auto", description="CPU offload; auto asks the planner."
     )
@@ -123,6 +136,18 @@ class DistributedConfig(StrictModel):
             )
         if self.num_nodes > 1 and not self.hostfile:
             raise ValueError("num_nodes > 1 needs a hostfile naming the nodes")
+        if self.backend == "fsdp2" and self.zero_stage != "auto":
+            raise ValueError("zero_stage is DeepSpeed's; with backend: fsdp2 set sharding instead")
+        if self.backend == "deepspeed" and self.sharding != "auto":
+            raise ValueError("sharding is FSDP2's; with backend: deepspeed set zero_stage instead")
+        if self.backend == "fsdp2" and self.offload == "optimizer":
+            raise ValueError(
+                "FSDP2 offloads parameters, gradients and optimizer states together: offload optimizer+params"
+            )
+        if self.sharding == "hybrid" and self.num_nodes == 1:
+            raise ValueError(
+                "sharding: hybrid shards within a node and replicates across nodes: it needs num_nodes > 1"
+            )
         return self
 
 
@@ -155,6 +180,10 @@ class PretrainConfig(StrictModel):
     log_every: int = runtime_field(10, description="Progress-log interval in steps.", ge=1)
     resume: Literal["auto", "never"] = runtime_field(
         "auto", description="auto resumes from the latest verified checkpoint; never wipes the output and restarts."
+    )
+    compile: bool = runtime_field(
+        False,
+        description="torch.compile each decoder layer (inductor); the first step's compile time is reported apart.",
     )
     peak_tflops: float | None = runtime_field(
         None, description="Device peak for MFU; measured with a matmul when unset."

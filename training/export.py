@@ -20,9 +20,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def consolidated_state(engine: Any, zero_stage: int) -> dict[str, Any] | None:
-    """Full state dict on rank 0 (collective under ZeRO-3), None elsewhere."""
+    """Full state dict on rank 0 (collective under ZeRO-3 and FSDP2), None elsewhere."""
     import torch.distributed as dist
 
+    if hasattr(engine, "full_state_dict"):  # FSDP2
+        return engine.full_state_dict()
     if zero_stage == 3:
         return engine._zero3_consolidated_16bit_state_dict()
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()} if dist.get_rank() == 0 else None

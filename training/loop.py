@@ -1,4 +1,4 @@
-"""The training loop that runs inside every DeepSpeed rank.
+"""The training loop that runs inside every training rank (DeepSpeed or FSDP2).
 
 One optimizer step = `grad_accum` micro-batches on every rank. Each micro-batch loss is
 averaged over ranks before its backward pass, so every rank takes the same decision:
@@ -98,13 +98,26 @@ class Trainer:
     # -- engine ----------------------------------------------------------------------------
 
     def _build_engine(self) -> Any:
-        import deepspeed
-
         model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
         if self.cfg.distributed.activation_checkpointing:
             # recompute each decoder layer in backward instead of keeping its activations
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = sum(p.numel() for p in model.parameters())
+        if self.plan.compile:
+            from training.fsdp2 import decoder_layers
+
+            # per block: one graph reused by every layer compiles far faster than the whole model,
+            # and FSDP2's hooks stay outside the compiled regions
+            for layer in decoder_layers(model):
+                layer.compile()
+        if self.plan.backend == "fsdp2":
+            from training.fsdp2 import Fsdp2Engine
+
+            engine = Fsdp2Engine(model, self.cfg, self.plan)
+            self._apply_lr_scale(engine)
+            return engine
+        import deepspeed
+
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
         groups = [
@@ -147,7 +160,7 @@ class Trainer:
             "lr_scale": self.lr_scale,
             "detector": self.detector.state_dict(),
             "anomalies": self.anomalies,
-            "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage},
+            "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage, "backend": self.plan.backend},
             "progress": self.progress,
         }
 
@@ -184,10 +197,19 @@ class Trainer:
         self._apply_lr_scale(self.engine)
 
     def _check_layout(self, directory: Path) -> None:
-        """ZeRO shards optimizer state by rank: it reloads only into the same stage and world size."""
+        """ZeRO shards optimizer state by rank: it reloads only into the same stage and world size.
+        FSDP2's checkpoints (DCP) reshard on load: any world size, but only into FSDP2."""
         from lmforge.errors import ConfigError
 
         saved = checkpoint.read_trainer_state(directory).get("layout", {})
+        backend = saved.get("backend", "deepspeed")
+        if backend != self.plan.backend:
+            raise ConfigError(
+                f"{directory.name} was written by {backend}; this run uses {self.plan.backend}. Set "
+                f"pretrain.distributed.backend={backend}, or pretrain.resume=never to start over"
+            )
+        if backend == "fsdp2":
+            return
         stage, world = saved.get("zero_stage", self.plan.zero_stage), saved.get("world_size", self.world)
         if stage != self.plan.zero_stage or (stage > 0 and world != self.world):
             raise ConfigError(
@@ -224,7 +246,7 @@ class Trainer:
                 if self.detector.judge(step_loss) == "spike":
                     return Anomaly("spike", self.step + 1, indices, step_loss, self._window_mean())
             self.engine.backward(loss)
-            if micro == self.plan.grad_accum - 1 and self.plan.zero_stage == 0:
+            if micro == self.plan.grad_accum - 1 and self.plan.zero_stage == 0 and self.plan.backend == "deepspeed":
                 self.grad_norm = self._replicated_grad_norm()
             self.engine.step()
         if self.plan.zero_stage > 0:
@@ -399,6 +421,8 @@ class Trainer:
             seconds = time.perf_counter() - t0
             self.progress["wall_s"] += seconds
             tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_len / seconds
+            if self.step == started_step + 1:  # includes torch.compile's compilation when it is on
+                self.progress["first_step_s"] = round(seconds, 3)
             if self.step > started_step + 2:  # the first steps of a process include warm-up
                 self.progress["tps_sum"] += tokens_per_s
                 self.progress["tps_count"] += 1
@@ -409,7 +433,12 @@ class Trainer:
         metrics.close()
         count = self.progress["tps_count"]
         mean_tps = self.progress["tps_sum"] / count if count else None
+        first = self.progress.get("first_step_s")
+        steady = self.cfg.global_batch_size * self.cfg.seq_len / mean_tps if mean_tps else None
         return {
+            "first_step_s": first,
+            # what the first step cost beyond a steady one: compilation, when compile is on
+            "compile_s": round(first - steady, 3) if self.plan.compile and first and steady else None,
             "final_step": self.step,
             "tokens": self.tokens,
             "final_val_loss": self.progress["last_val"],

@@ -14,9 +14,16 @@ DeepSpeed's own `estimate_zero2_model_states_mem_needs` (2 + 18/N bytes per para
 `tests/test_training_units.py` checks the planner against it and against memory measured on a
 real run.
 
-The least-sharded strategy that fits is chosen: DDP (ZeRO-0) -> ZeRO-1 -> ZeRO-2 -> ZeRO-3
--> ZeRO-3 + optimizer offload -> + parameter offload. Sharding costs communication, so it is
-used only when memory demands it.
+FSDP2 layouts are estimated beside them (`memory_fsdp2`): fp32 sharded parameters, gradients
+and Adam states over the shard group, plus the gathered layers in the compute dtype.
+
+Both families are laid out on one ladder each: DDP (ZeRO-0) -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 ->
+ZeRO-3 + optimizer offload -> + parameter offload, and FSDP2 grad_op -> full shard -> hybrid
+(several nodes) -> full/hybrid + offload. Of the strategies that fit, the one chosen moves the
+least: no offload before offload, then the least traffic across nodes, then the least traffic
+in all (`communication`), then `pretrain.distributed.prefer_backend` on a tie between the
+families, then the least sharding. `lmforge plan` prints every candidate with its memory,
+traffic and verdict.
 
 The budget reports training FLOPs (6*N*D over the parameters that do matmuls -- an untied
 input embedding is a lookup, not a matmul -- and with attention), the Chinchilla-optimal
@@ -58,7 +65,7 @@ def matmul_parameters(params: int, model: ModelConfig, vocab_size: int) -> int:
 
 @dataclass
 class Plan:
-    zero_stage: int
+    zero_stage: int  # DeepSpeed's ZeRO stage; for FSDP2 the stage with the same memory layout
     offload: str
     num_ranks: int
     num_nodes: int
@@ -71,6 +78,144 @@ class Plan:
     capacity_gib: float
     reasoning: list[str] = field(default_factory=list)
     budget: dict[str, Any] = field(default_factory=dict)
+    backend: str = "deepspeed"  # deepspeed | fsdp2
+    sharding: str = ""  # FSDP2: full | grad_op | hybrid
+    compile: bool = False
+
+    @property
+    def label(self) -> str:
+        return strategy_label(self.backend, self.zero_stage, self.sharding, self.offload)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to lay the training state out over ranks."""
+
+    backend: str
+    zero_stage: int  # DeepSpeed's stage, or the stage whose memory layout an FSDP2 sharding matches
+    sharding: str
+    offload: str
+
+    @property
+    def label(self) -> str:
+        return strategy_label(self.backend, self.zero_stage, self.sharding, self.offload)
+
+
+def strategy_label(backend: str, zero_stage: int, sharding: str, offload: str) -> str:
+    name = f"ZeRO-{zero_stage}" if backend == "deepspeed" else f"FSDP2 {sharding}"
+    return f"{name} offload={offload}"
+
+
+# FSDP2's ladder: gathered weights kept through backward (ZeRO-2-like traffic), full shard
+# (ZeRO-3), hybrid shard across nodes (HSDP), then everything offloaded to host memory
+# (CPUOffloadPolicy moves parameters, gradients and optimizer states together).
+FSDP2_LADDER = [
+    ("grad_op", 2, "none"),
+    ("full", 3, "none"),
+    ("hybrid", 3, "none"),
+    ("full", 3, "optimizer+params"),
+    ("hybrid", 3, "optimizer+params"),
+]
+OFFLOAD_ORDER = {"none": 0, "optimizer": 1, "optimizer+params": 2}
+
+
+def communication(strategy: Strategy, grad_accum: int, ranks: int, nodes: int) -> tuple[float, float]:
+    """(volume crossing nodes, total volume) per rank per optimizer step, in units of the model's size.
+
+    DeepSpeed: ZeRO-0 all-reduces once at the accumulation boundary (2); ZeRO-1 reduce-scatters
+    there and all-gathers the updated weights (2); ZeRO-2 reduce-scatters every micro-batch
+    (GA + 1); ZeRO-3 also gathers the weights for forward and backward of every micro-batch (3 GA).
+    FSDP2: grad_op gathers once per micro-batch and reduces once per step (GA + 1: unsharded
+    gradients accumulate locally); full shard gathers twice and reduces every micro-batch (3 GA:
+    accumulating unsharded gradients would cost what sharding saved). Hybrid shards within a
+    node: its cross-node traffic is the all-reduce of each rank's shard between replicas
+    (2 GA / ranks per node); everything else stays inside the node.
+    """
+    ga = grad_accum
+    if strategy.backend == "deepspeed":
+        total = {0: 2.0, 1: 2.0, 2: ga + 1.0, 3: 3.0 * ga}[strategy.zero_stage]
+    else:
+        total = ga + 1.0 if strategy.sharding == "grad_op" else 3.0 * ga
+    if nodes == 1:
+        return 0.0, total
+    if strategy.sharding == "hybrid":
+        return 2.0 * ga / ranks, total
+    return total, total
+
+
+def candidate_strategies(cfg: PretrainConfig) -> list[Strategy]:
+    """Both families' ladders, narrowed by what the configuration fixes."""
+    d = cfg.distributed
+    out: list[Strategy] = []
+    if d.backend in ("auto", "deepspeed"):
+        out += [
+            Strategy("deepspeed", st, "", off)
+            for st, off in STRATEGIES
+            if (d.zero_stage == "auto" or st == d.zero_stage) and (d.offload == "auto" or off == d.offload)
+        ]
+        if not out and d.backend == "deepspeed":  # an explicit combination outside the ladder, e.g. ZeRO-2 + offload
+            out.append(
+                Strategy(
+                    "deepspeed",
+                    0 if d.zero_stage == "auto" else int(d.zero_stage),
+                    "",
+                    "none" if d.offload == "auto" else d.offload,
+                )
+            )
+    if d.backend in ("auto", "fsdp2") and (d.backend == "fsdp2" or d.zero_stage == "auto"):
+        out += [
+            Strategy("fsdp2", st, sh, off)
+            for sh, st, off in FSDP2_LADDER
+            if (d.sharding == "auto" or sh == d.sharding)
+            and (d.offload == "auto" or off == d.offload)
+            and (sh != "hybrid" or d.num_nodes > 1 or d.sharding == "hybrid")
+        ]
+    return out
+
+
+def memory_fsdp2(
+    params: int,
+    cfg: PretrainConfig,
+    precision: str,
+    ranks: int,
+    nodes: int,
+    sharding: str,
+    offload: str,
+    vocab_size: int,
+    cpu: bool = False,
+) -> tuple[dict[str, float], float]:
+    """({component: GiB per device}, GiB of host memory per rank) for an FSDP2 layout.
+
+    Sharded over every rank (full, grad_op) or over the ranks of one node (hybrid): the fp32
+    parameters (the master copy), their fp32 gradients, Adam's m and v and AdamW's step
+    workspace. Gathered: in the compute dtype, two decoder layers at a time (the current one
+    and the prefetched next) plus the root's own parameters (embeddings, final norm, head),
+    with one layer's unsharded gradient in fp32 for the reduce-scatter; grad_op keeps every
+    gathered weight through backward and accumulates unsharded gradients between reductions.
+    """
+    group = ranks if sharding == "hybrid" else ranks * nodes
+    compute = 4 if precision == "fp32" else 2
+    layer = layer_parameters(cfg.model)
+    root = params - cfg.model.num_layers * layer
+    sharded = {
+        "weights": params * 4 / group,
+        "gradients": params * 4 / group,
+        "optimizer": params * 8 / group,
+        "optimizer_step": params * 4 / group,
+    }
+    host = 0.0
+    if offload != "none":
+        host = sum(sharded.values())
+        sharded = dict.fromkeys(sharded, 0.0)
+    if sharding == "grad_op":
+        gathered = params * compute + params * 4  # all weights kept from forward to backward; local gradients
+    else:
+        gathered = (root + 2 * layer) * compute + layer * 4
+    dense, _ = memory_per_rank(params, cfg, precision, ranks * nodes, 0, "none", vocab_size)
+    parts = {**sharded, "gathered": gathered, "activations": dense["activations"] * GIB}
+    if cpu:
+        parts["fp32_build_copy"] = params * 4  # the model is built whole in fp32 before it is sharded
+    return {k: v / GIB for k, v in parts.items()}, host / GIB
 
 
 def resolve_precision(precision: str, device: DeviceInfo) -> str:
@@ -209,26 +354,35 @@ def plan_parallelism(
         f"{params / 1e6:.2f}M parameters, {precision}, {world} rank(s) ({ranks}/node x {cfg.distributed.num_nodes}), "
         f"{capacity:.1f} GiB usable per rank on {device.kind} ({device.name})"
     ]
-    wanted_stage, wanted_offload = cfg.distributed.zero_stage, cfg.distributed.offload
-    candidates = [
-        (st, off)
-        for st, off in STRATEGIES
-        if (wanted_stage == "auto" or st == wanted_stage) and (wanted_offload == "auto" or off == wanted_offload)
-    ]
-    if not candidates:  # an explicit combination outside the ladder, e.g. ZeRO-2 + offload
-        candidates = [
-            (0 if wanted_stage == "auto" else int(wanted_stage), "none" if wanted_offload == "auto" else wanted_offload)
-        ]
-    chosen = None
-    for stage, offload in candidates:
-        parts, host = memory_per_rank(
-            params, cfg, precision, world, stage, offload, vocab_size, cpu=device.kind == "cpu"
-        )
+    grad_accum = cfg.global_batch_size // per_step
+    cpu = device.kind == "cpu"
+    fitting: list[tuple[tuple[Any, ...], Strategy, dict[str, float], float]] = []
+    for index, strategy in enumerate(candidate_strategies(cfg)):
+        if strategy.backend == "deepspeed":
+            parts, host = memory_per_rank(
+                params, cfg, precision, world, strategy.zero_stage, strategy.offload, vocab_size, cpu=cpu
+            )
+        else:
+            parts, host = memory_fsdp2(
+                params,
+                cfg,
+                precision,
+                ranks,
+                cfg.distributed.num_nodes,
+                strategy.sharding,
+                strategy.offload,
+                vocab_size,
+                cpu=cpu,
+            )
         total = sum(parts.values())
-        if device.kind == "cpu":  # "offloaded" states stay in the same memory on a CPU-only machine
+        if cpu:  # "offloaded" states stay in the same memory on a CPU-only machine
             total += host
-        host_fits = device.kind == "cpu" or host * ranks <= host_capacity
+        host_fits = cpu or host * ranks <= host_capacity
         fits = total <= capacity and host_fits
+        across, volume = communication(strategy, grad_accum, ranks, cfg.distributed.num_nodes)
+        traffic = f"traffic {volume:g}x model/step" + (
+            f" ({across:g}x across nodes)" if cfg.distributed.num_nodes > 1 else ""
+        )
         offloaded = f", {host:.3f} GiB/rank offloaded to host" if host else ""
         verdict = (
             "fits"
@@ -238,32 +392,42 @@ def plan_parallelism(
             else f"host RAM too small ({host_capacity:.1f} GiB usable)"
         )
         reasons.append(
-            f"ZeRO-{stage} offload={offload}: {total:.3f} GiB/rank "
-            f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}) -> {verdict}"
+            f"{strategy.label}: {total:.3f} GiB/rank "
+            f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}), {traffic} -> {verdict}"
         )
         if fits:
-            chosen = (stage, offload, parts, host)
-            break
-    if chosen is None:
+            preferred = strategy.backend == cfg.distributed.prefer_backend
+            rank_key = (OFFLOAD_ORDER[strategy.offload], across, volume, not preferred, index)
+            fitting.append((rank_key, strategy, parts, host))
+    if not fitting:
         raise ConfigError(
             f"pretrain.distributed: no strategy fits in {capacity:.1f} GiB per rank; the most sharded, "
             f"{reasons[-1]}; lower micro_batch_size, enable activation_checkpointing, or add ranks"
         )
-    stage, offload, parts, host = chosen
-    reasons.append(f"chosen: ZeRO-{stage}, offload {offload} (least sharding that fits)")
+    fitting.sort(key=lambda item: item[0])
+    best_key, best, parts, host = fitting[0]
+    ties = [s.label for k, s, *_ in fitting[1:] if k[:3] == best_key[:3] and s.backend != best.backend]
+    why = "no offload, " if best.offload == "none" else "the least offload, "
+    why += "the least traffic that fits" + (" across nodes" if cfg.distributed.num_nodes > 1 else "")
+    if ties:
+        why += f"; tie with {ties[0]} broken by prefer_backend={cfg.distributed.prefer_backend}"
+    reasons.append(f"chosen: {best.label} ({why})")
     plan = Plan(
-        stage,
-        offload,
+        best.zero_stage,
+        best.offload,
         ranks,
         cfg.distributed.num_nodes,
         world,
-        cfg.global_batch_size // per_step,
+        grad_accum,
         precision,
         params,
         parts,
         host,
         capacity,
         reasons,
+        backend=best.backend,
+        sharding=best.sharding,
+        compile=cfg.compile,
     )
     plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, devices_used(world, device), vocab_size)
     return plan

@@ -1,7 +1,7 @@
 """The pretraining stage as a step of the pipeline graph.
 
 `pretrain/train` reads the packed token shards and the tokenizer of the curation stage,
-plans the parallelism, launches DeepSpeed, and leaves a Hugging Face model in `hf/`.
+plans the parallelism (DeepSpeed ZeRO or FSDP2), launches the ranks, and leaves a Hugging Face model in `hf/`.
 Its output digest covers `hf/` only: the weights are what downstream stages consume,
 while logs, metrics and timings differ on every run. Checkpoints verify themselves and
 are kept out of the manifest's file list.
@@ -68,11 +68,18 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     )  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
-    from training.ds_config import build_ds_config
-
-    atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     d = cfg.distributed
-    launch = Launch(d.launcher, plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
+    launcher = d.launcher
+    if plan.backend == "deepspeed":
+        from training.ds_config import build_ds_config
+
+        atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
+    else:
+        (out_dir / "ds_config.json").unlink(missing_ok=True)
+        # FSDP2 is plain torch.distributed: torchrun on one node; across nodes DeepSpeed's runner
+        # (pdsh, SLURM's srun, OpenMPI) only starts the ranks
+        launcher = "torchrun" if d.num_nodes == 1 else "deepspeed"
+    launch = Launch(launcher, plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
     spec = {
         "config": cfg.model_dump(mode="json"),
         "plan": dataclasses.asdict(plan),
@@ -112,6 +119,10 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "extra": {
             "anomalies": anomaly_rows(anomalies),
             "plan": {
+                "strategy": plan.label,
+                "backend": plan.backend,
+                "sharding": plan.sharding,
+                "compile": plan.compile,
                 "zero_stage": plan.zero_stage,
                 "offload": plan.offload,
                 "world_size": plan.world_size,
@@ -170,7 +181,7 @@ PRETRAIN_STEPS = [
     Step(
         TRAIN,
         2,
-        "Train the Llama model with DeepSpeed and export it to Hugging Face format",
+        "Train the Llama model (DeepSpeed or FSDP2, as planned) and export it to Hugging Face format",
         reads=("pretrain",),
         derive=_resolved_precision,
         upstream=lambda c: (TOKEN_SHARDS, TOKENIZER),
@@ -188,6 +199,7 @@ PRETRAIN_STEPS = [
             "training.train_entry",
             "training.guardrails",
             "training.ds_config",
+            "training.fsdp2",
             "training.planner",
             "training.device_setup",
             "training.reader",

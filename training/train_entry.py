@@ -1,6 +1,7 @@
 """Entry point of every training rank (started by the deepspeed or torchrun launcher).
 
-    deepspeed --num_gpus N training/train_entry.py --spec <out>/run_spec.json
+    deepspeed --num_gpus N --module training.train_entry --spec <out>/run_spec.json
+    torchrun --nproc_per_node N -m training.train_entry --spec <out>/run_spec.json   (FSDP2, one node)
 
 It reads the run spec written by `training.steps`, trains with `training.loop.Trainer`,
 exports the Hugging Face model with a parity check, and records its outcome through
@@ -19,11 +20,10 @@ from lmforge.entry import main
 from training.device_setup import disable_shm_comm_op
 
 
-def init_distributed() -> tuple[int, int]:
-    import deepspeed
+def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
     import torch
+    import torch.distributed as dist
 
-    disable_shm_comm_op()
     if not torch.cuda.is_available():
         per_rank = max(
             1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -31,9 +31,14 @@ def init_distributed() -> tuple[int, int]:
         torch.set_num_threads(per_rank)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    import torch.distributed as dist
+    if backend == "fsdp2":  # plain torch.distributed: RANK/WORLD_SIZE/MASTER_* from torchrun or the node launcher
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    else:
+        import deepspeed
 
+        disable_shm_comm_op()
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -86,7 +91,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
 
 
 def work(spec: dict, rank: int) -> None:
-    rank, world = init_distributed()
+    rank, world = init_distributed(spec["plan"].get("backend", "deepspeed"))
     run(spec, rank, world)
 
 

@@ -1,0 +1,123 @@
+"""Pretraining on the FSDP2 backend for real: 2 CPU ranks on gloo under torchrun, DCP checkpoints,
+a killed rank's retry, export and parity; compared with the DeepSpeed run of the same config.
+
+Marked slow: each run starts real processes (about 15-30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+from lmforge.executor import run_pipeline_locally
+from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN, small_config
+from tests.test_pretrain_deepspeed import _kill_rank_when, _metrics
+
+pytestmark = pytest.mark.slow
+FSDP2 = "pretrain.distributed.backend=fsdp2"
+
+
+@pytest.fixture(scope="module")
+def fsdp2_trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The session's small pretraining run again, on FSDP2 (the reference for its resume test)."""
+    workspace = tmp_path_factory.mktemp("fsdp2")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace, FSDP2), ["pretrain"])["pretrain/train"]
+
+
+def _weights(manifest: dict) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(manifest["dir"]) / "hf" / "model.safetensors"))
+
+
+def test_fsdp2_follows_deepspeeds_loss_trajectory(fsdp2_trained: dict, trained: dict) -> None:
+    """Same seed, data and schedule as the DeepSpeed run: the same model up to reduction order."""
+    assert fsdp2_trained["key"] == trained["key"]  # the backend is how, not what: the same cache identity
+    plan = fsdp2_trained["extra"]["plan"]
+    assert plan["backend"] == "fsdp2" and plan["strategy"].startswith("FSDP2 ")
+    launch = json.loads((Path(fsdp2_trained["dir"]) / "logs" / "attempt-1" / "launch.json").read_text())
+    assert launch["command"][1:3] == ["-m", "torch.distributed.run"]
+    fsdp, ds = _metrics(fsdp2_trained), _metrics(trained)
+    assert [r["step"] for r in fsdp] == list(range(1, 161))
+    assert [r["lr"] for r in fsdp] == pytest.approx([r["lr"] for r in ds], rel=1e-6)
+    gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(fsdp, ds)]
+    assert max(gaps[:20]) < 1e-3  # bf16 rounding has not compounded yet
+    assert max(gaps) < 0.02 and sum(gaps) / len(gaps) < 0.005, (max(gaps), sum(gaps) / len(gaps))
+    val = [r["val_loss"] for r in fsdp if "val_loss" in r]
+    assert val[-1] < val[0] - 0.2
+    assert abs(val[-1] - trained["metrics"]["final_val_loss"]) / trained["metrics"]["final_val_loss"] < 0.01
+    assert fsdp[-1]["grad_norm"] > 0 and fsdp[-1]["mfu"] > 0
+    assert fsdp2_trained["metrics"]["parity_max_abs_logit_diff"] <= 1e-3
+
+
+def test_fsdp2_checkpoints_are_sharded_verified_and_pruned(fsdp2_trained: dict) -> None:
+    from training import checkpoint
+
+    root = Path(fsdp2_trained["dir"]) / "checkpoints"
+    names = [p.name for p in checkpoint.list_checkpoints(root)]
+    assert names == ["step-00000160", "step-00000140", "step-00000120"]
+    latest = root / names[0]
+    assert checkpoint.verify(latest) is None
+    state = latest / "engine" / "state"
+    assert (state / ".metadata").exists() and len(list(state.glob("*.distcp"))) == 2  # one shard file per rank
+    assert sorted(p.name for p in latest.glob("rank-*.json")) == ["rank-00000.json", "rank-00001.json"]
+    assert checkpoint.read_trainer_state(latest)["layout"]["backend"] == "fsdp2"
+
+
+def test_a_killed_fsdp2_rank_is_retried_and_resumes_to_the_same_weights(
+    curated: tuple[Path, dict], fsdp2_trained: dict, tmp_path: Path, prefect_server
+) -> None:
+    from flows.pipeline import pipeline
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
+    killer.start()
+    result = pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, FSDP2],
+        workspace=str(workspace),
+        stages=["pretrain"],
+    )
+    done.set()
+    step = result["steps"]["pretrain/train"]
+    manifest = json.loads((Path(step["dir"]) / "manifest.json").read_text())
+    assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
+    log = (Path(step["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-00000020" in log
+    resumed, reference = _weights(manifest), _weights(fsdp2_trained)
+    assert resumed.keys() == reference.keys()
+    gap = max(float((resumed[k].float() - reference[k].float()).abs().max()) for k in reference)
+    assert gap <= 1e-4, gap
+
+
+def test_a_checkpoint_of_one_backend_is_not_resumed_by_the_other(fsdp2_trained: dict, tmp_path: Path) -> None:
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(fsdp2_trained["dir"]).parents[2], workspace)
+    out = workspace / "pretrain" / "train" / fsdp2_trained["key"]
+    (out / "manifest.json").unlink()  # progress left behind by an unfinished FSDP2 run
+    shutil.rmtree(out / "hf")
+    config = small_config(workspace, "pretrain.distributed.backend=deepspeed")
+    with pytest.raises(ConfigError, match="written by fsdp2; this run uses deepspeed"):
+        run_pipeline_locally(config, ["pretrain"])
+
+
+def test_fsdp2_settings_are_checked_when_the_config_loads() -> None:
+    from lmforge.config import load_config
+
+    for setting, message in (
+        (["pretrain.distributed.zero_stage=2"], "zero_stage is DeepSpeed's"),
+        (["pretrain.distributed.offload=optimizer"], "offloads parameters, gradients and optimizer states together"),
+        (["pretrain.distributed.sharding=hybrid"], "needs num_nodes > 1"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("tiny-cpu", [FSDP2, *setting])
+    with pytest.raises(ConfigError, match="sharding is FSDP2's"):
+        load_config("tiny-cpu", ["pretrain.distributed.backend=deepspeed", "pretrain.distributed.sharding=full"])
