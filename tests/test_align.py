@@ -267,3 +267,27 @@ def test_a_checkpoint_with_a_truncated_rank_file_or_no_seal_is_set_aside_and_the
     (unsealed / "trainer_state.json").write_text('{"global_step": 30}')
     assert newest_checkpoint(root) == root / "checkpoint-10"
     assert not unsealed.exists() and len([p for p in root.iterdir() if p.name.startswith(".corrupt-")]) == 2
+
+
+def test_fsdp2_alignment_builds_accelerates_fsdp2_plugin_and_is_refused_on_cpu(trained: dict, tmp_path: Path) -> None:
+    """align.distributed.backend=fsdp2 hands TRL's trainer accelerate's FSDP plugin (version 2, full shard,
+    a full state dict for the export); accelerate shards only GPU ranks, so on CPU it is a one-line error."""
+    from trl import SFTConfig
+
+    from lmforge.errors import ConfigError
+    from training.align.entry import _training_args
+
+    config = {"micro_batch_size": 4, "global_batch_size": 8, "lr": 1e-3, "lr_scheduler": "cosine"}
+    config.update({"warmup_ratio": 0.1, "weight_decay": 0.0, "max_steps": 4, "save_steps": 2, "seed": 0})
+    spec = {"config": config, "out_dir": str(tmp_path), "max_length": 64, "precision": "fp32", "zero_stage": 0}
+    args = _training_args({**spec, "backend": "fsdp2"}, SFTConfig)
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is True
+    assert plugin["state_dict_type"] == "FULL_STATE_DICT" and args.deepspeed is None
+    assert _training_args({**spec, "backend": "deepspeed"}, SFTConfig).fsdp_plugin_args is None
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(trained["dir"]).parents[2], workspace)
+    with pytest.raises(ConfigError, match="align.distributed.backend: fsdp2 needs GPUs"):
+        run_pipeline_locally(small_config(workspace, "align.distributed.backend=fsdp2"), ["align"])
+    with pytest.raises(ConfigError, match="zero_stage is DeepSpeed's"):
+        small_config(workspace, "align.distributed.backend=fsdp2", "align.distributed.zero_stage=2")

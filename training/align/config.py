@@ -123,6 +123,11 @@ class AlignDistributedConfig(StrictModel):
     num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
         "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU."
     )
+    backend: Literal["deepspeed", "fsdp2"] = runtime_field(
+        "deepspeed",
+        description="deepspeed: DDP or ZeRO (zero_stage) through accelerate; fsdp2: accelerate's FSDP plugin, "
+        "version 2, full shard per decoder layer.",
+    )
     zero_stage: Literal[0, 2, 3] = runtime_field(
         0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP)."
     )
@@ -165,6 +170,8 @@ class AlignConfig(StrictModel):
         d = self.distributed
         if d.num_nodes > 1 and not d.hostfile:
             raise ValueError("align.distributed.num_nodes > 1 needs a hostfile naming the nodes")
+        if d.backend == "fsdp2" and d.zero_stage:
+            raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
         for name in ("sft", "dpo"):

@@ -109,7 +109,7 @@ def _callbacks(spec: dict[str, Any], trainer_holder: dict[str, Any]) -> list[Any
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             every = spec["eval_every"]
-            if not heldout or state.global_step % every or not state.is_world_process_zero or spec["zero_stage"] == 3:
+            if not heldout or state.global_step % every or not state.is_world_process_zero or _sharded(spec):
                 return
             from training.align.heldout import exact_match
 
@@ -143,6 +143,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _sharded(spec: dict[str, Any]) -> bool:
+    """Parameters sharded over ranks (ZeRO-3, FSDP2): no rank can generate alone."""
+    return spec["zero_stage"] == 3 or spec.get("backend") == "fsdp2"
+
+
 def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     import torch
 
@@ -162,6 +167,13 @@ def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
         }
         if spec["zero_stage"] == 3:
             ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if spec.get("backend") == "fsdp2":
+        # accelerate's FSDP plugin, version 2: fully_shard per decoder layer (the model's
+        # _no_split_modules) and at the root; the saved model is gathered whole on rank 0
+        extra.update(
+            fsdp="full_shard auto_wrap",
+            fsdp_config={"version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"},
+        )
     return cls(
         output_dir=str(out_dir / "checkpoints"),
         use_cpu=not torch.cuda.is_available(),
@@ -281,6 +293,10 @@ def train(spec: dict[str, Any], rank: int) -> None:
 
     for noisy in (PrinterCallback, ProgressCallback):  # a dict or a progress bar per step; JsonlMetrics logs instead
         trainer.remove_callback(noisy)
+    if rank == 0:
+        log.info(
+            "distributed: %s over %d rank(s)", trainer.accelerator.distributed_type, trainer.accelerator.num_processes
+        )
     started = time.time()
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.time() - started

@@ -191,6 +191,14 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
 
     a = ctx.config.align
     cfg = getattr(a, kind)
+    if a.distributed.backend == "fsdp2":
+        from training.device import detect_device
+
+        if detect_device().kind != "cuda":
+            raise ConfigError(
+                "align.distributed.backend: fsdp2 needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
+                "(it trains them as plain DDP); use deepspeed on CPU"
+            )
     base = ctx.path(PRETRAINED if kind == "sft" else SFT_MODEL)
     context = _context(base)
     data_dir = ctx.path(CHAT_DATA if kind == "sft" else PREFERENCE_DATA)
@@ -218,6 +226,7 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
         "max_length": min(cfg.max_seq_len or context, context),
         "precision": _precision(ctx.config),
         "zero_stage": a.distributed.zero_stage,
+        "backend": a.distributed.backend,
         "lora": a.lora.model_dump(mode="json") if lora else None,
         "fault": ctx.config.debug.align.model_dump(mode="json"),
         "eval_every": cfg.eval_every,
