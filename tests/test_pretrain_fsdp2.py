@@ -121,3 +121,38 @@ def test_fsdp2_settings_are_checked_when_the_config_loads() -> None:
             load_config("tiny-cpu", [FSDP2, *setting])
     with pytest.raises(ConfigError, match="sharding is FSDP2's"):
         load_config("tiny-cpu", ["pretrain.distributed.backend=deepspeed", "pretrain.distributed.sharding=full"])
+
+
+def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_one(fsdp2_trained: dict, tmp_path: Path) -> None:
+    """DCP reshards on load: the run picks up at step 140 on one rank (two micro-batches per step
+    instead of two ranks) and continues the same trajectory."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(fsdp2_trained["dir"]).parents[2], workspace)
+    out = workspace / "pretrain" / "train" / fsdp2_trained["key"]
+    for name in ("manifest.json", "hf", "checkpoints/step-00000160"):
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    config = small_config(workspace, FSDP2, "pretrain.distributed.num_ranks=1")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    assert manifest["extra"]["plan"]["world_size"] == 1 and manifest["extra"]["plan"]["grad_accum"] == 2
+    assert "resumed from step-00000140" in (out / "logs" / "rank-0.log").read_text()
+    resumed, reference = _metrics(manifest), _metrics(fsdp2_trained)
+    assert [r["step"] for r in resumed] == list(range(1, 161))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed[140:], reference[140:])) < 1e-3
+
+
+def test_compiled_fsdp2_layers_train_export_and_report_the_compile_time(
+    curated: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """pretrain.compile compiles each decoder layer (inductor) under FSDP2's hooks; the export still
+    reproduces the compiled engine's logits, and the first step's compile time is reported apart."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    steps = ["pretrain.max_steps=8", "pretrain.checkpoint.every_steps=8", "pretrain.eval_every=8"]
+    manifest = run_pipeline_locally(small_config(workspace, FSDP2, "pretrain.compile=true", *steps), ["pretrain"])[
+        "pretrain/train"
+    ]
+    metrics = manifest["metrics"]
+    assert manifest["extra"]["plan"]["compile"] is True
+    assert metrics["compile_s"] > 1 and metrics["first_step_s"] > metrics["compile_s"]
+    assert metrics["parity_max_abs_logit_diff"] <= 1e-3

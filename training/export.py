@@ -96,7 +96,9 @@ def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
     from transformers import AutoModelForCausalLM
 
     engine.eval()
-    with torch.no_grad():
+    # compiled layers run eagerly here: inductor's fused bf16 kernels round differently from the
+    # eager kernels the exported model runs, and the check is about the weights, not the kernels
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         reference = engine(input_ids=batch).logits.float().cpu()
     engine.train()
     if dist.get_rank() != 0:
