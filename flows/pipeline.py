@@ -23,7 +23,8 @@ from prefect import flow, get_run_logger
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
 from flows.dispatch import run_stage_deployment
-from flows.stage import run_subflow, upstream_stages
+from flows.stage import run_subflow, tracking_run, upstream_stages
+from lmforge import tracking
 from lmforge.config import PipelineBase, load_config
 from lmforge.registry import stages as lifecycle
 from tasks.artifacts import publish_lineage
@@ -57,20 +58,26 @@ def pipeline(
     params = {"preset": preset, "overrides": overrides or [], "workspace": workspace}
     watch_cancellation()
     runs: dict[str, dict[str, Any]] = {}
+    mlflow_run: str | None = None
     try:
         manifests: dict[str, dict[str, Any]] = {}
         status: dict[str, str] = {}
-        for stage in wanted_stages(config):  # curate -> pretrain -> align -> evaluate -> quantize -> serve
-            if config.runtime.dispatch == "deployments":  # on the stage's own work pool
-                outcome = run_stage_deployment(stage, config, params, manifests)
-                runs[stage] = outcome["run"]
-            else:
-                outcome = run_subflow(stage, config, params, manifests)
-            manifests.update(outcome["manifests"])
-            status.update(outcome["status"])
+        with tracking_run(config) as tracked:  # one MLflow run for the whole pipeline run, when tracking is on
+            for stage in wanted_stages(config):  # curate -> pretrain -> align -> evaluate -> quantize -> serve
+                if config.runtime.dispatch == "deployments":  # on the stage's own work pool
+                    outcome = run_stage_deployment(stage, config, params, manifests)
+                    runs[stage] = outcome["run"]
+                else:
+                    outcome = run_subflow(stage, config, params, manifests)
+                manifests.update(outcome["manifests"])
+                status.update(outcome["status"])
+            if tracked is not None:
+                # stage deployments logged in their workers' processes: the MLflow run is found to end it
+                tracked.others_logged = bool(runs) and "computed" in status.values()
+        mlflow_run = tracking.pipeline_link(tracked) if tracked is not None else None
     finally:
         unwatch()
-    publish_lineage(manifests, status, runs)
+    publish_lineage(manifests, status, runs, mlflow_run)
     computed = sum(s == "computed" for s in status.values())
     get_run_logger().info("%d steps: %d cache hits, %d computed", len(status), len(status) - computed, computed)
     return {

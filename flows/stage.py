@@ -12,16 +12,19 @@ global concurrency limit (created by `lmforge deployments`), so two GPU stages n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prefect import Flow, flow
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
+from lmforge import tracking
 from lmforge.executor import graph, made_by
 from lmforge.registry import get_stage, stages
-from lmforge.stage import Stage
+from lmforge.stage import ArtifactSpec, Stage
 from lmforge.store import StageStore
 from tasks.artifacts import publish, publish_stage
 from tasks.logs import set_library_log_level
@@ -82,6 +85,45 @@ def _run_context() -> dict[str, Any]:
     }
 
 
+def tracking_run(config: PipelineBase) -> contextlib.AbstractContextManager[Any]:
+    """Steps computed in this flow run log under the MLflow run of its root flow run (the pipeline's).
+
+    The root flow run (the pipeline, or a stage run on its own) owns that MLflow run and ends it.
+    Nothing is asked of the Prefect API when tracking is off; a failure to ask is no failure.
+    """
+    if not tracking.enabled(config):
+        return contextlib.nullcontext()
+    try:
+        from prefect.runtime import flow_run
+        from prefect.settings import PREFECT_UI_URL
+
+        own, root = flow_run.get_id(), flow_run.get_root_flow_run_id()
+        ui = PREFECT_UI_URL.value()
+    except Exception as exc:  # noqa: BLE001 - the steps still log, under this process's run
+        logging.getLogger("lmforge.tracking").debug("no Prefect flow run for tracking: %s", exc)
+        return contextlib.nullcontext()
+    if not root:
+        return contextlib.nullcontext()
+    return tracking.pipeline_run(config, str(root), orchestrated=True, owner=str(root) == str(own), ui_url=ui)
+
+
+def with_tracking_links(specs: list[ArtifactSpec], links: dict[str, str]) -> list[ArtifactSpec]:
+    """The stage's summary artifacts, linked to the MLflow runs of the stage's steps logged in this run:
+    a markdown artifact ends in an `MLflow run:` line per step, any other names them in its description."""
+    if not links:
+        return specs
+    lines = "\n".join(f"MLflow run ({step}): {link}" for step, link in links.items())
+    runs = ", ".join(
+        f"[{step}]({link})" if link.startswith("http") else f"{step}: {link}" for step, link in links.items()
+    )
+    return [
+        dataclasses.replace(spec, data=f"{spec.data}\n\n{lines}\n")
+        if spec.kind == "markdown"
+        else dataclasses.replace(spec, description=f"{spec.description} (MLflow: {runs})")
+        for spec in specs
+    ]
+
+
 @contextlib.contextmanager
 def gpu_slots(stage: Stage) -> Iterator[None]:
     """Hold the GPUs a stage uses from the `gpu` global concurrency limit (when it exists)."""
@@ -109,40 +151,47 @@ def execute_stage(
     """The body of every stage flow."""
     watch_cancellation()
     try:
-        manifests = dict(manifests)
-        status: dict[str, str] = {}
-        if not stage_inputs(stage.name, config) <= manifests.keys():  # e.g. a stage deployment run on its own
-            missing = [
-                name
-                for name in upstream_stages(stage.name, config)
-                if not any(m["stage"] == name for m in manifests.values())
-            ]
-            for name in missing:  # compute (or reuse) what it reads
-                outcome = run_subflow(name, config, params, manifests)
-                manifests.update(outcome["manifests"])
-                status.update(outcome["status"])
-        error: BaseException | None = None
-        results: dict[str, dict[str, Any]] = {}
-        try:
-            with gpu_slots(stage), made_by(**_run_context()):
-                results, own = run_stage_steps(stage.name, config, manifests)
-            status.update(own)
-            if stage.reconcile is not None:
-                stage.reconcile(config, {**manifests, **results})
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if stage.artifacts is not None:
-                for spec in [
-                    *stage.artifacts({**manifests, **results}, status, error),
-                    *step_images(stage.name, results),
-                ]:
-                    publish(spec)
-        publish_stage(stage.name, results, status)
-        return {"manifests": {**manifests, **results}, "status": status}
+        with tracking_run(config):
+            return _execute_stage(stage, config, manifests, params)
     finally:
         unwatch()
+
+
+def _execute_stage(
+    stage: Stage, config: PipelineBase, manifests: dict[str, dict[str, Any]], params: dict[str, Any]
+) -> dict[str, Any]:
+    manifests = dict(manifests)
+    status: dict[str, str] = {}
+    if not stage_inputs(stage.name, config) <= manifests.keys():  # e.g. a stage deployment run on its own
+        missing = [
+            name
+            for name in upstream_stages(stage.name, config)
+            if not any(m["stage"] == name for m in manifests.values())
+        ]
+        for name in missing:  # compute (or reuse) what it reads
+            outcome = run_subflow(name, config, params, manifests)
+            manifests.update(outcome["manifests"])
+            status.update(outcome["status"])
+    error: BaseException | None = None
+    results: dict[str, dict[str, Any]] = {}
+    links: dict[str, str] = {}
+    try:
+        with gpu_slots(stage), made_by(**_run_context()):
+            results, own = run_stage_steps(stage.name, config, manifests)
+        status.update(own)
+        links = {name: link for name, m in results.items() if (link := tracking.step_link(m))}
+        if stage.reconcile is not None:
+            stage.reconcile(config, {**manifests, **results})
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        if stage.artifacts is not None:
+            specs = with_tracking_links(stage.artifacts({**manifests, **results}, status, error), links)
+            for spec in [*specs, *step_images(stage.name, results)]:
+                publish(spec)
+    publish_stage(stage.name, results, status, links)
+    return {"manifests": {**manifests, **results}, "status": status}
 
 
 def stage_inputs(stage: str, config: PipelineBase) -> set[str]:

@@ -178,6 +178,11 @@ def _print_summary(
         if stage.summary is not None:
             for line in stage.summary(manifests):
                 print(line)
+    from lmforge.tracking import summary_line
+
+    tracked = summary_line()  # None when nothing was logged to MLflow in this run
+    if tracked:
+        print(tracked)
     if api_url:
         print(
             f"Prefect UI: {api_url.removesuffix('/api')}  "

@@ -53,6 +53,7 @@ NOT_STEP_CODE = frozenset(
         "lmforge.steplog",
         "lmforge.store",
         "lmforge.supervise",
+        "lmforge.tracking",
     }
 )
 

@@ -7,7 +7,7 @@ preset underneath. `--set a.b.c=VALUE` overrides a field; VALUE is parsed as YAM
 `ConfigError` whose message names the file (or the --set) and the field.
 
 The model itself is assembled from the registered stages: the top level (`name`,
-`workspace`, `stages`, `runtime`) is defined here, and each stage adds its own section
+`workspace`, `stages`, `runtime`, `cluster`, `tracking`) is defined here, and each stage adds its own section
 (`curate:`, `pretrain:`, ...) with the config model it registered. `PipelineConfig` is
 built on first use, so importing this module imports no stage.
 """
@@ -126,6 +126,30 @@ class ClusterConfig(StrictModel):
     extra_sbatch: list[str] = runtime_field(default_factory=list, description="More #SBATCH options, e.g. --qos=high.")
 
 
+class MlflowConfig(StrictModel):
+    """MLflow experiment tracking (`lmforge.tracking`): logged after each computed step, never part of a key."""
+
+    enabled: bool = runtime_field(
+        False,
+        description="Log one MLflow run per pipeline run, with a nested run per computed step that trains, "
+        "evaluates or quantizes (parameters, metric series, evaluation and quantization results, artifacts).",
+    )
+    tracking_uri: str | None = runtime_field(
+        None,
+        description="Where runs are logged: any MLflow tracking URI (http://host:5000, databricks, ...); "
+        "None: sqlite:///<workspace>/mlflow.db, which needs no server (`mlflow ui --backend-store-uri ...`).",
+    )
+    experiment: str | None = runtime_field(None, description="MLflow experiment name; None: the preset name (`name`).")
+
+    _single_lines = field_validator("tracking_uri", "experiment")(_one_line)
+
+
+class TrackingConfig(StrictModel):
+    """Experiment trackers; an unreachable one is a warning, never a failed step."""
+
+    mlflow: MlflowConfig = MlflowConfig()
+
+
 class PipelineBase(StrictModel):
     """The top level of the pipeline config; `pipeline_model()` adds one section per stage."""
 
@@ -138,6 +162,7 @@ class PipelineBase(StrictModel):
     )
     runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     if TYPE_CHECKING:
         # The stage sections (`config.curate`, `config.pretrain`, ...) and `debug` are added by

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmforge
-from lmforge import codeprint, console, launcher, steplog
+from lmforge import codeprint, console, launcher, steplog, tracking
 from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
 from lmforge.store import StageStore
 
@@ -303,7 +303,8 @@ def execute_step(
     tasks) and returns their results. The computation holds the step's lock; the processes
     it launches hold it too, until they are gone (`lmforge.launcher`). What is logged while it
     computes goes to the output's `logs/step.log` too; a terminal the CLI shows gets the step's
-    progress and one line when it ends (`lmforge.console`).
+    progress and one line when it ends (`lmforge.console`). A computed step that trains, evaluates
+    or quantizes is then logged to MLflow when `tracking.mlflow.enabled` (`lmforge.tracking`).
     """
     with console.step_on_screen(step.name) as shown:
 
@@ -315,6 +316,8 @@ def execute_step(
 
         manifest, hit = _plan_and_compute(step, config, store, upstream, run_units, opened)
         shown.ended("cached" if hit else "computed", manifest["dir"])
+    if not hit:  # from the finished output, here: never from a rank, never failing the step (lmforge.tracking)
+        tracking.step_computed(config, manifest)
     return manifest, hit
 
 
@@ -371,7 +374,7 @@ def run_pipeline_locally(config: PipelineBase, stages: Iterable[str]) -> dict[st
     """Run the selected stages without Prefect (tests, notebooks, debugging)."""
     store = StageStore(config.workspace, config.runtime.verify)
     manifests: dict[str, dict[str, Any]] = {}
-    with make_pool(config.runtime.workers) as pool:
+    with tracking.pipeline_run(config), make_pool(config.runtime.workers) as pool:  # one MLflow run, if any
         for step in graph().active(config, list(stages)):
             manifests[step.name], hit = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
             store.record_use(step.name, manifests[step.name])

