@@ -53,7 +53,9 @@ SMALL_PRETRAIN = [
 SMALL_ALIGN = [
     "align.builtin.per_skill=60",
     "align.builtin.dialogue_conversations=30",
-    "align.sft.max_steps=40",
+    # 120 steps: at 40 the model had not learnt to end a turn on some CPUs (it answered the smoke
+    # prompt with 24 x "B" on an AMD EPYC host, so the served model was rightly not promoted)
+    "align.sft.max_steps=120",
     "align.sft.save_steps=10",
     "align.sft.eval_every=20",
     "align.dpo.max_steps=20",

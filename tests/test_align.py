@@ -15,7 +15,9 @@ import pytest
 
 from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner, run_pipeline_locally
 from lmforge.store import StageStore
-from tests.conftest import small_config
+from tests.conftest import SMALL_ALIGN, small_config
+
+SFT_STEPS = int(next(o.split("=")[1] for o in SMALL_ALIGN if o.startswith("align.sft.max_steps=")))
 
 
 def _run_data_step(workspace: Path, *extra: str) -> dict:
@@ -159,7 +161,7 @@ def test_sft_and_dpo_train_on_two_ranks_and_export_models_that_stop_at_end_of_tu
 def test_sft_lowers_held_out_assistant_loss_below_the_pretrained_models(aligned: dict) -> None:
     m = aligned["align/sft"]["metrics"]
     assert m["heldout_loss_after_ci"][1] < m["heldout_loss_before_ci"][0], m  # the intervals do not even touch
-    assert m["tokens_per_s"] > 0 and aligned["align/sft"]["counts"]["steps"] == 40
+    assert m["tokens_per_s"] > 0 and aligned["align/sft"]["counts"]["steps"] == SFT_STEPS
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the SFT model evaluated on the hf backend: every tracked kind of step, without DPO or vLLM's minutes
 SCOPE = ["evaluate.models=[sft]", "evaluate.backends=[hf]", "align.dpo.enabled=false"]
 LOGGED = {"pretrain/train", "align/sft", "evaluate/sft-hf", "evaluate/report"}
+SFT_STEPS = int(next(o.split("=")[1] for o in SMALL_ALIGN if o.startswith("align.sft.max_steps=")))
 SMALL_PRETRAIN_STEPS = next(o.split("=")[1] for o in SMALL_PRETRAIN if o.startswith("pretrain.max_steps="))
 
 
@@ -236,13 +237,13 @@ def test_the_pipeline_run_and_its_steps_are_read_back_from_mlflow(tracked: dict,
 
     # SFT: its series and its held-out metrics with their intervals
     sft = steps["align/sft"]
-    assert len(client.get_metric_history(sft.info.run_id, "loss")) == 40
+    assert len(client.get_metric_history(sft.info.run_id, "loss")) == SFT_STEPS
     metrics = sft.data.metrics
     assert (
         metrics["heldout_loss_after_ci_low"] <= metrics["heldout_loss_after"] <= metrics["heldout_loss_after_ci_high"]
     )
     assert metrics["heldout_loss_after"] == pytest.approx(manifests["align/sft"]["metrics"]["heldout_loss_after"])
-    assert sft.data.params["align.sft.max_steps"] == "40"
+    assert sft.data.params["align.sft.max_steps"] == str(SFT_STEPS)
     assert sft.data.tags["lmforge.lineage_key"] == manifests["align/sft"]["key"]
 
     # evaluation: the model's scores, and the card's with their 95% intervals, tagged with the SFT lineage
