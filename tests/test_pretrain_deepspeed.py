@@ -92,26 +92,36 @@ def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event
         time.sleep(0.05)
 
 
-def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
-    curated: tuple[Path, dict], trained: dict, tmp_path: Path, prefect_server
-) -> None:
+def pretrain_with_a_killed_rank(curated: Path, workspace: Path, *overrides: str) -> dict:
+    """The small pretraining under the Prefect pipeline with rank 1 SIGKILLed at step 25 (after the
+    step-20 checkpoint); returns the manifest, checked to have cost exactly one retry."""
     from flows.pipeline import pipeline
+    from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 
-    workspace = tmp_path / "ws"
-    shutil.copytree(curated[0], workspace)
+    shutil.copytree(curated, workspace)
     done = threading.Event()
     killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
     killer.start()
-    from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
-
-    result = pipeline(
-        preset="tiny-cpu", overrides=SMALL_CURATE + SMALL_PRETRAIN, workspace=str(workspace), stages=["pretrain"]
-    )
-    done.set()
+    try:
+        result = pipeline(
+            preset="tiny-cpu",
+            overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *overrides],
+            workspace=str(workspace),
+            stages=["pretrain"],
+        )
+    finally:
+        done.set()
     step = result["steps"]["pretrain/train"]
     manifest = json.loads((Path(step["dir"]) / "manifest.json").read_text())
     assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
-    log = (Path(step["dir"]) / "logs" / "rank-0.log").read_text()
+    return manifest
+
+
+def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
+    curated: tuple[Path, dict], trained: dict, tmp_path: Path, prefect_server
+) -> None:
+    manifest = pretrain_with_a_killed_rank(curated[0], tmp_path / "ws")
+    log = (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
     assert "resumed from step-000000" in log and "resumed from step-00000000 " not in log
     resumed, reference = _metrics(manifest), _metrics(trained)
     assert [r["step"] for r in resumed] == list(range(1, 161))

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
 from lmforge.errors import ConfigError
 from lmforge.executor import run_pipeline_locally
-from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN, small_config
-from tests.test_pretrain_deepspeed import _kill_rank_when, _metrics
+from tests.conftest import small_config
+from tests.test_pretrain_deepspeed import _metrics, pretrain_with_a_killed_rank
 
 pytestmark = pytest.mark.slow
 FSDP2 = "pretrain.distributed.backend=fsdp2"
@@ -73,24 +72,8 @@ def test_fsdp2_checkpoints_are_sharded_verified_and_pruned(fsdp2_trained: dict) 
 def test_a_killed_fsdp2_rank_is_retried_and_resumes_to_the_same_weights(
     curated: tuple[Path, dict], fsdp2_trained: dict, tmp_path: Path, prefect_server
 ) -> None:
-    from flows.pipeline import pipeline
-
-    workspace = tmp_path / "ws"
-    shutil.copytree(curated[0], workspace)
-    done = threading.Event()
-    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 25, done), daemon=True)
-    killer.start()
-    result = pipeline(
-        preset="tiny-cpu",
-        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, FSDP2],
-        workspace=str(workspace),
-        stages=["pretrain"],
-    )
-    done.set()
-    step = result["steps"]["pretrain/train"]
-    manifest = json.loads((Path(step["dir"]) / "manifest.json").read_text())
-    assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
-    log = (Path(step["dir"]) / "logs" / "rank-0.log").read_text()
+    manifest = pretrain_with_a_killed_rank(curated[0], tmp_path / "ws", FSDP2)
+    log = (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
     assert "resumed from step-00000020" in log
     resumed, reference = _weights(manifest), _weights(fsdp2_trained)
     assert resumed.keys() == reference.keys()
