@@ -29,14 +29,12 @@ makes their loss trajectories comparable, and the loop's LR-scale rule applies u
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from training.config import PretrainConfig
 from training.planner import Plan
 
-log = logging.getLogger(__name__)
 SCHEDULER_FILE = "scheduler.json"
 
 
@@ -71,7 +69,7 @@ class Fsdp2Engine:
         mixed = plan.precision in ("bf16", "fp16")
         low = torch.bfloat16 if plan.precision == "bf16" else torch.float16
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy(pin_memory=True) if plan.offload != "none" else OffloadPolicy()
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload != "none" else OffloadPolicy()
         if torch.cuda.is_available() and plan.offload == "none":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         mesh = build_mesh(plan)
