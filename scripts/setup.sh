@@ -43,37 +43,35 @@ pip_install() {  # pip_install VENV ARGS...: the CPU torch wheel from pip's find
   fi
 }
 
-setup_quant_env() {
-  [ "${LMFORGE_SKIP_QUANT_ENV:-0}" = 1 ] && return 0
-  local qvenv=.venv-quant qwant qstamp qreq=requirements/quant.lock qinstall=(--no-deps -r requirements/quant.lock)
-  if [ "$mode" = --gpu ]; then qreq=requirements/quant-gpu.txt; qinstall=(-r requirements/quant-gpu.txt); fi
-  qwant=$(sha256sum "$qreq" | cut -d' ' -f1)
-  qstamp="$qvenv/.lmforge-installed"
-  if [ -f "$qstamp" ] && [ "$(cat "$qstamp")" = "$qwant" ]; then
+side_env() {  # side_env VENV REQUIREMENTS PIP_PIN_FILE WHAT CHECK INSTALL_ARGS...: reinstalled when REQUIREMENTS change
+  local venv=$1 req=$2 pins=$3 what=$4 check=$5 want stamp
+  shift 5
+  want=$(sha256sum "$req" | cut -d' ' -f1)
+  stamp="$venv/.lmforge-installed"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
-  echo "installing $qreq into $qvenv (llmcompressor; about 1.5 GB the first time)"
-  [ -x "$qvenv/bin/python" ] || "$PYTHON" -m venv "$qvenv"
-  "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/quant.lock)"
-  pip_install "$qvenv" "${qinstall[@]}"
-  "$qvenv/bin/python" -c "import llmcompressor, compressed_tensors, transformers; print('quantization environment OK')"
-  echo "$qwant" > "$qstamp"
+  echo "installing $req into $venv ($what)"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' "$pins")"
+  pip_install "$venv" "$@"
+  "$venv/bin/python" -c "$check"
+  echo "$want" > "$stamp"
+}
+
+setup_quant_env() {
+  [ "${LMFORGE_SKIP_QUANT_ENV:-0}" = 1 ] && return 0
+  local qreq=requirements/quant.lock qinstall=(--no-deps -r requirements/quant.lock)
+  if [ "$mode" = --gpu ]; then qreq=requirements/quant-gpu.txt; qinstall=(-r requirements/quant-gpu.txt); fi
+  side_env .venv-quant "$qreq" requirements/quant.lock "llmcompressor; about 1.5 GB the first time" \
+    "import llmcompressor, compressed_tensors, transformers; print('quantization environment OK')" "${qinstall[@]}"
 }
 
 setup_mlflow_env() {
   [ "${LMFORGE_SKIP_MLFLOW_ENV:-0}" = 1 ] && return 0
-  local mvenv=.venv-mlflow mwant mstamp
-  mwant=$(sha256sum requirements/mlflow.lock | cut -d' ' -f1)
-  mstamp="$mvenv/.lmforge-installed"
-  if [ -f "$mstamp" ] && [ "$(cat "$mstamp")" = "$mwant" ]; then
-    return 0
-  fi
-  echo "installing requirements/mlflow.lock into $mvenv (the MLflow server; about 0.8 GB the first time)"
-  [ -x "$mvenv/bin/python" ] || "$PYTHON" -m venv "$mvenv"
-  "$mvenv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/mlflow.lock)"
-  "$mvenv/bin/pip" install --quiet --disable-pip-version-check --no-deps -r requirements/mlflow.lock
-  "$mvenv/bin/mlflow" --version
-  echo "$mwant" > "$mstamp"
+  side_env .venv-mlflow requirements/mlflow.lock requirements/mlflow.lock \
+    "the MLflow server; about 0.8 GB the first time" \
+    "import mlflow.server; print('mlflow', mlflow.__version__, 'environment OK')" --no-deps -r requirements/mlflow.lock
 }
 
 if [ "$mode" = "--relock-quant" ]; then
