@@ -44,14 +44,23 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def pack_shard(
-    kept_path: Path, tokenizer_dir: Path, out_dir: Path, shard: str, val_fraction: float, seed: int
+    kept_path: Path,
+    tokenizer_dir: Path,
+    out_dir: Path,
+    shard: str,
+    val_fraction: float,
+    seed: int,
+    eos: int | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
-    """Encode one kept shard; returns (files written, token counts per split and domain)."""
+    """Encode one kept shard; returns (files written, token counts per split and domain).
+
+    Each document is its tokens (no BOS or other special tokens a base's tokenizer would add)
+    followed by EOS: `eos` (the tokenizer's end-of-text id), lmforge's own by default."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    eos = tokenizer.token_to_id(EOS)
+    eos = tokenizer.token_to_id(EOS) if eos is None else eos
     dtype = token_dtype(tokenizer.get_vocab_size())
     table = pq.read_table(kept_path, columns=["id", "text", "domain", "repeat"]).to_pydict()
-    encoded = [e.ids for e in tokenizer.encode_batch(table["text"])]
+    encoded = [e.ids for e in tokenizer.encode_batch(table["text"], add_special_tokens=False)]
     order: dict[str, list[int]] = {"train": [], "val": []}
     for i, doc_id in enumerate(table["id"]):
         order["val" if is_validation(doc_id, val_fraction, seed) else "train"].append(i)

@@ -40,7 +40,7 @@ from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, file_sha256, fingerprints
 from lmforge.inputs import expand_inputs, hub_revision
-from lmforge.stage import DOCUMENTS, TOKEN_SHARDS
+from lmforge.stage import BASE_MODEL, DOCUMENTS, TOKEN_SHARDS, has_base
 from lmforge.stage import TOKENIZER as TOKENIZER_DIR
 
 if TYPE_CHECKING:
@@ -482,7 +482,28 @@ def _kept_rows(ctx: StepContext, columns: list[str]):  # type: ignore[no-untyped
         yield from pq.read_table(select_dir / "kept" / f"{shard}.parquet", columns=columns).to_pylist()
 
 
+def _adopt_tokenizer(ctx: StepContext) -> dict[str, Any]:
+    """The base model's tokenizer (as `base_model/import` prepared it), instead of training one."""
+    from transformers import AutoTokenizer
+
+    source = ctx.path(BASE_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer.save_pretrained(str(ctx.out_dir))
+    return {
+        "vocab_size": len(tokenizer),
+        "eos_id": tokenizer.eos_token_id,
+        "pad_id": tokenizer.pad_token_id,
+        "adopted": 1,
+    }
+
+
 def _tokenizer_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    if ctx.has(BASE_MODEL):
+        info = _adopt_tokenizer(ctx)
+        groups = sample_groups(_kept_rows(ctx, ["text", "lang", "domain"]), ("lang", "domain"), per_group=50, seed=0)
+        fert = fertility(ctx.out_dir, groups)
+        atomic_write_json(ctx.out_dir / "fertility.json", fert)
+        return {"counts": {"train_docs": 0, **info}, "metrics": {"fertility": fert}}
     tc = _cur(ctx).tokenizer
     rng = random.Random(0)
     texts: list[str] = []
@@ -501,7 +522,8 @@ def _tokenizer_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 def _pack_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     pc = _cur(ctx).pack
     kept = ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet"
-    return pack_shard(kept, ctx.upstream_dir(TOKENIZER), ctx.out_dir, shard, pc.val_fraction, pc.seed)
+    eos = ctx.upstream[TOKENIZER]["counts"]["eos_id"]
+    return pack_shard(kept, ctx.upstream_dir(TOKENIZER), ctx.out_dir, shard, pc.val_fraction, pc.seed, eos)
 
 
 def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
@@ -663,9 +685,9 @@ CURATE_STEPS = [
     Step(
         TOKENIZER,
         2,
-        "Train the byte-level BPE tokenizer on kept documents",
-        reads=("curate.tokenizer",),
-        upstream=lambda c: (SELECT,),
+        "Train the byte-level BPE tokenizer on kept documents (or adopt the base model's)",
+        reads=lambda c: () if has_base(c) else ("curate.tokenizer",),
+        upstream=lambda c: (SELECT, BASE_MODEL) if has_base(c) else (SELECT,),
         finalize=_tokenizer_finalize,
         provides={TOKENIZER_DIR: ""},
         code=("data_prep.tokenizer",),

@@ -13,27 +13,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from lmforge.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD
+
 EOS = "<|endoftext|>"
-PAD = "<|pad|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END]
-# ChatML. The assistant's content and its <|im_end|> sit in {% generation %} markers, which
-# transformers' apply_chat_template turns into an assistant-token mask: TRL trains on exactly
-# those tokens (and so learns to stop at <|im_end|>). Rendered text is plain ChatML either way.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# the same template for renderers without transformers' `generation` extension (plain jinja2)
-PLAIN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, out_dir: Path) -> dict[str, int]:

@@ -120,9 +120,9 @@ class EvaluateConfig(StrictModel):
         "or a path to an lm-eval task YAML.",
     )
     # which metric steps run (like `stages`): no step's own results change with them
-    models: list[Literal["pretrained", "sft", "dpo"]] = runtime_field(
-        default_factory=lambda: ["pretrained", "sft", "dpo"],
-        description="Models of the lineage to evaluate (those that exist).",
+    models: list[Literal["base", "pretrained", "sft", "dpo"]] = runtime_field(
+        default_factory=lambda: ["base", "pretrained", "sft", "dpo"],
+        description="Models of the lineage to evaluate (those that exist; base: the model given as base_model).",
     )
     backends: list[Literal["hf", "vllm"]] = runtime_field(
         default_factory=lambda: ["hf", "vllm"], description="hf: transformers in-process; vllm: vLLM's OpenAI server."

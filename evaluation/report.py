@@ -19,8 +19,20 @@ from typing import Any
 from evaluation import stats
 from lmforge.jsonl import read_jsonl
 
-LINEAGE = ["pretrained", "sft", "dpo"]
-SOURCES_SEEN = {"pretrained": {"documents"}, "sft": {"documents", "sft"}, "dpo": {"documents", "sft", "dpo"}}
+LINEAGE = ["base", "pretrained", "sft", "dpo"]
+# what each model of the lineage trained on, as far as lmforge knows: a base model the user brings
+# was trained on data nobody here has seen, so none of its items count as contaminated by the lineage
+SOURCES_SEEN = {
+    "base": set(),
+    "pretrained": {"documents"},
+    "sft": {"documents", "sft"},
+    "dpo": {"documents", "sft", "dpo"},
+}
+BASE_UNKNOWN = (
+    "The base model's own training data is unknown to lmforge and was not checked: a high base score may "
+    "come from benchmark items in its pretraining data. The checks below cover every source this lineage "
+    "trained on (curated documents, SFT and DPO data)."
+)
 
 
 def read_samples(result_dir: Path) -> list[dict[str, Any]]:
@@ -158,10 +170,10 @@ def card(
                 f"{_fmt(a['difference'])}{' (rel.)' if a['relative'] else ''} | {'yes' if a['agree'] else 'NO'} |"
             )
     if contamination_summary:
+        lines += ["", "## Contamination", ""]
+        if any(r["model"] == "base" for r in rows):
+            lines += [BASE_UNKNOWN, ""]
         lines += [
-            "",
-            "## Contamination",
-            "",
             f"Rule (curation's decontamination applies the same): {contamination_summary[0].get('rule', '-')}.",
             "",
             "| task | items | contaminated | by path | share | worst source |",

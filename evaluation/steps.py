@@ -41,7 +41,7 @@ INDEXES = {
     "dpo": Product("ngram-index", "dpo"),
 }
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
-ROLES = ("pretrained", "sft", "dpo")
+ROLES = ("base", "pretrained", "sft", "dpo")
 BACKENDS = ("hf", "vllm")
 
 

@@ -55,7 +55,10 @@ def pipeline(
     set_library_log_level(config.runtime.log_level)
     if stages:
         config.stages = stages
-    params = {"preset": preset, "overrides": overrides or [], "workspace": workspace}
+    # each stage's flow loads the config from these: it must see the same `stages` (with a base
+    # model they decide whether pretrain and align are part of the lineage)
+    stage_overrides = [*(overrides or []), *([f"stages=[{', '.join(stages)}]"] if stages else [])]
+    params = {"preset": preset, "overrides": stage_overrides, "workspace": workspace}
     watch_cancellation()
     runs: dict[str, dict[str, Any]] = {}
     mlflow_run: str | None = None

@@ -45,7 +45,12 @@ def diff_components(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         reasons.append(f"step version changed {old.get('version')} -> {new.get('version')} (code semantics changed)")
     before, after = flatten(old.get("config", {})), flatten(new.get("config", {}))
     for name in sorted(set(before) | set(after)):
-        if before.get(name, "<unset>") != after.get(name, "<unset>"):
+        if before.get(name, "<unset>") == after.get(name, "<unset>"):
+            continue
+        if name.endswith(".content"):  # a digest of input files (a base model's weights, config, tokenizer)
+            old_digest, new_digest = str(before.get(name, "<unset>")), str(after.get(name, "<unset>"))
+            reasons.append(f"{name.removesuffix('.content')} content changed ({old_digest[:12]} -> {new_digest[:12]})")
+        else:
             reasons.append(f"{name} changed {_fmt(before.get(name, '<unset>'))} -> {_fmt(after.get(name, '<unset>'))}")
     old_code, new_code = old.get("code"), new.get("code")
     if old_code is not None and new_code is not None and old_code != new_code:

@@ -71,6 +71,29 @@ def hf_model(role: str) -> Product:
     return Product("hf-model", role)
 
 
+# the model a user brings (`base_model:`): the first model of its lineage when set
+BASE_MODEL = hf_model("base")
+
+
+def has_base(config: PipelineBase | Any) -> bool:
+    """Whether the lineage starts from a base model the user brings (`base_model.path` set)."""
+    section = getattr(config, "base_model", None)
+    return bool(getattr(section, "path", ""))
+
+
+def left_out_for_base(config: PipelineBase, stage: str) -> bool:
+    """With a base model, a training stage (pretrain, align) is part of the lineage only when this run
+    lists it in `stages`: without `pretrain`, alignment starts from the base itself; without either,
+    evaluation, quantization and serving take the base as it is. (Without a base, a stage a listed
+    stage needs comes along, as the lineage cannot exist without it.)"""
+    return has_base(config) and stage not in config.stages
+
+
+def fine_tunes_base(config: PipelineBase) -> bool:
+    """A base model is set and this run does not pretrain: alignment starts from the base itself."""
+    return left_out_for_base(config, "pretrain")
+
+
 @dataclass(frozen=True)
 class Maybe:
     """A product a step reads when the lineage has it, e.g. alignment data for evaluation

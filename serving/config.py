@@ -42,9 +42,10 @@ class SloConfig(StrictModel):
 
 class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
-    model: Literal["auto", "quantized", "dpo", "sft", "pretrained"] = Field(
+    model: Literal["auto", "quantized", "dpo", "sft", "pretrained", "base"] = Field(
         "auto",
-        description="What to serve. auto: the quantized model when its gate passed, else DPO, else SFT, else pretrained.",
+        description="What to serve. auto: the quantized model when its gate passed, else DPO, else SFT, else "
+        "pretrained, else the base model.",
     )
     require_evaluation: bool = Field(
         True, description="Refuse a model the evaluation stage did not evaluate (or whose gates failed)."

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
-from lmforge.stage import Maybe, Product, hf_model
+from lmforge.stage import BASE_MODEL, Maybe, Product, has_base, hf_model
 
 if TYPE_CHECKING:
     from lmforge.config import ConfigOrView, PipelineBase
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
-AUTO_ORDER = ("quantized", "dpo", "sft", "pretrained")
+AUTO_ORDER = ("quantized", "dpo", "sft", "pretrained", "base")
 
 
 class GateFailed(DeterministicError):
@@ -43,6 +44,8 @@ def _roles(config: ConfigOrView) -> tuple[str, ...]:
 
 def _upstream(config: PipelineBase) -> tuple[Any, ...]:
     wants: list[Any] = [Maybe(_product(r)) for r in _roles(config)]
+    if has_base(config) and "base" not in _roles(config):
+        wants.append(Maybe(BASE_MODEL))  # its name goes into the served name
     if config.serve.require_evaluation:
         wants.append(EVAL_VERDICT)
     return tuple(wants)
@@ -99,6 +102,15 @@ def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
     return {"report": str(path), "key": ctx.manifest(EVAL_VERDICT)["key"], "contamination_gate": gate}
 
 
+def _from_base(ctx: StepContext) -> str:
+    """`-from-<base name>` when the lineage starts from a base model the user brought."""
+    if not ctx.has(BASE_MODEL):
+        return ""
+    source = str(ctx.manifest(BASE_MODEL)["extra"]["source"]).removeprefix("hf:").split("@")[0]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(source.rstrip("/")).name).strip("-") or "base"
+    return f"-from-{name}"
+
+
 def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving import release, slo
 
@@ -106,7 +118,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     role, model_dir, source = _choose(ctx)
     # a checkpoint is judged by its source model's evaluation (contamination) and by the quantization gate
     evaluation = _check_verdict(ctx, source.get("from", role))
-    served_name = f"lmforge-{ctx.config.name}-{role}@{source['key'][:8]}"
+    served_name = f"lmforge-{ctx.config.name}-{role}{_from_base(ctx)}@{source['key'][:8]}"
     lineage = {
         "model": {"role": role, "step": source["step"], "key": source["key"], "digest": source["digest"]},
         "evaluation": evaluation,

@@ -10,6 +10,8 @@ the last product.
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,13 @@ def _status(manifest: dict[str, Any], status: str) -> str:
     return f"computed in {manifest['timings']['seconds']:.1f}s" if status == "computed" else status
 
 
+def artifact_key(text: str) -> str:
+    """Prefect's artifact keys take lowercase letters, digits and dashes only (`base_model-steps` is refused)."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower())
+
+
 def publish(spec: ArtifactSpec) -> None:
+    spec = replace(spec, key=artifact_key(spec.key))
     if spec.kind == "table":
         create_table_artifact(key=spec.key, table=spec.data, description=spec.description)
     elif spec.kind == "markdown":
@@ -58,11 +66,15 @@ def publish_stage(
     ]
     if not rows:
         return
-    create_table_artifact(key=f"{stage}-steps", table=rows, description=f"lmforge {stage}: steps and cache status")
+    create_table_artifact(
+        key=artifact_key(f"{stage}-steps"), table=rows, description=f"lmforge {stage}: steps and cache status"
+    )
     lines = [f"# {stage}", "", "| step | status | output |", "|---|---|---|"]
     lines += [f"| `{r['step']}` | {r['status']} | `{r['output']}` |" for r in rows]
     lines += ["", *(f"MLflow run ({step}): {link}" for step, link in links.items())] if links else []
-    create_markdown_artifact(key=f"{stage}-card", markdown="\n".join(lines), description=f"lmforge {stage} outputs")
+    create_markdown_artifact(
+        key=artifact_key(f"{stage}-card"), markdown="\n".join(lines), description=f"lmforge {stage} outputs"
+    )
 
 
 def made_by(manifest: dict[str, Any], runs: dict[str, dict[str, Any]] | None = None) -> str:

@@ -133,6 +133,7 @@ ROWS = [
     ("pretrain.log_every=1", set()),
     ("pretrain.eval_every=5", set()),
     ("pretrain.resume=never", set()),
+    ("pretrain.init=scratch", set()),  # without a base model it changes nothing
     ("runtime.log_level=DEBUG", set()),
     ("runtime.on_code_drift=rerun", set()),
     ("runtime.step_timeout_s={pretrain/train: 60}", set()),
@@ -242,7 +243,8 @@ def test_every_runtime_field_is_pinned_above() -> None:
 
     pinned = {part.split("=")[0] for override, changed in ROWS if not changed for part in override.split(";")}
     # debug: fault injection, keyed apart only when set (test_debug_settings_key_a_step_apart)
-    structural = {"name", "workspace", "stages", "debug"} | {
+    # base_model.path: which base is read is its content (in the keys), not where it lies
+    structural = {"name", "workspace", "stages", "debug", "base_model.path"} | {
         p for p in runtime_paths(PipelineConfig) if p.endswith(".enabled")
     }
     assert set(runtime_paths(PipelineConfig)) - structural - pinned == set()

@@ -161,6 +161,13 @@ class FaultInjectionConfig(StrictModel):
 
 class PretrainConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
+    # not itself identity: it decides whether the base model is an input, and the base's content is
+    init: Literal["auto", "scratch", "base"] = runtime_field(
+        "auto",
+        description="Where training starts: base = the weights of base_model (continued pretraining; "
+        "`model` is then the base's architecture, not read), scratch = a new model from `model`; "
+        "auto = base when base_model.path is set.",
+    )
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     seq_len: int = Field(256, ge=8, description="Training sequence length in tokens.")

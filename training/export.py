@@ -16,7 +16,14 @@ from typing import Any
 from training.model import llama_config
 
 log = logging.getLogger(__name__)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",  # a base model's SentencePiece model, where it ships one
+    "added_tokens.json",
+)
 
 
 def consolidated_state(engine: Any, zero_stage: int) -> dict[str, Any] | None:
@@ -69,22 +76,33 @@ def save_hf(
     special: dict[str, int],
     tokenizer_dir: Path,
     out_dir: Path,
+    base_dir: Path | None = None,
 ) -> None:
+    """Save the weights as a Hugging Face model: lmforge's Llama, or the base's own architecture,
+    generation config (its stop tokens) and context when training continued a base model."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
+    if base_dir is not None:
+        config = AutoConfig.from_pretrained(str(base_dir))
+        context = int(getattr(config, "max_position_embeddings", None) or trainer_cfg.seq_len)
+        generation = GenerationConfig.from_pretrained(str(base_dir))
+    else:
+        config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
+        context = trainer_cfg.seq_len
+        generation = generation_config(tokenizer_dir, special, trainer_cfg.seq_len)
     dtype = next(iter(state.values())).dtype
     config.dtype = str(dtype).removeprefix("torch.")
-    model = LlamaForCausalLM(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (trainer_cfg.model.tie_embeddings and k == "lm_head.weight")]
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k.endswith(("lm_head.weight", "embed_out.weight")))]
     if missing or unexpected:
         raise RuntimeError(f"export: state dict mismatch (missing {missing}, unexpected {unexpected})")
-    model.generation_config = generation_config(tokenizer_dir, special, trainer_cfg.seq_len)
+    model.generation_config = generation
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    copy_tokenizer(tokenizer_dir, out_dir, trainer_cfg.seq_len)
+    copy_tokenizer(tokenizer_dir, out_dir, context)
     del model
     torch.set_grad_enabled(True)
 

@@ -10,6 +10,7 @@ half-accumulated gradient or DeepSpeed counter survives from the aborted step.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from training.config import PretrainConfig
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
 from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb, peak_memory_mb
-from training.model import build_model
+from training.model import build_model, load_base
 from training.planner import Plan
 from training.reader import BatchSchedule, TokenWindows
 
@@ -54,16 +55,19 @@ class Trainer:
         world: int,
         peak_tflops: float | None,
         nan_at_batches: tuple[int, ...] = (),
+        base_dir: Path | None = None,
     ):
         import torch
 
         self.nan_at_batches = set(nan_at_batches)  # debug.pretrain: a reproducible divergence
 
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
-        self.out_dir, self.special = out_dir, special
+        self.out_dir, self.special, self.base_dir = out_dir, special, base_dir
         self.train_data = TokenWindows(pack_dir, "train", cfg.seq_len)
         self.val_data = TokenWindows(pack_dir, "val", cfg.seq_len)
         self.vocab_size = self.train_data.vocab_size
+        if base_dir is not None:  # the base's embedding rows (Qwen-style bases have more than the tokenizer)
+            self.vocab_size = json.loads((base_dir / "config.json").read_text())["vocab_size"]
         micro = cfg.distributed.micro_batch_size
         self.schedule = BatchSchedule(len(self.train_data), micro, world, rank, cfg.seed)
         self.val_schedule = self._validation_schedule(micro)
@@ -98,7 +102,10 @@ class Trainer:
     # -- engine ----------------------------------------------------------------------------
 
     def _build_engine(self) -> Any:
-        model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
+        if self.base_dir is not None:
+            model = load_base(self.base_dir)
+        else:
+            model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
         if self.cfg.distributed.activation_checkpointing:
             # recompute each decoder layer in backward instead of keeping its activations
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -403,6 +410,8 @@ class Trainer:
             self.restore(resume)
             log.info("resumed from %s (step %d)", resume.name, self.step)
         else:
+            if self.base_dir is not None:  # where continued pretraining starts from
+                self.progress["base_val_loss"] = self.evaluate()
             self.save_checkpoint()
         metrics = MetricsWriter(
             self.out_dir,
@@ -442,6 +451,7 @@ class Trainer:
             "final_step": self.step,
             "tokens": self.tokens,
             "final_val_loss": self.progress["last_val"],
+            "base_val_loss": self.progress.get("base_val_loss"),
             "tokens_per_s": mean_tps,
             "train_seconds": round(self.progress["wall_s"], 2),
             "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,

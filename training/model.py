@@ -1,7 +1,9 @@
-"""The Llama-style decoder, built from `transformers.LlamaConfig` and initialised from scratch."""
+"""The model pretraining trains: lmforge's Llama-style decoder from scratch (`transformers.LlamaConfig`),
+or a base model's own weights and architecture (any `AutoModelForCausalLM`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from training.config import ModelConfig
@@ -40,3 +42,49 @@ def build_model(model: ModelConfig, vocab_size: int, max_positions: int, special
     torch.manual_seed(seed)
     config = llama_config(model, vocab_size, max_positions, special)
     return LlamaForCausalLM(config)
+
+
+def load_base(base_dir: Path) -> Any:
+    """A base model's weights in fp32 (the engine casts for mixed precision), ready to train."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def decoder_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's shape read from a Hugging Face config.json (Llama, Qwen2, Mistral, GPT-NeoX,
+    GPT-2 spellings), for the planner's memory model and the FLOP count."""
+    hidden = config.get("hidden_size") or config.get("n_embd") or config["d_model"]
+    heads = config.get("num_attention_heads") or config.get("n_head") or config["num_heads"]
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10_000.0
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": config.get("intermediate_size") or config.get("n_inner") or 4 * hidden,
+        "num_layers": config.get("num_hidden_layers") or config.get("n_layer") or config["num_layers"],
+        "num_heads": heads,
+        "num_kv_heads": config.get("num_key_value_heads") or heads,
+        "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
+        "rope_theta": float(rope),
+    }
+
+
+def model_config_of(config: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**decoder_shape(config))
+
+
+def count_weights(directory: Path) -> int:
+    """Parameters stored in a model directory's safetensors files (read from their headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total

@@ -328,9 +328,16 @@ def resolve_ranks(cfg: PretrainConfig, device: DeviceInfo) -> int:
 
 
 def plan_parallelism(
-    cfg: PretrainConfig, vocab_size: int = 8192, device: DeviceInfo | None = None, peak_tflops: float | None = None
+    cfg: PretrainConfig,
+    vocab_size: int = 8192,
+    device: DeviceInfo | None = None,
+    peak_tflops: float | None = None,
+    params: int | None = None,
 ) -> Plan:
-    """Choose ZeRO stage / offload (unless fixed in the config) and explain the choice."""
+    """Choose ZeRO stage / offload (unless fixed in the config) and explain the choice.
+
+    `params`: the real parameter count where it is known (a base model's weights); otherwise it
+    is computed from `cfg.model` (lmforge's own architecture)."""
     device = device or detect_device()
     ranks = resolve_ranks(cfg, device)
     world = ranks * cfg.distributed.num_nodes
@@ -341,7 +348,7 @@ def plan_parallelism(
             f"micro_batch_size x world size = {cfg.distributed.micro_batch_size} x {world}"
         )
     precision = resolve_precision(cfg.precision, device)
-    params = count_parameters(cfg.model, vocab_size)
+    params = params or count_parameters(cfg.model, vocab_size)
     ranks_sharing = ranks if device.kind == "cpu" else 1  # CPU ranks share the host's memory
     capacity = device.memory_bytes / GIB / ranks_sharing * (1 - cfg.distributed.memory_headroom)
     # offloaded states live in the node's RAM, shared by its ranks (unknown for a machine described by hand)
@@ -439,3 +446,76 @@ def format_plan(plan: Plan) -> str:
     lines.append("compute budget:")
     lines += [f"  {k}: {v:,}" if isinstance(v, int) else f"  {k}: {v}" for k, v in plan.budget.items()]
     return "\n".join(lines)
+
+
+# -- fine-tuning memory -------------------------------------------------------------------------------
+
+# bytes per parameter of the model being fine-tuned, by method, before the optimizer:
+# 4-bit NF4 is half a byte, plus one fp32 absmax per 64 weights quantized again to 8 bits with
+# one fp32 constant per 256 of those (double quantization): 0.5 + 1/64 * (1 + 4/256) ~ 0.516
+NF4_BYTES = 0.5 + (1 + 4 / 256) / 64
+
+
+@dataclass
+class FinetunePlan:
+    method: str
+    params: int
+    trainable: int
+    per_rank_gib: float
+    capacity_gib: float
+    fits: bool
+    breakdown: dict[str, float]
+
+
+def lora_parameters(model: ModelConfig, r: int) -> int:
+    """Adapter parameters of rank `r` on every linear layer of the decoder (`all-linear`)."""
+    h, i = model.hidden_size, model.intermediate_size
+    kv = model.num_kv_heads * (h // model.num_heads)
+    # q, k, v, o, gate, up, down: r x (in + out) each
+    return model.num_layers * r * (9 * h + 2 * kv + 3 * i)
+
+
+def plan_finetune(
+    method: str,
+    model: ModelConfig,
+    params: int,
+    vocab_size: int,
+    precision: str,
+    ranks: int,
+    zero_stage: int,
+    capacity_gib: float,
+    micro_batch: int,
+    seq_len: int,
+    lora_r: int = 16,
+) -> FinetunePlan:
+    """Memory per rank of SFT by full fine-tuning, LoRA or QLoRA (a 4-bit NF4 base): weights,
+    gradients, AdamW states (fp32 moments, plus an fp32 master copy under bf16) sharded as ZeRO
+    shards them, and the activations of one micro-batch (QLoRA and LoRA with checkpointed layers)."""
+    w = 2 if precision in ("bf16", "fp16") else 4
+    master = 4 if w == 2 else 0
+    embeddings = vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2)
+    trainable = params if method == "full" else lora_parameters(model, lora_r)
+    share = {0: (1, 1, 1), 1: (1, 1, ranks), 2: (1, ranks, ranks), 3: (ranks, ranks, ranks)}[zero_stage]
+    if method == "qlora":
+        weights = (params - embeddings) * NF4_BYTES + embeddings * w
+    else:
+        weights = params * w / share[0]
+    parts = {
+        "weights": weights,
+        "gradients": trainable * (4 if method != "full" else w) / share[1],
+        "optimizer": trainable * (8 + master) / share[2],
+        "activations": micro_batch * seq_len * model.hidden_size * w * (model.num_layers + 16)
+        + micro_batch * seq_len * vocab_size * 4,  # checkpointed layer inputs, one layer live, fp32 logits
+    }
+    gib = {k: round(v / GIB, 2) for k, v in parts.items()}
+    total = round(sum(parts.values()) / GIB, 2)
+    return FinetunePlan(method, params, trainable, total, round(capacity_gib, 2), total <= capacity_gib, gib)
+
+
+def format_finetune(plan: FinetunePlan) -> str:
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in plan.breakdown.items())
+    verdict = "fits" if plan.fits else "does NOT fit (use qlora, more ranks or ZeRO-3)"
+    return (
+        f"fine-tuning plan ({plan.method}): {plan.params / 1e9:.2f}B parameters, {plan.trainable / 1e6:.1f}M "
+        f"trainable; {plan.per_rank_gib:.2f} GiB per rank ({parts}) of {plan.capacity_gib:.1f} usable: {verdict}"
+    )

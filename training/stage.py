@@ -57,6 +57,8 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _check(config: PipelineBase, source: str) -> None:
+    if config.pretrain.init == "base" and not config.base_model.path:
+        raise ConfigError(f"{source}: pretrain.init: base needs base_model.path (the model to continue training)")
     hostfile = config.pretrain.distributed.hostfile
     if hostfile and not Path(hostfile).exists():
         raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")
@@ -80,9 +82,57 @@ def _cmd_plan(args: argparse.Namespace, config: PipelineBase) -> int:
     else:  # this machine: the measured (cached) peak, so the budget includes a time estimate
         device = detect_device()
         peak = peak_tflops(device, resolve_precision(config.pretrain.precision, device))
-    plan = plan_parallelism(config.pretrain, config.curate.tokenizer.vocab_size, device=device, peak_tflops=peak)
+    cfg, vocab, params = config.pretrain, config.curate.tokenizer.vocab_size, None
+    if config.base_model.path:  # the base's own architecture and parameter count, from its config.json
+        from training.model import model_config_of
+
+        hf_config, params = _base_architecture(config)
+        cfg, vocab = cfg.model_copy(update={"model": model_config_of(hf_config)}), int(hf_config["vocab_size"])
+        print(f"base model: {config.base_model.path} ({(hf_config.get('architectures') or ['?'])[0]})")
+    plan = plan_parallelism(cfg, vocab, device=device, peak_tflops=peak, params=params)
     print(format_plan(plan))
+    if config.base_model.path:
+        print(_finetune_line(config, cfg, vocab, plan))
     return 0
+
+
+def _base_architecture(config: PipelineBase) -> tuple[dict[str, Any], int]:
+    """The base's config.json and its parameter count (the model built on the meta device: no weights read)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.base.prepare import resolve
+
+    directory = resolve(config.base_model.path, config.base_model.revision)
+    hf_config = json.loads((directory / "config.json").read_text())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(str(directory), trust_remote_code=config.base_model.trust_remote_code)
+        )
+    return hf_config, sum(p.numel() for p in model.parameters())
+
+
+def _finetune_line(config: PipelineBase, cfg: Any, vocab: int, plan: Any) -> str:
+    from training.planner import format_finetune, plan_finetune
+
+    a = config.align
+    zero = a.distributed.zero_stage if a.distributed.backend == "deepspeed" else 3
+    finetune = plan_finetune(
+        a.method,
+        cfg.model,
+        plan.params,
+        vocab,
+        "bf16" if a.precision == "bf16" else plan.precision,
+        plan.num_ranks,
+        zero,
+        plan.capacity_gib,
+        a.sft.micro_batch_size,
+        a.sft.max_seq_len or cfg.seq_len,
+        a.lora.r,
+    )
+    return format_finetune(finetune)
 
 
 STAGE = Stage(

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.configbase import ConfigView
-from lmforge.errors import TrainingDiverged
+from lmforge.errors import ConfigError, TrainingDiverged
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
-from lmforge.stage import TOKEN_SHARDS, TOKENIZER, hf_model
+from lmforge.stage import BASE_MODEL, TOKEN_SHARDS, TOKENIZER, fine_tunes_base, has_base, hf_model
 from training.metrics import METRICS_FILE, last_logged_step
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,51 @@ PRETRAINED = hf_model("pretrained")
 def _special_tokens(pack_dir: Path) -> tuple[int, dict[str, int]]:
     index = json.loads((pack_dir / "index.json").read_text())
     return index["vocab_size"], {"bos_id": index["eos_id"], "eos_id": index["eos_id"], "pad_id": index["pad_id"]}
+
+
+def from_base(config: Any) -> bool:
+    """Whether pretraining continues a base model's training (`pretrain.init`)."""
+    return has_base(config) and config.pretrain.init != "scratch"  # (init: base without a base fails the config check)
+
+
+def _reads(config: Any) -> tuple[str, ...]:
+    """The whole section, but the architecture (`pretrain.model`) only when training from scratch."""
+    from training.config import PretrainConfig
+
+    skip = ("model", "init") if from_base(config) else ("init",)  # init: runtime (see PretrainConfig)
+    return tuple(f"pretrain.{f}" for f in PretrainConfig.model_fields if f not in skip)
+
+
+def _pretrain_config(view: Any) -> Any:
+    """The section as a typed config from the step's view (the architecture, when not read, at its default)."""
+    from lmforge.errors import UndeclaredConfigRead
+    from training.config import PretrainConfig
+
+    values = {}
+    for name in PretrainConfig.model_fields:
+        try:
+            value = getattr(view, name)
+        except UndeclaredConfigRead:
+            continue
+        if not isinstance(value, ConfigView):  # a view: a section the step did not declare (`model`)
+            values[name] = value
+    return PretrainConfig.model_validate(values)
+
+
+def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int, dict[str, Any]]:
+    """The config with the base's architecture in `model`, its embedding rows and special tokens."""
+    from training.model import model_config_of
+
+    hf_config = json.loads((base_dir / "config.json").read_text())
+    rows = int(hf_config["vocab_size"])
+    if pack_vocab > rows:
+        raise ConfigError(
+            f"base_model: the tokenizer has {pack_vocab} tokens but {base_dir}/config.json has {rows} embedding rows"
+        )
+    context = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or cfg.seq_len)
+    if cfg.seq_len > context:
+        raise ConfigError(f"pretrain.seq_len {cfg.seq_len} exceeds the base model's context of {context} tokens")
+    return cfg.model_copy(update={"model": model_config_of(hf_config)}), rows, hf_config
 
 
 _STARTED_OVER: set[Path] = set()
@@ -58,13 +103,21 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from training.device import detect_device, peak_tflops
     from training.planner import devices_used, format_plan, plan_parallelism, resolve_precision
 
-    cfg, out_dir = ctx.config.pretrain, ctx.out_dir
+    cfg, out_dir = _pretrain_config(ctx.config.pretrain), ctx.out_dir
     pack_dir, tokenizer_dir = ctx.path(TOKEN_SHARDS), ctx.path(TOKENIZER)
     vocab_size, special = _special_tokens(pack_dir)
+    base_dir = ctx.path(BASE_MODEL) if ctx.has(BASE_MODEL) else None
+    params = None
+    if base_dir is not None:
+        from training.model import count_weights
+
+        cfg, vocab_size, _ = _base_shape(cfg, base_dir, vocab_size)
+        params = count_weights(base_dir)
+        log.info("continued pretraining of %s (%.2fM parameters)", base_dir, params / 1e6)
     device = detect_device()
     per_device = cfg.peak_tflops or peak_tflops(device, resolve_precision(cfg.precision, device))
     plan = plan_parallelism(
-        cfg, vocab_size, device, peak_tflops=per_device
+        cfg, vocab_size, device, peak_tflops=per_device, params=params
     )  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
@@ -85,6 +138,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "plan": dataclasses.asdict(plan),
         "pack_dir": str(pack_dir),
         "tokenizer_dir": str(tokenizer_dir),
+        "base_dir": str(base_dir) if base_dir is not None else None,
         "special": special,
         "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
         "peak_tflops": per_device * devices_used(plan.world_size, device),
@@ -181,15 +235,16 @@ PRETRAIN_STEPS = [
     Step(
         TRAIN,
         2,
-        "Train the Llama model (DeepSpeed or FSDP2, as planned) and export it to Hugging Face format",
-        reads=("pretrain",),
+        "Train the model (from scratch or the base's weights; DeepSpeed or FSDP2, as planned), export to HF format",
+        reads=_reads,
         derive=_resolved_precision,
-        upstream=lambda c: (TOKEN_SHARDS, TOKENIZER),
+        upstream=lambda c: (TOKEN_SHARDS, TOKENIZER, BASE_MODEL) if from_base(c) else (TOKEN_SHARDS, TOKENIZER),
         finalize=_train_finalize,
         retries=3,
         bookkeeping=("checkpoints", "logs"),
         digest_paths=("hf/",),
         provides={PRETRAINED: "hf"},
+        when=lambda c: not fine_tunes_base(c),  # fine-tuning a base directly: no pretrained model
         progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
         code=(
             "training.loop",

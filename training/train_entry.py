@@ -65,6 +65,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         world,
         spec.get("peak_tflops"),
         tuple(spec["debug"]["nan_at_batches"]),
+        Path(spec["base_dir"]) if spec.get("base_dir") else None,
     )
     summary = trainer.run()
     state = consolidated_state(trainer.engine, plan.zero_stage)
@@ -72,7 +73,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
     if rank == 0:
         if state is None:
             raise RuntimeError("rank 0 holds no consolidated model state to export")
-        save_hf(state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir)
+        base = Path(spec["base_dir"]) if spec.get("base_dir") else None
+        save_hf(state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir, base)
     trainer._barrier()
     windows = list(range(min(4, len(trainer.val_data) or 1)))
     data = trainer.val_data if len(trainer.val_data) else trainer.train_data

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CALIBRATION, GATE = "quantize/calibration", "quantize/gate"
 CHAT_DATA, EVAL_TASKS, QUANT_VERDICT = Product("chat-data"), Product("eval-tasks"), Product("quant-verdict")
-ROLES = ("dpo", "sft", "pretrained")
+ROLES = ("dpo", "sft", "pretrained", "base")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUANT_LOCK = REPO_ROOT / "requirements" / "quant.lock"
 

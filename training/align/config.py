@@ -56,8 +56,10 @@ class LoraConfig(StrictModel):
     alpha: int = Field(32, ge=1, description="Scaling numerator (the update is scaled by alpha/r); 2r is usual.")
     dropout: float = Field(0.05, ge=0, lt=1)
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Module names LoRA adapts (attention + MLP projections).",
+        default_factory=lambda: ["all-linear"],
+        description="Module names LoRA adapts; [all-linear]: every linear layer but the output head (the attention "
+        "and MLP projections of any architecture: q_proj..down_proj in Llama/Qwen2, query_key_value..dense_4h_to_h "
+        "in GPT-NeoX).",
     )
     merge_parity_tolerance: float = runtime_field(
         1e-3, description="Max |logit difference| between the merged model and the PEFT model.", gt=0
@@ -147,8 +149,10 @@ class AlignFaultConfig(StrictModel):
 
 class AlignConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
-    method: Literal["full", "lora"] = Field(
-        "full", description="SFT by full fine-tuning or a LoRA adapter (merged for export)."
+    method: Literal["full", "lora", "qlora"] = Field(
+        "full",
+        description="SFT by full fine-tuning, a LoRA adapter, or QLoRA (LoRA on the model loaded in 4-bit NF4 "
+        "with double quantization through bitsandbytes); adapters are merged into a 16-bit copy for export.",
     )
     heldout_fraction: float = Field(
         0.1, gt=0, lt=1, description="Share of records held out (by id hash) for evaluation."
@@ -170,6 +174,8 @@ class AlignConfig(StrictModel):
         d = self.distributed
         if d.num_nodes > 1 and not d.hostfile:
             raise ValueError("align.distributed.num_nodes > 1 needs a hostfile naming the nodes")
+        if self.method == "qlora" and (d.zero_stage == 3 or d.backend == "fsdp2"):
+            raise ValueError("align.method: qlora keeps the 4-bit base whole on every rank; use zero_stage 0-2 (DDP)")
         if d.backend == "fsdp2" and d.zero_stage:
             raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":

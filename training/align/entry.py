@@ -174,11 +174,14 @@ def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
             fsdp="full_shard auto_wrap",
             fsdp_config={"version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"},
         )
+    if spec.get("quantized_base"):  # QLoRA: checkpointed layers, as prepare_model_for_kbit_training set them
+        extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        extra.setdefault("gradient_checkpointing", False)
     return cls(
         output_dir=str(out_dir / "checkpoints"),
         use_cpu=not torch.cuda.is_available(),
         bf16=spec["precision"] == "bf16",
-        gradient_checkpointing=False,
         max_length=spec["max_length"],
         per_device_train_batch_size=cfg["micro_batch_size"],
         gradient_accumulation_steps=cfg["global_batch_size"] // per_step,
@@ -220,7 +223,7 @@ def _peft_config(spec: dict[str, Any]) -> Any:
         lora_dropout=lora["dropout"],
         bias="none",
         task_type="CAUSAL_LM",
-        target_modules=lora["target_modules"],
+        target_modules="all-linear" if lora["target_modules"] == ["all-linear"] else lora["target_modules"],
     )
 
 
@@ -229,6 +232,13 @@ def _dataset(path: str, columns: list[str]) -> Any:
 
     data = load_dataset("json", data_files=path, split="train")
     return data.select_columns(columns)
+
+
+def as_prompt_completion(record: dict[str, Any]) -> dict[str, Any]:
+    """A chat as prompt (every turn before the last assistant turn) and completion (that turn)."""
+    messages = record["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return {"prompt": messages[:last], "completion": [messages[last]]}
 
 
 def train(spec: dict[str, Any], rank: int) -> None:
@@ -248,21 +258,35 @@ def train(spec: dict[str, Any], rank: int) -> None:
     if resume is not None:
         log.info("resuming from %s", resume.name)
     lora = spec.get("lora") is not None
-    model = _load_model(spec["base_dir"], spec["precision"])
+    if spec.get("quantized_base"):
+        from training.align.qlora import four_bit_layers, load_4bit
+
+        model = load_4bit(spec["base_dir"], spec["precision"])
+        log.info("QLoRA: %d linear layers in 4-bit NF4 (double quantization)", four_bit_layers(model))
+    else:
+        model = _load_model(spec["base_dir"], spec["precision"])
     trainer: Trainer  # TRL's SFTTrainer or DPOTrainer
     if spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
+        # a base's own chat template without {% generation %} markers cannot mask by itself: the
+        # last assistant turn becomes the completion and the rest the prompt (TRL masks the prompt)
+        markers = "generation" in (tokenizer.chat_template or "")
+        only_assistant = spec["config"]["assistant_only_loss"]
         args = _training_args(
             spec,
             SFTConfig,
-            assistant_only_loss=spec["config"]["assistant_only_loss"],
+            assistant_only_loss=only_assistant and markers,
+            completion_only_loss=only_assistant and not markers,
             packing=spec["config"]["packing"],
         )
+        train_data = _dataset(spec["train"], ["messages"])
+        if only_assistant and not markers:
+            train_data = train_data.map(as_prompt_completion, remove_columns=["messages"])
         trainer = SFTTrainer(
             model=model,
             args=args,
-            train_dataset=_dataset(spec["train"], ["messages"]),
+            train_dataset=train_data,
             processing_class=tokenizer,
             peft_config=_peft_config(spec) if lora else None,
             callbacks=_callbacks(spec, holder),
@@ -289,6 +313,10 @@ def train(spec: dict[str, Any], rank: int) -> None:
             callbacks=_callbacks(spec, holder),
         )
     holder["trainer"] = trainer
+    if spec.get("quantized_base"):
+        from training.align.qlora import adapters_in_fp32
+
+        adapters_in_fp32(trainer.model)
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for noisy in (PrinterCallback, ProgressCallback):  # a dict or a progress bar per step; JsonlMetrics logs instead

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from lmforge.configbase import ConfigView
 from lmforge.errors import ConfigError
 from lmforge.graph import Step, StepContext
-from lmforge.stage import Product, hf_model
+from lmforge.stage import BASE_MODEL, Product, fine_tunes_base, hf_model, left_out_for_base
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -136,6 +136,12 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
 # -- training -----------------------------------------------------------------------------------------
 
 
+def start_model(config: PipelineBase) -> Product:
+    """What SFT starts from: the base model itself when one is set and this run does not pretrain
+    (`stages` without `pretrain`), otherwise the pretrained model (from scratch or continued)."""
+    return BASE_MODEL if fine_tunes_base(config) else PRETRAINED
+
+
 def _precision(config: ConfigView) -> str:
     from training.device import detect_device
 
@@ -156,7 +162,7 @@ def _training_fields(kind: str) -> list[str]:
 
 def _train_reads(kind: str) -> Callable[[PipelineBase], tuple[str, ...]]:
     def reads(config: PipelineBase) -> tuple[str, ...]:
-        lora = config.align.method == "lora" if kind == "sft" else config.align.dpo.lora
+        lora = config.align.method in ("lora", "qlora") if kind == "sft" else config.align.dpo.lora
         return (
             *_training_fields(kind),
             *(("align.method",) if kind == "sft" else ()),
@@ -199,7 +205,7 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
                 "align.distributed.backend: fsdp2 needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
                 "(it trains them as plain DDP); use deepspeed on CPU"
             )
-    base = ctx.path(PRETRAINED if kind == "sft" else SFT_MODEL)
+    base = ctx.path(SFT_MODEL if kind == "dpo" else BASE_MODEL if ctx.has(BASE_MODEL) else PRETRAINED)
     context = _context(base)
     data_dir = ctx.path(CHAT_DATA if kind == "sft" else PREFERENCE_DATA)
     heldout = data_dir.parent / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES)
@@ -212,7 +218,7 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
             f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
             f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}"
         )
-    lora = a.method == "lora" if kind == "sft" else a.dpo.lora
+    lora = a.method in ("lora", "qlora") if kind == "sft" else a.dpo.lora
     fields = [f.rsplit(".", 1)[1] for f in _training_fields(kind)]
     settings = {f: getattr(cfg, f) for f in fields}
     return {
@@ -228,6 +234,7 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
         "zero_stage": a.distributed.zero_stage,
         "backend": a.distributed.backend,
         "lora": a.lora.model_dump(mode="json") if lora else None,
+        "quantized_base": kind == "sft" and a.method == "qlora",
         "fault": ctx.config.debug.align.model_dump(mode="json"),
         "eval_every": cfg.eval_every,
     }
@@ -286,8 +293,14 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
     return finalize
 
 
-CODE = ("training.align.entry", "training.align.heldout", "training.device_setup", "training.export")
-LIBS = ("trl", "transformers", "peft", "torch", "accelerate")
+CODE = (
+    "training.align.entry",
+    "training.align.heldout",
+    "training.align.qlora",
+    "training.device_setup",
+    "training.export",
+)
+LIBS = ("trl", "transformers", "peft", "torch", "accelerate", "bitsandbytes")
 
 ALIGN_STEPS = [
     # version 4: SFT and DPO records of one question are held out together
@@ -308,8 +321,9 @@ ALIGN_STEPS = [
         "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss",
         reads=_train_reads("sft"),
         derive=_resolved_precision,
-        upstream=lambda c: (PRETRAINED, CHAT_DATA),
+        upstream=lambda c: (start_model(c), CHAT_DATA),
         finalize=_train_finalize("sft"),
+        when=lambda c: not left_out_for_base(c, "align"),
         retries=3,
         bookkeeping=("checkpoints", "logs"),
         digest_paths=("hf/",),
@@ -326,7 +340,7 @@ ALIGN_STEPS = [
         derive=_resolved_precision,
         upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA),
         finalize=_train_finalize("dpo"),
-        when=lambda c: c.align.dpo.enabled,
+        when=lambda c: c.align.dpo.enabled and not left_out_for_base(c, "align"),
         retries=3,
         bookkeeping=("checkpoints", "logs"),
         digest_paths=("hf/",),

@@ -1,0 +1,93 @@
+"""The base-model stage's one step: `base_model/import`.
+
+It reads the base the user brings (`base_model.path`), and hands every later stage a
+prepared copy as `hf-model:base` (see `training.base.prepare`). Its key is the base's
+content (or hub commit), not its path; its output digest covers the prepared directory, so a
+changed byte of the weights reruns what reads the base and nothing upstream of it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from lmforge.configbase import ConfigView
+from lmforge.graph import Step, StepContext
+from lmforge.stage import BASE_MODEL as BASE
+from lmforge.stage import has_base
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
+
+IMPORT = "base_model/import"
+
+
+def starts_from_base(config: PipelineBase) -> bool:
+    """Alignment starts from the base itself when a base is set and this run does not pretrain."""
+    return has_base(config) and "pretrain" not in config.stages
+
+
+def _content(config: ConfigView) -> dict[str, Any]:
+    from training.base.prepare import fingerprint
+
+    b = config.base_model
+    if not b.path:  # no base model: the step is off, its identity empty
+        return {}
+    return {"base_model": {"content": fingerprint(b.path, b.revision, config.workspace)}}
+
+
+def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    from training.base.prepare import check_base, prepare_base, resolve
+
+    b = ctx.config.base_model
+    source = resolve(b.path, b.revision)
+    check_base(str(source), b.trust_remote_code, "base_model")
+    info = prepare_base(source, ctx.out_dir / "hf", b.trust_remote_code)
+    return {
+        "counts": {"params": info["params"], "added_tokens": len(info["added_tokens"])},
+        "metrics": {"vocab": info["vocab"]["tokenizer_after"]},
+        "extra": {
+            **info,
+            "source": b.path + (f"@{b.revision}" if b.path.startswith("hf:") else ""),
+            "identity": ctx.identity.get("base_model", {}).get("content"),
+            "hf_dir": str(ctx.out_dir / "hf"),
+        },
+    }
+
+
+def _findings(manifest: dict[str, Any]) -> list[str]:
+    extra = manifest.get("extra", {})
+    return [
+        f"{extra.get('architecture')} with {extra.get('params', 0) / 1e6:.2f}M parameters from {extra.get('source')}",
+        f"chat template: {extra.get('chat_template')}; added tokens: {', '.join(extra.get('added_tokens', [])) or 'none'}"
+        + ("; embeddings resized" if extra.get("resized_embeddings") else ""),
+    ]
+
+
+def base_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What `base_model/import` recorded about the base (architecture, shape, special tokens)."""
+    return {k: manifest["extra"][k] for k in ("architecture", "shape", "special", "context", "params", "source")}
+
+
+def read_prepared(directory: str) -> dict[str, Any]:
+    from pathlib import Path
+
+    from training.base.prepare import PREPARED
+
+    return json.loads((Path(directory).parent / PREPARED).read_text())
+
+
+BASE_STEPS = [
+    Step(
+        IMPORT,
+        1,
+        "Check and fingerprint the base model; add a chat template, pad and chat tokens where it lacks them",
+        reads=("base_model.revision", "base_model.trust_remote_code"),
+        derive=_content,
+        finalize=_finalize,
+        provides={BASE: "hf"},
+        findings=_findings,
+        code=("training.base.prepare", "lmforge.chat"),
+        libraries=("transformers", "tokenizers"),
+    ),
+]
