@@ -8,6 +8,8 @@ exactly those tokens (and so learns to stop at <|im_end|>). Rendered text is pla
 
 from __future__ import annotations
 
+import re
+
 PAD = "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -24,3 +26,11 @@ CHAT_TEMPLATE = (
 )
 # the same template for renderers without transformers' `generation` extension (plain jinja2)
 PLAIN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_markers(template: str | None) -> bool:
+    """Whether a chat template marks assistant turns with `{% generation %}` (not `add_generation_prompt`)."""
+    return bool(template and _MARKER.search(template))

@@ -138,6 +138,7 @@ def test_the_base_fingerprint_follows_content_and_is_hashed_once(
     assert fingerprint(str(model), "main", tmp_path / "ws") == first and calls == []
     moved = shutil.move(str(model), str(tmp_path / "moved"))
     assert fingerprint(moved, "main", tmp_path / "ws") == first  # the path is not identity
+    calls.clear()
     corrupt_one_byte(Path(moved))
     assert fingerprint(moved, "main", tmp_path / "ws") != first
     assert calls == [str(Path(moved).resolve() / "model.safetensors")]  # only the changed file was hashed
@@ -151,10 +152,10 @@ def _loss_tokens(tokenizer_dir: Path, base_dir: Path, tmp_path: Path) -> list[st
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from training.align.entry import as_prompt_completion
+    from training.align.entry import as_prompt_completion, trainable_template
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    markers = "generation" in tokenizer.chat_template
+    markers = trainable_template(tokenizer)  # as the SFT entry decides it
     chat = [
         {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "5"},
@@ -173,13 +174,12 @@ def _loss_tokens(tokenizer_dir: Path, base_dir: Path, tmp_path: Path) -> list[st
         report_to=[],
         assistant_only_loss=markers,
         completion_only_loss=not markers,
-        max_length=128,
+        max_length=512,
     )
     model = AutoModelForCausalLM.from_pretrained(str(base_dir))
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-    row = trainer.train_dataset[0]
-    mask = row.get("assistant_masks") or row["completion_mask"]
-    return [tokenizer.decode([t]) for t, m in zip(row["input_ids"], mask) if m]
+    row = trainer.train_dataset[0]  # TRL 1.16 writes the mask into the labels: -100 carries no loss
+    return [tokenizer.decode([t]) for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
 
 
 def test_loss_is_on_assistant_tokens_with_lmforge_chatml(bases: dict[str, Path], tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_a_base_template_without_generation_markers_trains_on_the_last_answer_on
     )
     (base / "tokenizer_config.json").write_text(json.dumps(config))
     info = prepare_base(base, tmp_path / "p" / "hf", trust_remote_code=False)
-    assert info["chat_template"].startswith("base (no generation markers")
+    assert info["chat_template"].startswith("base (no {% generation %} markers")
     carried = "".join(_loss_tokens(tmp_path / "p" / "hf", tmp_path / "p" / "hf", tmp_path))
     assert carried.replace(" ", "").replace("▁", "") == "8</s>", carried
 
@@ -446,3 +446,20 @@ def test_with_a_base_the_tokenizer_and_architecture_settings_are_not_read(bases:
     assert not g.get("pretrain/train").enabled(direct)
     serve_only = load_config("tiny-cpu", [f"base_model.path={bases['neox']}", "stages=[evaluate,quantize,serve]"])
     assert not g.get("align/sft").enabled(serve_only) and g.get("evaluate/base-hf").enabled(serve_only)
+
+
+def test_a_known_base_template_without_markers_gets_trls_marked_copy_and_trains_on_every_answer(
+    bases: dict[str, Path], tmp_path: Path
+) -> None:
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    base = _copy(bases["qwen2"], tmp_path / "qwen-templated")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = qwen2_5_chat_template  # Qwen2.5's own template: no {% generation %} markers
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    from training.base.prepare import prepare_base
+
+    prepare_base(base, tmp_path / "p" / "hf", trust_remote_code=False)
+    carried = "".join(_loss_tokens(tmp_path / "p" / "hf", tmp_path / "p" / "hf", tmp_path))
+    # both answers and their end of turn (TRL's copy also marks the newline after it); no system prompt or question
+    assert "".join(carried.split()) == "5<|im_end|>8<|im_end|>", carried

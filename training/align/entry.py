@@ -234,6 +234,22 @@ def _dataset(path: str, columns: list[str]) -> Any:
     return data.select_columns(columns)
 
 
+def trainable_template(tokenizer: Any) -> bool:
+    """Whether assistant-only loss works through the chat template: it has `{% generation %}`
+    markers, or TRL has a marked copy of it."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from lmforge.chat import has_generation_markers
+
+    if has_generation_markers(tokenizer.chat_template):
+        return True
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        return False
+    return True
+
+
 def as_prompt_completion(record: dict[str, Any]) -> dict[str, Any]:
     """A chat as prompt (every turn before the last assistant turn) and completion (that turn)."""
     messages = record["messages"]
@@ -269,9 +285,10 @@ def train(spec: dict[str, Any], rank: int) -> None:
     if spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        # a base's own chat template without {% generation %} markers cannot mask by itself: the
-        # last assistant turn becomes the completion and the rest the prompt (TRL masks the prompt)
-        markers = "generation" in (tokenizer.chat_template or "")
+        # a base's own chat template without {% generation %} markers cannot mask by itself: TRL swaps
+        # in a marked copy of the templates it knows (Llama 3, Qwen 2.5/3, Gemma, Phi-3, ...); for
+        # any other, the last assistant turn becomes the completion and the rest the prompt
+        markers = trainable_template(tokenizer)
         only_assistant = spec["config"]["assistant_only_loss"]
         args = _training_args(
             spec,

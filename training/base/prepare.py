@@ -146,7 +146,7 @@ def prepare_base(source: Path, out_dir: Path, trust_remote_code: bool) -> dict[s
     """Write the prepared base into `out_dir` and return what was done (also saved as base.json)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from lmforge.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD
+    from lmforge.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, has_generation_markers
 
     config = _read_config(source)
     tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
@@ -157,8 +157,10 @@ def prepare_base(source: Path, out_dir: Path, trust_remote_code: bool) -> dict[s
         template = "lmforge ChatML (the base has none)"
         tokenizer.chat_template = CHAT_TEMPLATE
         added["additional_special_tokens"] = [IM_START, IM_END]
-    elif "{% generation %}" not in tokenizer.chat_template and "{%- generation %}" not in tokenizer.chat_template:
-        template = "base (no generation markers: SFT masks the prompt instead)"
+    elif not has_generation_markers(tokenizer.chat_template):
+        template = (
+            "base (no {% generation %} markers: SFT uses TRL's marked copy where it has one, else masks the prompt)"
+        )
     if tokenizer.pad_token is None:
         added["pad_token"] = PAD
     if added:
