@@ -499,24 +499,21 @@ def _adopt_tokenizer(ctx: StepContext) -> dict[str, Any]:
 
 def _tokenizer_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     if ctx.has(BASE_MODEL):
-        info = _adopt_tokenizer(ctx)
-        groups = sample_groups(_kept_rows(ctx, ["text", "lang", "domain"]), ("lang", "domain"), per_group=50, seed=0)
-        fert = fertility(ctx.out_dir, groups)
-        atomic_write_json(ctx.out_dir / "fertility.json", fert)
-        return {"counts": {"train_docs": 0, **info}, "metrics": {"fertility": fert}}
-    tc = _cur(ctx).tokenizer
-    rng = random.Random(0)
-    texts: list[str] = []
-    for seen, row in enumerate(_kept_rows(ctx, ["text"])):  # reservoir sample: bounded memory
-        if len(texts) < tc.max_train_docs:
-            texts.append(row["text"])
-        elif (j := rng.randrange(seen + 1)) < tc.max_train_docs:
-            texts[j] = row["text"]
-    info = train_bpe(texts, tc.vocab_size, tc.min_frequency, ctx.out_dir)
+        info = {"train_docs": 0, **_adopt_tokenizer(ctx)}
+    else:
+        tc = _cur(ctx).tokenizer
+        rng = random.Random(0)
+        texts: list[str] = []
+        for seen, row in enumerate(_kept_rows(ctx, ["text"])):  # reservoir sample: bounded memory
+            if len(texts) < tc.max_train_docs:
+                texts.append(row["text"])
+            elif (j := rng.randrange(seen + 1)) < tc.max_train_docs:
+                texts[j] = row["text"]
+        info = {"train_docs": len(texts), **train_bpe(texts, tc.vocab_size, tc.min_frequency, ctx.out_dir)}
     groups = sample_groups(_kept_rows(ctx, ["text", "lang", "domain"]), ("lang", "domain"), per_group=50, seed=0)
     fert = fertility(ctx.out_dir, groups)
     atomic_write_json(ctx.out_dir / "fertility.json", fert)
-    return {"counts": {"train_docs": len(texts), **info}, "metrics": {"fertility": fert}}
+    return {"counts": info, "metrics": {"fertility": fert}}
 
 
 def _pack_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:

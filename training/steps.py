@@ -65,8 +65,8 @@ def _pretrain_config(view: Any) -> Any:
     return PretrainConfig.model_validate(values)
 
 
-def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int, dict[str, Any]]:
-    """The config with the base's architecture in `model`, its embedding rows and special tokens."""
+def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int]:
+    """The config with the base's architecture in `model`, and the base's embedding rows."""
     from training.model import model_config_of
 
     hf_config = json.loads((base_dir / "config.json").read_text())
@@ -78,7 +78,7 @@ def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int, di
     context = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or cfg.seq_len)
     if cfg.seq_len > context:
         raise ConfigError(f"pretrain.seq_len {cfg.seq_len} exceeds the base model's context of {context} tokens")
-    return cfg.model_copy(update={"model": model_config_of(hf_config)}), rows, hf_config
+    return cfg.model_copy(update={"model": model_config_of(hf_config)}), rows
 
 
 _STARTED_OVER: set[Path] = set()
@@ -111,7 +111,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     if base_dir is not None:
         from training.model import count_weights
 
-        cfg, vocab_size, _ = _base_shape(cfg, base_dir, vocab_size)
+        cfg, vocab_size = _base_shape(cfg, base_dir, vocab_size)
         params = count_weights(base_dir)
         log.info("continued pretraining of %s (%.2fM parameters)", base_dir, params / 1e6)
     device = detect_device()

@@ -8,7 +8,6 @@ changed byte of the weights reruns what reads the base and nothing upstream of i
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
@@ -62,19 +61,6 @@ def _findings(manifest: dict[str, Any]) -> list[str]:
         f"chat template: {extra.get('chat_template')}; added tokens: {', '.join(extra.get('added_tokens', [])) or 'none'}"
         + ("; embeddings resized" if extra.get("resized_embeddings") else ""),
     ]
-
-
-def base_info(manifest: dict[str, Any]) -> dict[str, Any]:
-    """What `base_model/import` recorded about the base (architecture, shape, special tokens)."""
-    return {k: manifest["extra"][k] for k in ("architecture", "shape", "special", "context", "params", "source")}
-
-
-def read_prepared(directory: str) -> dict[str, Any]:
-    from pathlib import Path
-
-    from training.base.prepare import PREPARED
-
-    return json.loads((Path(directory).parent / PREPARED).read_text())
 
 
 BASE_STEPS = [
