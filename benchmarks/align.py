@@ -1,17 +1,19 @@
-"""Alignment throughput: SFT and DPO tokens/s through lmforge against TRL called directly.
+"""Alignment throughput: SFT, DPO and RL tokens/s through lmforge against TRL called directly.
 
-    .venv/bin/python benchmarks/align.py --workspace WS [--sft-steps 40] [--dpo-steps 30] [--repeats 2]
+    .venv/bin/python benchmarks/align.py --workspace WS [--sft-steps 40] [--dpo-steps 30] [--rl-steps 30] [--repeats 2]
 
-WS is a workspace where `lmforge stage align` ran (it reads the pretrained and SFT models and
-the alignment data from it). Both paths train the same model on the same data with the same
+WS is a workspace where `lmforge stage align` ran (it reads the pretrained, SFT and DPO models
+and the alignment data from it; RL needs a run with `rl` in `align.recipe`, e.g. the
+`tiny-cpu-rl` preset). Both paths train the same model on the same data with the same
 settings (tiny-cpu's batch sizes, learning rates, sequence length, fp32 on CPU), on 2 ranks
 started by `accelerate launch`:
 
 - lmforge: `training.align.entry` with the spec the align step writes (its callbacks log
   metrics and checkpoint every `save_steps`; held-out generation is switched off here, since it
   is evaluation, not training);
-- plain TRL: a short script a user would write, `SFTTrainer` / `DPOTrainer` with the same
-  arguments, no callbacks, no checkpoints.
+- plain TRL: a short script a user would write, `SFTTrainer` / `DPOTrainer` / `GRPOTrainer`
+  with the same arguments (GRPO with the same verifiable reward function), no callbacks, no
+  checkpoints.
 
 tokens/s is measured the same way for both: TRL's `num_tokens` counter between consecutive
 logged steps over the wall time between them, averaged from the second step on. The runs alternate (lmforge, TRL,
@@ -42,8 +44,13 @@ spec = json.load(open(sys.argv[1]))
 cfg = spec["config"]
 tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
 model = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
-columns = ["messages"] if spec["kind"] == "sft" else ["prompt", "chosen", "rejected"]
-data = load_dataset("json", data_files=spec["train"], split="train").select_columns(columns)
+if spec["kind"] == "rl":  # the same prompts, the same reward function (lmforge.verify's check)
+    from training.align.rl import prompt_records, verifier_reward
+    from datasets import Dataset
+    data = Dataset.from_list(prompt_records(spec["train"], cfg["prompts"]))
+else:
+    columns = ["messages"] if spec["kind"] == "sft" else ["prompt", "chosen", "rejected"]
+    data = load_dataset("json", data_files=spec["train"], split="train").select_columns(columns)
 
 class Times(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
@@ -51,13 +58,21 @@ class Times(TrainerCallback):
             with open(spec["out_dir"] + "/plain_metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.global_step, "num_tokens": logs["num_tokens"], "time": time.time()}) + "\n")
 
-common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, max_length=spec["max_length"], report_to=[],
+common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, report_to=[],
               per_device_train_batch_size=cfg["micro_batch_size"],
               gradient_accumulation_steps=cfg["global_batch_size"] // (cfg["micro_batch_size"] * 2),
               learning_rate=cfg["lr"], lr_scheduler_type=cfg["lr_scheduler"], max_steps=cfg["max_steps"],
               warmup_steps=int(cfg["warmup_ratio"] * cfg["max_steps"]), logging_steps=1, save_strategy="no",
               seed=cfg["seed"], dataloader_num_workers=0, ddp_find_unused_parameters=False)
-if spec["kind"] == "sft":
+if spec["kind"] != "rl":
+    common["max_length"] = spec["max_length"]
+if spec["kind"] == "rl":
+    args = trl.GRPOConfig(**common, num_generations=cfg["num_generations"], max_completion_length=cfg["max_completion_length"],
+                          temperature=cfg["temperature"], beta=cfg["beta"], epsilon=cfg["epsilon"],
+                          num_iterations=cfg["num_iterations"], loss_type=cfg["loss_type"], scale_rewards=cfg["scale_rewards"])
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[verifier_reward], args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[Times()])
+elif spec["kind"] == "sft":
     args = trl.SFTConfig(**common, assistant_only_loss=cfg["assistant_only_loss"], packing=cfg["packing"])
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Times()])
 else:
@@ -90,6 +105,7 @@ def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
         out_dir=str(out),
         eval_every=10**9,
         heldout_generation=[],
+        heldout_chats=[],
         attempt=1,
         attempt_dir=str(out / "logs" / "attempt-1"),
     )
@@ -142,6 +158,8 @@ def main() -> None:
     parser.add_argument("--workspace", required=True)
     parser.add_argument("--sft-steps", type=int, default=40)
     parser.add_argument("--dpo-steps", type=int, default=30)
+    parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--kinds", default="sft,dpo,rl", help="comma-separated: sft, dpo, rl (rl needs align/rl in WS)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     workspace = Path(args.workspace)
@@ -151,7 +169,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "plain_trl.py"
         script.write_text(PLAIN)
-        for kind, steps in (("sft", args.sft_steps), ("dpo", args.dpo_steps)):
+        steps_of = {"sft": args.sft_steps, "dpo": args.dpo_steps, "rl": args.rl_steps}
+        for kind, steps in ((k, steps_of[k]) for k in args.kinds.split(",")):
             mine, plain = [], []
             for repeat in range(args.repeats):
                 started = time.time()

@@ -30,6 +30,7 @@ from lmforge.jsonl import read_jsonl, write_jsonl
 
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
+VERIFY = Path(__file__).resolve().parents[1] / "lmforge" / "verify.py"  # the one answer check, loaded by utils.py
 BUILTIN = (
     "lmforge_continuation",
     "lmforge_heldout_ppl",
@@ -174,6 +175,7 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
     data = out_dir / "data"
     shutil.copy2(TEMPLATES / "utils.py", out_dir / "utils.py")
     shutil.copy2(SANDBOX, out_dir / "sandbox.py")
+    shutil.copy2(VERIFY, out_dir / "verify.py")
     built: dict[str, Any] = {}
     docs: list[dict[str, Any]] | None = None
     for task in tasks:
@@ -199,7 +201,11 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
         write_jsonl(out_dir / "items" / f"{task}.jsonl", item_texts(task, items))
         yaml_path = render_task(task, out_dir)
         files = [yaml_path, data / DATA_FILE[task]] + (
-            [out_dir / "utils.py", out_dir / "sandbox.py"] if task == "lmforge_humaneval" else []
+            [out_dir / "utils.py", out_dir / "sandbox.py"]
+            if task == "lmforge_humaneval"
+            else [out_dir / "utils.py", out_dir / "verify.py"]
+            if task == "lmforge_chat_exact"
+            else []
         )
         # the task's identity: its definition and data, not where the workspace lives
         definition = [(f.name, file_sha256(f)) for f in files[1:]] + [

@@ -120,8 +120,8 @@ class EvaluateConfig(StrictModel):
         "or a path to an lm-eval task YAML.",
     )
     # which metric steps run (like `stages`): no step's own results change with them
-    models: list[Literal["base", "pretrained", "sft", "dpo"]] = runtime_field(
-        default_factory=lambda: ["base", "pretrained", "sft", "dpo"],
+    models: list[Literal["base", "pretrained", "sft", "dpo", "rl"]] = runtime_field(
+        default_factory=lambda: ["base", "pretrained", "sft", "dpo", "rl"],
         description="Models of the lineage to evaluate (those that exist; base: the model given as base_model).",
     )
     backends: list[Literal["hf", "vllm"]] = runtime_field(

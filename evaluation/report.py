@@ -19,7 +19,7 @@ from typing import Any
 from evaluation import stats
 from lmforge.jsonl import read_jsonl
 
-LINEAGE = ["base", "pretrained", "sft", "dpo"]
+LINEAGE = ["base", "pretrained", "sft", "dpo", "rl"]
 # what each model of the lineage trained on, as far as lmforge knows: a base model the user brings
 # was trained on data nobody here has seen, so none of its items count as contaminated by the lineage
 SOURCES_SEEN = {
@@ -27,6 +27,8 @@ SOURCES_SEEN = {
     "pretrained": {"documents"},
     "sft": {"documents", "sft"},
     "dpo": {"documents", "sft", "dpo"},
+    # RL trains on the SFT split's prompts (and, through DPO or the reward model, on the preference data)
+    "rl": {"documents", "sft", "dpo"},
 }
 BASE_UNKNOWN = (
     "The base model's own training data is unknown to lmforge and was not checked: a high base score may "

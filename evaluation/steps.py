@@ -41,7 +41,7 @@ INDEXES = {
     "dpo": Product("ngram-index", "dpo"),
 }
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
-ROLES = ("base", "pretrained", "sft", "dpo")
+ROLES = ("base", "pretrained", "sft", "dpo", "rl")
 BACKENDS = ("hf", "vllm")
 
 

@@ -50,6 +50,7 @@ KINDS = {
     "tokenizer": "a Hugging Face tokenizer directory with the ChatML chat template",
     "token-shards": "packed token shards (tokens/*.bin) with index.json",
     "hf-model": "a Hugging Face model directory (safetensors, config, tokenizer, generation config)",
+    "reward-model": "a Hugging Face sequence-classification directory (one score per conversation) with its tokenizer",
     "chat-data": "chat records (JSONL with messages), train and held-out splits",
     "preference-data": "preference records (JSONL with prompt, chosen, rejected), train and held-out splits",
     "ngram-index": "a hashed n-gram index of a training source, for contamination checks",

@@ -42,9 +42,9 @@ class SloConfig(StrictModel):
 
 class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
-    model: Literal["auto", "quantized", "dpo", "sft", "pretrained", "base"] = Field(
+    model: Literal["auto", "quantized", "rl", "dpo", "sft", "pretrained", "base"] = Field(
         "auto",
-        description="What to serve. auto: the quantized model when its gate passed, else DPO, else SFT, else "
+        description="What to serve. auto: the quantized model when its gate passed, else RL, else DPO, else SFT, else "
         "pretrained, else the base model.",
     )
     require_evaluation: bool = Field(

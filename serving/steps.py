@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
-AUTO_ORDER = ("quantized", "dpo", "sft", "pretrained", "base")
+AUTO_ORDER = ("quantized", "rl", "dpo", "sft", "pretrained", "base")
 
 
 class GateFailed(DeterministicError):

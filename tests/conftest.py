@@ -64,6 +64,27 @@ SMALL_ALIGN = [
     "align.eval_generations=40",
 ]
 
+# The RL road on the small model: a reward model and a few GRPO steps (mechanics; the tiny-cpu-rl
+# preset is where GRPO's gain is measured).
+SMALL_RL = [
+    "align.recipe=[sft, dpo, reward, rl]",
+    "align.reward.max_steps=150",
+    "align.reward.lr=1e-3",
+    "align.reward.global_batch_size=16",
+    "align.reward.micro_batch_size=8",
+    "align.reward.save_steps=50",
+    "align.rl.rewards=[{kind: verifier}, {kind: reward_model, weight: 0.5}]",
+    "align.rl.max_steps=20",
+    "align.rl.lr=1e-4",
+    "align.rl.save_steps=10",
+    "align.rl.eval_every=10",
+    "align.rl.global_batch_size=32",
+    "align.rl.micro_batch_size=16",
+    "align.rl.num_generations=8",
+    "align.rl.max_completion_length=16",
+    "align.rl.heldout_prompts=24",
+]
+
 # Evaluation on few items (the metric runs; contamination still checks every item).
 SMALL_EVAL = [
     "evaluate.builtin.continuation_items=40",
@@ -135,6 +156,16 @@ def aligned(trained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     workspace = tmp_path_factory.mktemp("aligned")
     shutil.copytree(Path(trained["dir"]).parents[2], workspace, dirs_exist_ok=True)
     return run_pipeline_locally(small_config(workspace), ["align"])
+
+
+@pytest.fixture(scope="session")
+def rl_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The small lineage's RL road (reward model, then GRPO from DPO) on 2 ranks, once per session."""
+    from lmforge.executor import run_pipeline_locally
+
+    workspace = tmp_path_factory.mktemp("rl")
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    return run_pipeline_locally(small_config(workspace, *SMALL_RL), ["align"])
 
 
 @pytest.fixture(scope="session")

@@ -191,10 +191,10 @@ def test_lora_merge_is_checked_against_the_peft_model_and_a_bad_merge_is_caught(
     assert not is_retryable(info.value)
 
 
-def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event) -> None:
-    """SIGKILL one alignment rank once SFT has logged `step`."""
+def _kill_rank_when(workspace: Path, rank: int, step: int, done: threading.Event, name: str = "sft") -> None:
+    """SIGKILL one alignment rank once align/<name> (SFT by default) has logged `step`."""
     while not done.is_set():
-        for metrics in workspace.glob("align/sft/*/metrics.jsonl"):
+        for metrics in workspace.glob(f"align/{name}/*/metrics.jsonl"):
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             if any(r.get("step", 0) >= step and "loss" in r for r in rows):
                 for proc in psutil.process_iter(["cmdline"]):

@@ -1,4 +1,5 @@
-"""Helpers the task YAMLs name with `!function utils.<name>`: HumanEval's sandboxed scoring.
+"""Helpers the task YAMLs name with `!function utils.<name>`: HumanEval's sandboxed scoring and the
+chat tasks' exact match (`verify.py`, lmforge's one answer check, the one RL rewards with).
 
 lm-eval imports this file by path (its module name is the path), so `sandbox.py` beside it is
 loaded explicitly. Each completion runs as `prompt + completion + tests + check(entry_point)`
@@ -14,14 +15,19 @@ import secrets
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-_spec = importlib.util.spec_from_file_location(
-    "lmforge_eval_sandbox", os.path.join(os.path.dirname(__file__), "sandbox.py")
-)
-if _spec is None or _spec.loader is None:
-    raise ImportError(f"cannot load sandbox.py beside {__file__}")
-sandbox = importlib.util.module_from_spec(_spec)
-sys.modules["lmforge_eval_sandbox"] = sandbox
-_spec.loader.exec_module(sandbox)
+
+def _beside(name, module):
+    spec = importlib.util.spec_from_file_location(module, os.path.join(os.path.dirname(__file__), name))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name} beside {__file__}")
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+sandbox = _beside("sandbox.py", "lmforge_eval_sandbox")
+verify = _beside("verify.py", "lmforge_eval_verify")
 
 LIMITS = json.loads(os.environ.get("LMFORGE_SANDBOX_LIMITS", "{}"))  # timeout, cpu_s, as_mb, fsize_mb, nproc
 WORKERS = int(os.environ.get("LMFORGE_SANDBOX_WORKERS", "2"))
@@ -58,3 +64,8 @@ def sandbox_filter(resps, docs):
 
 def humaneval_process_verdict(doc, results):
     return {"pass@1": 1.0 if json.loads(results[0])["passed"] else 0.0}
+
+
+def chat_exact_results(doc, results):
+    """lmforge_chat_exact: the verifier RL rewards with (lmforge/verify.py), on the greedy answer."""
+    return {"exact_match": 1.0 if verify.is_correct(results[0], doc["answer"]) else 0.0}

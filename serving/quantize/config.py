@@ -88,8 +88,9 @@ class QuantizeFaultConfig(StrictModel):
 
 class QuantizeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
-    model: Literal["auto", "dpo", "sft", "pretrained", "base"] = Field(
-        "auto", description="The model to quantize. auto: DPO, else SFT, else the pretrained model, else the base."
+    model: Literal["auto", "rl", "dpo", "sft", "pretrained", "base"] = Field(
+        "auto",
+        description="The model to quantize. auto: RL, else DPO, else SFT, else the pretrained model, else the base.",
     )
     # which scheme steps run (like `stages`); the gate's key follows them through its upstream
     schemes: list[Literal["w8a8-int8", "w4a16", "w8a16"]] = runtime_field(

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CALIBRATION, GATE = "quantize/calibration", "quantize/gate"
 CHAT_DATA, EVAL_TASKS, QUANT_VERDICT = Product("chat-data"), Product("eval-tasks"), Product("quant-verdict")
-ROLES = ("dpo", "sft", "pretrained", "base")
+ROLES = ("rl", "dpo", "sft", "pretrained", "base")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUANT_LOCK = REPO_ROOT / "requirements" / "quant.lock"
 
@@ -74,7 +74,7 @@ def step_name(scheme: str) -> str:
 
 
 def _uses_chats(config: PipelineBase) -> bool:
-    return model_role(config) in ("sft", "dpo") and config.quantize.calibration.sft_fraction > 0
+    return model_role(config) in ("sft", "dpo", "rl") and config.quantize.calibration.sft_fraction > 0
 
 
 CALIBRATION_READS = (

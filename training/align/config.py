@@ -115,6 +115,121 @@ class DpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
+class RewardModelConfig(TrainConfig):
+    """`align/reward`: a Bradley-Terry reward model (TRL's RewardTrainer) on the lineage's preference data."""
+
+    init: Literal["sft", "base"] = Field(
+        "sft", description="Start from the SFT model (the usual choice) or from the model SFT started from."
+    )
+    lora: bool = Field(False, description="Train a LoRA adapter (merged for export) instead of every weight.")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="TRL's term that keeps rewards centred on 0 (0.01 in its docs); None: off."
+    )
+    lr: float = Field(1e-5, gt=0, description="1e-5 for real models; the tiny preset sets its own.")
+    max_steps: int = Field(150, ge=1)
+
+
+class RewardFunction(StrictModel):
+    """One term of RL's reward: the built-in verifier, the trained reward model, or a function of the user's."""
+
+    kind: Literal["verifier", "partial_verifier", "reward_model", "function"] = Field(
+        description="verifier: 1 when the completion is exactly the verified answer (lmforge.verify, the check "
+        "evaluation's exact match uses), else 0; partial_verifier: 1 when exact, else a share below 0.5 of its "
+        "character similarity to the answer; reward_model: the score of align/reward's model; function: "
+        "`function` below."
+    )
+    weight: float = Field(1.0, description="Weight of this term in the sum (TRL's reward_weights).")
+    function: str | None = Field(
+        None,
+        description="`module:function` taking (prompts, completions, **columns) and returning one float per "
+        "completion, as TRL's reward functions do (only for kind: function).",
+    )
+
+    @model_validator(mode="after")
+    def _function_named(self) -> RewardFunction:
+        if (self.kind == "function") != (self.function is not None):
+            raise ValueError("function: give module:function exactly when kind is function")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(f"function: {self.function!r} is not module:function")
+        return self
+
+
+class HackingWatchConfig(StrictModel):
+    """Reward hacking: the reward model's score rising while what it should stand for gets worse."""
+
+    min_reward_gain: float = runtime_field(
+        0.0, description="Rise of the held-out learned reward (over the start) that counts as rising."
+    )
+    max_accuracy_drop: float = runtime_field(
+        0.02, description="Fall of held-out verified accuracy (absolute) beyond which the watch fires.", ge=0
+    )
+    max_loss_rise: float = runtime_field(
+        0.05, description="Relative rise of the held-out SFT loss beyond which the watch fires.", ge=0
+    )
+    max_reward_rise_without_accuracy: float = runtime_field(
+        0.25,
+        description="Rise of the (training) reward with verified accuracy not rising: fires too, for rewards "
+        "other than the reward model (a function that pays for length).",
+        ge=0,
+    )
+
+
+class RlConfig(TrainConfig):
+    """`align/rl`: online RL with TRL's GRPOTrainer (or RLOOTrainer) from the SFT or DPO model."""
+
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL's GRPOTrainer or RLOOTrainer.")
+    rewards: list[RewardFunction] = Field(
+        default_factory=lambda: [RewardFunction(kind="verifier")],
+        min_length=1,
+        description="Reward terms, summed with their weights.",
+    )
+    prompts: Literal["verifiable", "all"] = Field(
+        "verifiable",
+        description="Training prompts: the SFT train split's items with a verified answer, or every SFT prompt "
+        "(the turns before the last assistant turn).",
+    )
+    beta: float = Field(0.04, ge=0, description="KL strength to the reference (the starting model); 0 = no KL term.")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group).")
+    max_completion_length: int = Field(32, ge=1, description="Tokens generated per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    epsilon: float = Field(0.2, gt=0, description="PPO-style clipping of the probability ratio.")
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes per batch of rollouts (mu).")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field("dapo", description="TRL's GRPO loss normalisation.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's (or batch's) reward std; none as in Dr. GRPO."
+    )
+    lr: float = Field(1e-6, gt=0, description="1e-6 for real models; the tiny preset sets its own.")
+    max_steps: int = Field(200, ge=1)
+    global_batch_size: int = Field(
+        64, ge=1, description="Completions per optimizer step over all ranks (prompts x num_generations)."
+    )
+    use_vllm: bool = runtime_field(
+        False,
+        description="Generate with TRL's vLLM integration (colocate mode, GPUs only); on CPU the Trainer generates.",
+    )
+    hacking: HackingWatchConfig = HackingWatchConfig()
+    stop_on_hacking: bool = runtime_field(
+        False, description="Fail the step (not retried) when the reward-hacking watch fires, instead of warning."
+    )
+    heldout_prompts: int = runtime_field(
+        64, description="Held-out prompts the watch scores at every eval_every (reward model, verifier, KL).", ge=1
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> RlConfig:
+        if self.global_batch_size % self.num_generations:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of num_generations "
+                f"{self.num_generations} (each prompt's group of completions)"
+            )
+        return self
+
+
+Recipe = Literal["sft", "dpo", "reward", "rl"]
+RECIPE_ORDER: list[str] = ["sft", "dpo", "reward", "rl"]
+DEFAULT_RECIPE: list[Recipe] = ["sft", "dpo"]
+
+
 class AlignDistributedConfig(StrictModel):
     """How alignment training is spread; none of this changes the cache key."""
 
@@ -159,8 +274,16 @@ class AlignConfig(StrictModel):
     )
     builtin: BuiltinDataConfig = BuiltinDataConfig()
     lora: LoraConfig = LoraConfig()
+    recipe: list[Recipe] = Field(
+        default_factory=lambda: list(DEFAULT_RECIPE),
+        description="The alignment steps in order: [sft, dpo] (default), [sft, rl], [sft, dpo, rl], "
+        "[sft, reward, rl], [sft, reward], ... The last model (dpo or rl) is what evaluation compares "
+        "and quantization and serving take.",
+    )
     sft: SftConfig = SftConfig()
     dpo: DpoConfig = DpoConfig()
+    reward: RewardModelConfig = RewardModelConfig()
+    rl: RlConfig = RlConfig()
     distributed: AlignDistributedConfig = AlignDistributedConfig()
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 where the hardware has it, else fp32."
@@ -168,6 +291,18 @@ class AlignConfig(StrictModel):
     eval_generations: int = runtime_field(
         120, description="Held-out verifiable items generated from during training to track exact match.", ge=0
     )
+
+    @model_validator(mode="after")
+    def _recipe_in_order(self) -> AlignConfig:
+        r = self.recipe
+        if not r or r[0] != "sft" or len(set(r)) != len(r) or r != sorted(r, key=RECIPE_ORDER.index):
+            raise ValueError(
+                f"recipe {r}: steps run in the order sft, dpo, reward, rl; sft first, each at most once "
+                "(e.g. [sft, dpo], [sft, rl], [sft, dpo, rl], [sft, reward, rl])"
+            )
+        if "rl" in r and any(f.kind == "reward_model" for f in self.rl.rewards) and "reward" not in r:
+            raise ValueError("rl.rewards uses the reward model: add reward to align.recipe before rl")
+        return self
 
     @model_validator(mode="after")
     def _multinode_needs_hostfile(self) -> AlignConfig:
@@ -180,7 +315,7 @@ class AlignConfig(StrictModel):
             raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
-        for name in ("sft", "dpo"):
+        for name in ("sft", "dpo", "reward", "rl"):
             cfg = getattr(self, name)
             if d.num_ranks != "auto" and cfg.global_batch_size % (
                 cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes

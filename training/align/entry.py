@@ -15,6 +15,7 @@ one it made, so the step's summary can say what alignment changed. Outcomes are 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -111,6 +112,8 @@ def _callbacks(spec: dict[str, Any], trainer_holder: dict[str, Any]) -> list[Any
             every = spec["eval_every"]
             if not heldout or state.global_step % every or not state.is_world_process_zero or _sharded(spec):
                 return
+            if spec["kind"] in ("reward", "rl"):  # a classifier does not generate; RL's watch measures this
+                return
             from training.align.heldout import exact_match
 
             model = trainer_holder["trainer"].accelerator.unwrap_model(trainer_holder["trainer"].model)
@@ -133,7 +136,76 @@ def _callbacks(spec: dict[str, Any], trainer_holder: dict[str, Any]) -> list[Any
                 seal(Path(args.output_dir) / f"checkpoint-{state.global_step}")
             _barrier()
 
-    return [JsonlMetrics(), HeldoutGeneration(), SealCheckpoints()]
+    callbacks = [JsonlMetrics(), HeldoutGeneration(), SealCheckpoints()]
+    if spec["kind"] == "rl":
+        callbacks.append(hacking_watch(spec, trainer_holder))
+    return callbacks
+
+
+def hacking_watch(spec: dict[str, Any], holder: dict[str, Any]) -> Any:
+    """Rank 0, at the start and every `eval_every` steps: the held-out probe of `training.align.rl`
+    (verified accuracy, proxy reward, reward-model score, SFT loss, KL distribution) into
+    metrics.jsonl, and the reward-hacking verdict against the start."""
+    from transformers import TrainerCallback
+
+    from training.align.rl import Probe, RewardHacking, hacking, summarize
+
+    out_dir = Path(spec["out_dir"])
+    start_file, warned_file = out_dir / "rl_start.json", out_dir / "hacking.json"
+
+    class HackingWatch(TrainerCallback):
+        def __init__(self) -> None:
+            self.probe: Probe | None = None
+            self.start: dict[str, Any] | None = None
+
+        def _measure(self, step: int) -> dict[str, Any]:
+            if self.probe is None:
+                self.probe = Probe({**spec, "heldout_generation": spec["heldout_generation"]}, holder["tokenizer"])
+            trainer = holder["trainer"]
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            was_training = model.training
+            figures = summarize(self.probe.measure(model))
+            model.train(was_training)
+            with open(out_dir / METRICS, "a") as handle:
+                handle.write(json.dumps({"step": step, **{f"watch/{k}": v for k, v in figures.items()}}) + "\n")
+            return figures
+
+        def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if not state.is_world_process_zero or _sharded(spec):
+                return
+            if start_file.exists():  # a resumed run compares with the start of the first attempt
+                self.start = json.loads(start_file.read_text())
+                return
+            self.start = self._measure(0)
+            from lmforge.hashing import atomic_write_json
+
+            atomic_write_json(start_file, self.start)
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step % spec["eval_every"] or not state.is_world_process_zero or self.start is None:
+                return
+            now = self._measure(state.global_step)
+            verdict = hacking(spec, self.start, now)
+            log.info(
+                "rl step %d: held-out verified %.3f, reward %.3f%s, KL p50 %.4f p90 %.4f",
+                state.global_step,
+                now.get("heldout_verified", float("nan")),
+                now.get("heldout_configured_reward", float("nan")),
+                f", reward-model score {now['heldout_rm_score']:.3f}" if "heldout_rm_score" in now else "",
+                now.get("kl_p50", float("nan")),
+                now.get("kl_p90", float("nan")),
+            )
+            if verdict is None:
+                return
+            if not warned_file.exists():
+                log.warning("%s", verdict)
+                from lmforge.hashing import atomic_write_json
+
+                atomic_write_json(warned_file, {"step": state.global_step, "message": verdict})
+            if spec["stop_on_hacking"]:
+                raise RewardHacking(f"align.rl.stop_on_hacking: step {state.global_step}: {verdict}")
+
+    return HackingWatch()
 
 
 def _barrier() -> None:
@@ -178,11 +250,12 @@ def _training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
         extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         extra.setdefault("gradient_checkpointing", False)
+    if "max_length" in {f.name for f in dataclasses.fields(cls)}:  # GRPO/RLOO bound completions instead
+        extra["max_length"] = spec["max_length"]
     return cls(
         output_dir=str(out_dir / "checkpoints"),
         use_cpu=not torch.cuda.is_available(),
         bf16=spec["precision"] == "bf16",
-        max_length=spec["max_length"],
         per_device_train_batch_size=cfg["micro_batch_size"],
         gradient_accumulation_steps=cfg["global_batch_size"] // per_step,
         learning_rate=cfg["lr"],
@@ -274,15 +347,28 @@ def train(spec: dict[str, Any], rank: int) -> None:
     if resume is not None:
         log.info("resuming from %s", resume.name)
     lora = spec.get("lora") is not None
-    if spec.get("quantized_base"):
+    model: Any
+    if spec["kind"] == "reward":
+        from training.align.rl import reward_trainer
+
+        model = None
+    elif spec.get("quantized_base"):
         from training.align.qlora import four_bit_layers, load_4bit
 
         model = load_4bit(spec["base_dir"], spec["precision"])
         log.info("QLoRA: %d linear layers in 4-bit NF4 (double quantization)", four_bit_layers(model))
     else:
         model = _load_model(spec["base_dir"], spec["precision"])
-    trainer: Trainer  # TRL's SFTTrainer or DPOTrainer
-    if spec["kind"] == "sft":
+    trainer: Trainer  # TRL's SFTTrainer, DPOTrainer, RewardTrainer, GRPOTrainer or RLOOTrainer
+    if spec["kind"] == "reward":
+        trainer = reward_trainer(
+            spec, tokenizer, _training_args, _callbacks(spec, holder), _peft_config(spec) if lora else None
+        )
+    elif spec["kind"] == "rl":
+        from training.align.rl import rl_trainer
+
+        trainer = rl_trainer(spec, model, tokenizer, _training_args, _callbacks(spec, holder))
+    elif spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
         # a base's own chat template without {% generation %} markers cannot mask by itself: TRL swaps
@@ -357,19 +443,29 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
     hf = out_dir / "hf"
     for export in (hf, out_dir / "adapter"):  # a pickle has no place next to the weights it describes
         (export / "training_args.bin").unlink(missing_ok=True)
-    if spec.get("lora") is not None:
-        gap = merge_lora(spec, out_dir / "adapter", hf)
-    else:
-        gap = None
-    finalize_export(spec, tokenizer, hf)
     summary = {
         "final_step": trainer.state.global_step,
         "train_loss": result.training_loss,
         "train_seconds": round(seconds, 2),
-        "merge_parity_max_abs_logit_diff": gap,
     }
-    summary.update(measure(spec, tokenizer, hf))
-    summary["warnings"] = overoptimisation(spec, summary)
+    if spec["kind"] == "reward":
+        from training.align.rl import finish_reward
+
+        summary.update(finish_reward(spec, tokenizer, hf))
+        summary["heldout_items"] = summary["items"]
+        summary["warnings"] = []
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return
+    summary["merge_parity_max_abs_logit_diff"] = merge_lora(spec, out_dir / "adapter", hf) if spec.get("lora") else None
+    finalize_export(spec, tokenizer, hf)
+    if spec["kind"] == "rl":
+        summary.update(measure_rl(spec, tokenizer, hf))
+        hacked = out_dir / "hacking.json"
+        summary["warnings"] = [json.loads(hacked.read_text())["message"]] if hacked.exists() else []
+        summary["reward_hacking"] = bool(summary["warnings"])
+    else:
+        summary.update(measure(spec, tokenizer, hf))
+        summary["warnings"] = overoptimisation(spec, summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
@@ -476,6 +572,36 @@ def measure(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
     for metric, runs in paired.items():  # the change on the same items, with a paired bootstrap interval
         delta, low, high = paired_bootstrap(runs["before"], runs["after"])
         out[f"{metric}_delta"], out[f"{metric}_delta_ci"] = delta, [low, high]
+    return out
+
+
+def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+    """Held-out figures of the policy RL started from and the one it made, on held-out prompts no RL
+    step saw: exact match (the verifier) with a paired interval on the change, the configured and the
+    reward model's reward, the SFT loss, and the KL distribution of the result to the start."""
+    from training.align.heldout import paired_bootstrap
+    from training.align.rl import Probe, summarize
+
+    probe = Probe({**spec, "heldout_generation": spec["heldout_all"]}, tokenizer)
+    out: dict[str, Any] = {}
+    raw: dict[str, dict[str, Any]] = {}
+    for name, path in (("before", spec["base_dir"]), ("after", str(hf))):
+        model = _load_model(path, "fp32").eval()
+        raw[name] = probe.measure(model, with_kl=name == "after")
+        for key, value in summarize(raw[name]).items():
+            out[f"{key}_{name}" if not key.startswith("kl_") else key] = value
+        out[f"examples_{name}"] = raw[name]["examples"]
+        del model
+    out["exact_match_before"], out["exact_match_after"] = out["heldout_verified_before"], out["heldout_verified_after"]
+    for metric, key in (("exact_match", "heldout_verified"), ("heldout_reward", "heldout_configured_reward")):
+        delta, low, high = paired_bootstrap(raw["before"][key], raw["after"][key])
+        out[f"{metric}_delta"], out[f"{metric}_delta_ci"] = delta, [low, high]
+    by_task: dict[str, dict[str, list[float]]] = {}
+    for name in ("before", "after"):
+        for hit, record in zip(raw[name]["heldout_verified"], [r for r in spec["heldout_all"] if "answer" in r]):
+            by_task.setdefault(name, {}).setdefault(record["task"], []).append(hit)
+        out[f"exact_match_{name}_by_task"] = {t: round(sum(v) / len(v), 4) for t, v in sorted(by_task[name].items())}
+    out["heldout_items"] = out["heldout_generation_items"] = len(spec["heldout_all"])
     return out
 
 

@@ -118,10 +118,12 @@ def prompt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Exact match on the records that carry an `answer`, overall and per task."""
+    """Exact match on the records that carry an `answer`, overall and per task (`lmforge.verify`)."""
+    from lmforge.verify import is_correct
+
     verifiable = [r for r in records if "answer" in r]
     answers = generate_answers(model, tokenizer, verifiable)
-    hits = [float(a == r["answer"].strip()) for a, r in zip(answers, verifiable)]
+    hits = [float(is_correct(a, r["answer"])) for a, r in zip(answers, verifiable)]
     score, low, high = bootstrap_ci(hits)
     tasks: dict[str, list[float]] = {}
     for hit, record in zip(hits, verifiable):

@@ -1,4 +1,4 @@
-"""The alignment stage's registration: a pretrained model in, SFT and DPO models out."""
+"""The alignment stage's registration: a pretrained model in, SFT, DPO, reward and RL models out."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def _artifacts(
     if data:
         rows = [{"data": kind, **{k: v for k, v in c.items() if k != "by_task"}} for kind, c in data["counts"].items()]
         specs.append(ArtifactSpec("align-data", "table", rows, "input = train + held-out + quarantined + duplicates"))
-    for step in ("align/sft", "align/dpo"):
+    for step in ("align/sft", "align/dpo", "align/reward", "align/rl"):
         manifest = manifests.get(step)
         if manifest is None:
             continue
         rows = [
             {"metric": k, "value": _fmt(v)}
             for k, v in manifest["metrics"].items()
-            if isinstance(v, (int, float, list)) and not k.endswith("_by_task")
+            if isinstance(v, (int, float, list)) and not k.endswith("_by_task") and not k.startswith("examples_")
         ]
         name = step.split("/")[1]
         specs.append(
@@ -62,19 +62,27 @@ def _artifacts(
 
 def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
-    for step, role in (("align/sft", "SFT"), ("align/dpo", "DPO")):
+    for step, role in (("align/sft", "SFT"), ("align/dpo", "DPO"), ("align/rl", "RL")):
         if step in manifests:
             m = manifests[step]["metrics"]
             lines.append(
                 f"{role}:     {manifests[step]['dir']}/hf  (held-out exact match "
                 f"{m.get('exact_match_before', float('nan')):.3f} -> {m.get('exact_match_after', float('nan')):.3f})"
             )
+    if "align/reward" in manifests:
+        m = manifests["align/reward"]["metrics"]
+        low, high = m.get("pairwise_accuracy_ci", [float("nan")] * 2)
+        lines.append(
+            f"reward:  {manifests['align/reward']['dir']}/hf  (held-out pairwise accuracy "
+            f"{m.get('pairwise_accuracy', float('nan')):.3f} [{low:.3f}, {high:.3f}])"
+        )
     return lines
 
 
 STAGE = Stage(
     name="align",
-    description="Alignment: SFT (full or LoRA) and DPO with TRL on N ranks, from the user's or built-in data.",
+    description="Alignment with TRL on N ranks, from the user's or built-in data: SFT (full, LoRA, QLoRA), then "
+    "the recipe's DPO, reward model and online RL (GRPO/RLOO).",
     config_model=AlignConfig,
     debug_model=AlignFaultConfig,
     steps=_steps,

@@ -3,6 +3,10 @@
     hf-model:pretrained ---------------------------\\
     align/data -> chat-data ------------------> align/sft -> hf-model:sft --\\
                -> preference-data ------------------------------------------> align/dpo -> hf-model:dpo
+                               \\-> align/reward -> reward-model --> align/rl -> hf-model:rl
+                                  (from hf-model:sft)                (from dpo or sft, prompts from chat-data)
+
+Which of dpo, reward and rl run, and in what order, is `align.recipe`.
 
 `align/sft` and `align/dpo` launch TRL on N ranks (accelerate, torchrun, or the deepspeed
 launcher for several nodes) through lmforge's one launch helper (`lmforge.launch.run_entry`); a killed rank is retried and
@@ -28,9 +32,10 @@ if TYPE_CHECKING:
     from lmforge.config import PipelineBase
 
 log = logging.getLogger(__name__)
-DATA, SFT, DPO = "align/data", "align/sft", "align/dpo"
+DATA, SFT, DPO, REWARD, RL = "align/data", "align/sft", "align/dpo", "align/reward", "align/rl"
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 PRETRAINED, SFT_MODEL, DPO_MODEL = hf_model("pretrained"), hf_model("sft"), hf_model("dpo")
+REWARD_MODEL, RL_MODEL = Product("reward-model"), hf_model("rl")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
 
 
@@ -154,15 +159,32 @@ def _precision(config: ConfigView) -> str:
 
 def _training_fields(kind: str) -> list[str]:
     """The fields of `align.<kind>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
-    from training.align.config import DpoConfig, SftConfig
+    from training.align.config import DpoConfig, RewardModelConfig, RlConfig, SftConfig, TrainConfig
 
-    model = SftConfig if kind == "sft" else DpoConfig
-    return [f"align.{kind}.{f}" for f in model.model_fields if f not in ("inputs", "enabled")]
+    models: dict[str, type[TrainConfig]] = {
+        "sft": SftConfig,
+        "dpo": DpoConfig,
+        "reward": RewardModelConfig,
+        "rl": RlConfig,
+    }
+    return [f"align.{kind}.{f}" for f in models[kind].model_fields if f not in ("inputs", "enabled")]
+
+
+def _lora(config: ConfigView | PipelineBase, kind: str) -> bool:
+    a = config.align
+    if kind == "sft":
+        return a.method in ("lora", "qlora")
+    return kind != "rl" and getattr(a, kind).lora  # RL trains every weight
+
+
+def rl_start(config: ConfigView | PipelineBase) -> Product:
+    """The policy RL starts from: DPO's model when the recipe has DPO before RL, else SFT's."""
+    return DPO_MODEL if "dpo" in config.align.recipe and config.align.dpo.enabled else SFT_MODEL
 
 
 def _train_reads(kind: str) -> Callable[[PipelineBase], tuple[str, ...]]:
     def reads(config: PipelineBase) -> tuple[str, ...]:
-        lora = config.align.method in ("lora", "qlora") if kind == "sft" else config.align.dpo.lora
+        lora = _lora(config, kind)
         return (
             *_training_fields(kind),
             *(("align.method",) if kind == "sft" else ()),
@@ -205,10 +227,16 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
                 "align.distributed.backend: fsdp2 needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
                 "(it trains them as plain DDP); use deepspeed on CPU"
             )
-    base = ctx.path(SFT_MODEL if kind == "dpo" else BASE_MODEL if ctx.has(BASE_MODEL) else PRETRAINED)
+    if kind == "dpo" or (kind == "reward" and a.reward.init == "sft"):
+        start = SFT_MODEL
+    elif kind == "rl":  # the model `rl_start` chose when the graph was resolved
+        start = DPO_MODEL if ctx.has(DPO_MODEL) else SFT_MODEL
+    else:
+        start = BASE_MODEL if ctx.has(BASE_MODEL) else PRETRAINED
+    base = ctx.path(start)
     context = _context(base)
-    data_dir = ctx.path(CHAT_DATA if kind == "sft" else PREFERENCE_DATA)
-    heldout = data_dir.parent / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES)
+    data_dir = ctx.path(CHAT_DATA if kind in ("sft", "rl") else PREFERENCE_DATA)
+    heldout = data_dir.parent / (HELDOUT_SFT if kind in ("sft", "rl") else HELDOUT_PREFERENCES)
     verifiable = spread_over_tasks(
         [r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r], a.eval_generations
     )
@@ -218,10 +246,29 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
             f"align.{kind}.global_batch_size {cfg.global_batch_size} is not a multiple of "
             f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}"
         )
-    lora = a.method in ("lora", "qlora") if kind == "sft" else a.dpo.lora
+    lora = _lora(ctx.config, kind)
     fields = [f.rsplit(".", 1)[1] for f in _training_fields(kind)]
-    settings = {f: getattr(cfg, f) for f in fields}
+    settings = {f: _plain(getattr(cfg, f)) for f in fields}
+    extra: dict[str, Any] = {}
+    if kind == "rl":
+        from training.device import detect_device
+
+        if cfg.use_vllm and detect_device().kind != "cuda":
+            raise ConfigError(
+                "align.rl.use_vllm: TRL's vLLM generation (colocate mode) needs GPUs; on CPU the Trainer generates"
+            )
+        all_heldout = list(read_jsonl(heldout))
+        verifiable_all = [r for r in all_heldout if "answer" in r]
+        extra = {
+            "reward_model_dir": str(ctx.path(REWARD_MODEL)) if ctx.has(REWARD_MODEL) else None,
+            "heldout_all": verifiable_all,  # the final before/after figures: every held-out verifiable item
+            "heldout_chats": all_heldout[: cfg.heldout_prompts],  # the SFT loss the watch follows
+            "stop_on_hacking": cfg.stop_on_hacking,
+            "use_vllm": cfg.use_vllm,
+        }
+        verifiable = spread_over_tasks(verifiable_all, cfg.heldout_prompts)
     return {
+        **extra,
         "kind": kind,
         "config": json.loads(json.dumps(settings)),
         "base_dir": str(base),
@@ -238,6 +285,17 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
         "fault": ctx.config.debug.align.model_dump(mode="json"),
         "eval_every": cfg.eval_every,
     }
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON data (sections and lists of them dumped)."""
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _progress(kind: str):  # type: ignore[no-untyped-def]
@@ -269,7 +327,12 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
         metrics = {k: v for k, v in summary.items() if not k.startswith("examples_") and k != "warnings"}
         metrics["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
-        last = {k: v for r in rows for k, v in r.items() if k.startswith(("rewards/", "kl_", "loss"))}
+        last = {
+            k: v
+            for r in rows
+            for k, v in r.items()
+            if k.startswith(("rewards/", "kl", "loss", "reward", "entropy", "completions/mean_length", "clip_ratio/"))
+        }
         metrics.update({f"final_{k}": v for k, v in last.items()})
         for warning in summary["warnings"]:
             log.warning("%s: %s", ctx.step, warning)
@@ -296,6 +359,7 @@ def _train_finalize(kind: str):  # type: ignore[no-untyped-def]
 CODE = (
     "training.align.entry",
     "training.align.heldout",
+    "lmforge.verify",
     "training.align.qlora",
     "training.device_setup",
     "training.export",
@@ -340,13 +404,52 @@ ALIGN_STEPS = [
         derive=_resolved_precision,
         upstream=lambda c: (SFT_MODEL, PREFERENCE_DATA),
         finalize=_train_finalize("dpo"),
-        when=lambda c: c.align.dpo.enabled and not left_out_for_base(c, "align"),
+        when=lambda c: "dpo" in c.align.recipe and c.align.dpo.enabled and not left_out_for_base(c, "align"),
         retries=3,
         bookkeeping=("checkpoints", "logs"),
         digest_paths=("hf/",),
         provides={DPO_MODEL: "hf"},
         progress=_progress("dpo"),
         code=CODE,
+        libraries=LIBS,
+    ),
+    Step(
+        REWARD,
+        1,
+        "Reward model with TRL's RewardTrainer (Bradley-Terry on chosen/rejected), full or LoRA",
+        reads=_train_reads("reward"),
+        derive=_resolved_precision,
+        upstream=lambda c: (SFT_MODEL if c.align.reward.init == "sft" else start_model(c), PREFERENCE_DATA),
+        finalize=_train_finalize("reward"),
+        when=lambda c: "reward" in c.align.recipe and not left_out_for_base(c, "align"),
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={REWARD_MODEL: "hf"},
+        progress=_progress("reward"),
+        code=(*CODE, "training.align.rl"),
+        libraries=LIBS,
+    ),
+    Step(
+        RL,
+        1,
+        "Online RL with TRL's GRPOTrainer/RLOOTrainer: verifiable, learned or user rewards, KL to the start, "
+        "reward-hacking watch",
+        reads=_train_reads("rl"),
+        derive=_resolved_precision,
+        upstream=lambda c: (
+            rl_start(c),
+            CHAT_DATA,
+            *((REWARD_MODEL,) if any(r.kind == "reward_model" for r in c.align.rl.rewards) else ()),
+        ),
+        finalize=_train_finalize("rl"),
+        when=lambda c: "rl" in c.align.recipe and not left_out_for_base(c, "align"),
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={RL_MODEL: "hf"},
+        progress=_progress("rl"),
+        code=(*CODE, "training.align.rl"),
         libraries=LIBS,
     ),
 ]

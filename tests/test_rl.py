@@ -1,0 +1,190 @@
+"""The RL road of the alignment stage: a reward model (TRL RewardTrainer) and online RL (TRL
+GRPOTrainer) on 2 CPU ranks, the reward-hacking watch, resume after a killed rank, cache identity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from lmforge.executor import run_pipeline_locally
+from tests.conftest import SMALL_RL, small_config
+
+
+def _workspace(rl_aligned: dict) -> Path:
+    return Path(rl_aligned["align/rl"]["dir"]).parents[2]
+
+
+@pytest.mark.slow
+def test_reward_model_ranks_held_out_pairs_and_is_exported_as_a_sequence_classifier(rl_aligned: dict) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from training.align.rl import pairwise_accuracy
+
+    manifest = rl_aligned["align/reward"]
+    m = manifest["metrics"]
+    hf = Path(manifest["dir"]) / "hf"
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    model = AutoModelForSequenceClassification.from_pretrained(hf)
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    heldout = [
+        json.loads(line) for line in (Path(rl_aligned["align/data"]["dir"]) / "heldout_preferences.jsonl").open()
+    ]
+    again = pairwise_accuracy(model, tokenizer, heldout)  # the summary's figure, from the exported directory
+    assert again["pairwise_accuracy"] == pytest.approx(m["pairwise_accuracy"], abs=1e-9)
+    low, high = m["pairwise_accuracy_ci"]
+    assert low <= m["pairwise_accuracy"] <= high and m["items"] == len(heldout) > 20
+    # 50 held-out pairs on a 2-layer model: the point estimate is above chance; the tiny-cpu-rl
+    # preset's interval (README) is the measured acceptance figure
+    assert m["pairwise_accuracy"] > 0.5 and m["mean_margin"] > 0, m
+    assert (Path(manifest["dir"]) / "checkpoints").exists() and (Path(manifest["dir"]) / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_grpo_trains_from_dpo_on_two_ranks_with_its_metrics_watch_and_export(rl_aligned: dict) -> None:
+    manifest = rl_aligned["align/rl"]
+    out = Path(manifest["dir"])
+    m = manifest["metrics"]
+    assert manifest["counts"]["steps"] == 20 and manifest["extra"]["world_size"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r]
+    for key in (
+        "reward",
+        "reward_std",
+        "kl",
+        "entropy",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
+        "rewards/verifier_reward/mean",
+        "rewards/reward_model/mean",
+    ):
+        assert all(key in r for r in trained), key
+    watched = [r for r in rows if "watch/heldout_verified" in r]
+    assert [r["step"] for r in watched] == [0, 10, 20]  # the start, then every eval_every
+    assert all("watch/kl_p90" in r and "watch/heldout_rm_score" in r for r in watched[1:])
+    # the KL to the start is reported as a distribution, from the exported model
+    assert 0 <= m["kl_p50"] <= m["kl_p90"] <= m["kl_max"] and m["kl_mean"] > 0
+    assert m["exact_match_delta_ci"][0] <= m["exact_match_delta"] <= m["exact_match_delta_ci"][1]
+    assert m["heldout_items"] > 30 and not m["reward_hacking"]
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "hf" / "tokenizer_config.json").exists() and (out / "tensorboard").exists()
+    spec = json.loads((out / "run_spec.json").read_text())
+    assert Path(spec["base_dir"]).parent.parent.name == "dpo", "RL starts from DPO in [sft, dpo, reward, rl]"
+    # held-out prompts are never trained on
+    train = {json.dumps(r["messages"][:-1]) for r in map(json.loads, open(spec["train"]))}
+    assert not any(json.dumps(r["messages"][:-1]) in train for r in spec["heldout_all"])
+
+
+@pytest.mark.slow
+def test_changing_rl_beta_reruns_only_rl_and_explain_names_it(rl_aligned: dict) -> None:
+    from lmforge.explain import explain
+
+    config = small_config(_workspace(rl_aligned), *SMALL_RL, "align.rl.beta=0.2")
+    lines = {e.step: e for e in explain(config, ["align"])}
+    for step in ("align/data", "align/sft", "align/dpo", "align/reward"):
+        assert lines[step].reuse, step
+    assert not lines["align/rl"].reuse and "align.rl.beta changed 0.04 -> 0.2" in lines["align/rl"].reasons
+    # what reads RL's model follows it; what does not, does not
+    downstream = {e.step: e for e in explain(config, ["evaluate"])}
+    assert "upstream align/rl will be recomputed" in " ".join(downstream["evaluate/rl-hf"].reasons)
+    assert "align/rl" not in " ".join(downstream["evaluate/dpo-hf"].reasons)
+
+
+@pytest.mark.slow
+def test_a_reward_that_pays_for_length_trips_the_hacking_watch_and_stop_on_hacking_fails_the_step(
+    rl_aligned: dict, tmp_path: Path
+) -> None:
+    from lmforge.errors import DeterministicError, is_retryable
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(_workspace(rl_aligned), workspace)
+    shutil.rmtree(workspace / "align" / "rl")
+    gamed = [
+        *SMALL_RL,
+        "align.recipe=[sft, dpo, rl]",
+        "align.rl.rewards=[{kind: function, function: 'tests.rl_rewards:pays_for_length'}]",
+        "align.rl.lr=1e-3",
+        "align.rl.beta=0.0",
+        "align.rl.max_steps=20",
+        "align.rl.eval_every=5",
+    ]
+    manifest = run_pipeline_locally(small_config(workspace, *gamed), ["align"])["align/rl"]
+    m = manifest["metrics"]
+    assert m["reward_hacking"], m
+    (warning,) = manifest["extra"]["warnings"]
+    assert warning.startswith("reward hacking: held-out reward rose") and "\n" not in warning
+    assert m["heldout_length_after"] > m["heldout_length_before"]
+    shutil.rmtree(Path(manifest["dir"]))
+    with pytest.raises(DeterministicError, match=r"align.rl.stop_on_hacking: step \d+: reward hacking") as info:
+        run_pipeline_locally(small_config(workspace, *gamed, "align.rl.stop_on_hacking=true"), ["align"])
+    assert not is_retryable(info.value) and "\n" not in str(info.value)
+
+
+def test_rl_configuration_errors_are_one_line_naming_the_field(tmp_path: Path) -> None:
+    from lmforge.errors import ConfigError
+    from training.align.rl import import_function
+
+    for bad, message in (
+        ("align.recipe=[dpo, sft]", "recipe"),
+        ("align.recipe=[sft, rl, dpo]", "recipe"),
+        ("align.recipe=[sft, rl]", "rl.rewards uses the reward model"),
+        ("align.rl.global_batch_size=30", "not a multiple of num_generations"),
+        ("align.rl.rewards=[{kind: function}]", "function"),
+    ):
+        extra = ["align.rl.rewards=[{kind: reward_model}]"] if "rl.rewards uses" in message else []
+        with pytest.raises(Exception, match=message) as info:
+            small_config(tmp_path, *extra, bad)
+        assert "\n" not in str(info.value).strip().splitlines()[0]
+    for path, message in (
+        ("tests.rl_rewards:missing", "cannot import tests.rl_rewards:missing"),
+        ("no_such_module:f", "cannot import no_such_module:f"),
+        ("tests.rl_rewards:NOT_CALLABLE", "tests.rl_rewards:NOT_CALLABLE is not callable"),
+    ):
+        with pytest.raises(ConfigError, match=f"align.rl.rewards: {message}"):
+            import_function(path)
+
+
+def test_the_verifier_is_the_one_evaluation_scores_with() -> None:
+    from lmforge.verify import is_correct, partial_credit
+    from training.align.rl import partial_verifier_reward, verifier_reward
+
+    assert is_correct(" 17\n", "17") and is_correct("17\nmore text", "17") and not is_correct("17.", "17")
+    assert verifier_reward([[{"role": "assistant", "content": "Paris"}], "Rome"], ["Paris", "Paris"]) == [1.0, 0.0]
+    assert verifier_reward(["x"], [None]) == [None]  # no verified answer: no opinion
+    assert partial_credit("Paris", "Paris") == 1.0 and 0 < partial_credit("Pari", "Paris") < 0.5
+    assert partial_verifier_reward(["", "12"], ["13", "13"])[0] == 0.0
+    built = (Path(__file__).parents[1] / "evaluation" / "tasks" / "lmforge_chat_exact.yaml").read_text()
+    assert "utils.chat_exact_results" in built  # lm-eval scores the chat task with lmforge/verify.py
+
+
+@pytest.mark.slow
+def test_a_killed_rank_mid_rl_is_retried_and_resumes_to_the_same_held_out_reward(
+    rl_aligned: dict, tmp_path: Path, prefect_server
+) -> None:
+    from flows.pipeline import pipeline
+    from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_PRETRAIN
+    from tests.test_align import _kill_rank_when
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(_workspace(rl_aligned), workspace)
+    shutil.rmtree(workspace / "align" / "rl")  # train it again, from the same DPO model and reward model
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 15, done, "rl"), daemon=True)
+    killer.start()
+    result = pipeline(
+        preset="tiny-cpu",
+        overrides=[*SMALL_CURATE, *SMALL_PRETRAIN, *SMALL_ALIGN, *SMALL_RL],
+        workspace=str(workspace),
+        stages=["align"],
+    )
+    done.set()
+    manifest, reference = result["manifests"]["align/rl"], rl_aligned["align/rl"]
+    assert manifest["key"] == reference["key"]
+    assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
+    assert "resuming from checkpoint-10" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+    for metric in ("heldout_configured_reward_after", "heldout_rm_score_after", "exact_match_after"):
+        assert manifest["metrics"][metric] == pytest.approx(reference["metrics"][metric], abs=1e-4), metric
