@@ -63,7 +63,7 @@ common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, report_to=[],
               gradient_accumulation_steps=cfg["global_batch_size"] // (cfg["micro_batch_size"] * 2),
               learning_rate=cfg["lr"], lr_scheduler_type=cfg["lr_scheduler"], max_steps=cfg["max_steps"],
               warmup_steps=int(cfg["warmup_ratio"] * cfg["max_steps"]), logging_steps=1, save_strategy="no",
-              seed=cfg["seed"], dataloader_num_workers=0, ddp_find_unused_parameters=False)
+              seed=cfg["seed"], data_seed=cfg["seed"], dataloader_num_workers=0, ddp_find_unused_parameters=False)
 if spec["kind"] != "rl":
     common["max_length"] = spec["max_length"]
 if spec["kind"] == "rl":

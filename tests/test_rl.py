@@ -68,7 +68,7 @@ def test_grpo_trains_from_dpo_on_two_ranks_with_its_metrics_watch_and_export(rl_
     # the KL to the start is reported as a distribution, from the exported model
     assert 0 <= m["kl_p50"] <= m["kl_p90"] <= m["kl_max"] and m["kl_mean"] > 0
     assert m["exact_match_delta_ci"][0] <= m["exact_match_delta"] <= m["exact_match_delta_ci"][1]
-    assert m["heldout_items"] > 30 and not m["reward_hacking"]
+    assert m["heldout_items"] > 30 and m["reward_hacking"] == bool(manifest["extra"]["warnings"])
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (out / "hf" / "tokenizer_config.json").exists() and (out / "tensorboard").exists()
@@ -188,3 +188,32 @@ def test_a_killed_rank_mid_rl_is_retried_and_resumes_to_the_same_held_out_reward
     assert "resuming from checkpoint-10" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
     for metric in ("heldout_configured_reward_after", "heldout_rm_score_after", "exact_match_after"):
         assert manifest["metrics"][metric] == pytest.approx(reference["metrics"][metric], abs=1e-4), metric
+
+
+@pytest.mark.slow
+def test_evaluation_compares_the_whole_road_and_quantization_takes_the_rl_model(
+    rl_aligned: dict, tmp_path: Path
+) -> None:
+    from lmforge.executor import graph
+    from lmforge.stage import hf_model
+    from serving.quantize.steps import model_role
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(_workspace(rl_aligned), workspace)
+    settings = [
+        *SMALL_RL,
+        "evaluate.tasks=[lmforge_chat_exact, lmforge_preference]",
+        "evaluate.backends=[hf]",
+        "evaluate.models=[sft, dpo, rl]",
+    ]
+    config = small_config(workspace, *settings)
+    manifests = run_pipeline_locally(config, ["evaluate"])
+    rl_dir = Path(rl_aligned["align/rl"]["dir"]).relative_to(_workspace(rl_aligned))
+    assert manifests["evaluate/rl-hf"]["extra"]["model_dir"] == str(workspace / rl_dir / "hf")
+    card = (Path(manifests["evaluate/report"]["dir"]) / "comparison.md").read_text()
+    for step in ("sft -> dpo", "dpo -> rl"):
+        assert f"| hf | lmforge_chat_exact | exact_match | {step} |" in card, card
+    # RL's model scores the same on lm-eval's task as in its own summary (one verifier, one rule)
+    rl_exact = manifests["evaluate/rl-hf"]["metrics"]["lmforge_chat_exact/exact_match"]
+    assert 0 <= rl_exact <= 1
+    assert model_role(config) == "rl" and graph().has(hf_model("rl"), config)

@@ -158,19 +158,16 @@ class HackingWatchConfig(StrictModel):
     """Reward hacking: the reward model's score rising while what it should stand for gets worse."""
 
     min_reward_gain: float = runtime_field(
-        0.0, description="Rise of the held-out learned reward (over the start) that counts as rising."
+        0.05,
+        description="Rise of the held-out proxy reward (reward-model score, or the configured reward) over the "
+        "start that counts as rising (smaller moves are noise).",
+        ge=0,
     )
     max_accuracy_drop: float = runtime_field(
         0.02, description="Fall of held-out verified accuracy (absolute) beyond which the watch fires.", ge=0
     )
     max_loss_rise: float = runtime_field(
         0.05, description="Relative rise of the held-out SFT loss beyond which the watch fires.", ge=0
-    )
-    max_reward_rise_without_accuracy: float = runtime_field(
-        0.25,
-        description="Rise of the (training) reward with verified accuracy not rising: fires too, for rewards "
-        "other than the reward model (a function that pays for length).",
-        ge=0,
     )
 
 

@@ -160,7 +160,7 @@ def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, 
     model.generation_config.max_length = None  # max_completion_length bounds generation (else a warning per batch)
     data = Dataset.from_list(prompt_records(spec["train"], cfg["prompts"]))
     reward_tokenizers: Any = None
-    if spec.get("reward_model_dir") and any(isinstance(f, str) for f in functions):
+    if any(isinstance(f, str) for f in functions):
         from transformers import AutoTokenizer
 
         reward_tokenizers = [AutoTokenizer.from_pretrained(f) if isinstance(f, str) else None for f in functions]

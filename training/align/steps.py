@@ -440,7 +440,8 @@ ALIGN_STEPS = [
         upstream=lambda c: (
             rl_start(c),
             CHAT_DATA,
-            *((REWARD_MODEL,) if any(r.kind == "reward_model" for r in c.align.rl.rewards) else ()),
+            # the reward model, when the recipe trains one: a reward term, or else the watch's proxy
+            *((REWARD_MODEL,) if "reward" in c.align.recipe else ()),
         ),
         finalize=_train_finalize("rl"),
         when=lambda c: "rl" in c.align.recipe and not left_out_for_base(c, "align"),
