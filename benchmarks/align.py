@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 PLAIN = r"""
 import json, sys, time
+import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import trl
@@ -43,7 +44,9 @@ import trl
 spec = json.load(open(sys.argv[1]))
 cfg = spec["config"]
 tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
-model = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
+# the precision lmforge trains in (transformers 5 would otherwise load a bf16 export as bf16 weights)
+dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=dtype)
 if spec["kind"] == "rl":  # the same prompts, the same reward function (lmforge.verify's check)
     from training.align.rl import prompt_records, verifier_reward
     from datasets import Dataset
@@ -58,7 +61,10 @@ class Times(TrainerCallback):
             with open(spec["out_dir"] + "/plain_metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.global_step, "num_tokens": logs["num_tokens"], "time": time.time()}) + "\n")
 
-common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, report_to=[],
+# TRL's configs default to bf16 autocast and gradient checkpointing; lmforge trains in the spec's
+# precision (fp32 on CPU) without checkpointed layers (a 4M model's activations are small): set both alike
+common = dict(output_dir=spec["out_dir"] + "/plain", use_cpu=True, report_to=[], bf16=spec["precision"] == "bf16",
+              gradient_checkpointing=False,
               per_device_train_batch_size=cfg["micro_batch_size"],
               gradient_accumulation_steps=cfg["global_batch_size"] // (cfg["micro_batch_size"] * 2),
               learning_rate=cfg["lr"], lr_scheduler_type=cfg["lr_scheduler"], max_steps=cfg["max_steps"],
@@ -81,7 +87,7 @@ else:
     if weight:
         losses = {"loss_type": [cfg["loss_type"], "sft"], "loss_weights": [1.0, weight]}
     args = trl.DPOConfig(**common, beta=cfg["beta"], **losses)
-    reference = AutoModelForCausalLM.from_pretrained(spec["base_dir"])
+    reference = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=dtype)
     trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer,
                              callbacks=[Times()])
 trainer.train()
