@@ -177,6 +177,9 @@ def main() -> None:
         script.write_text(PLAIN)
         steps_of = {"sft": args.sft_steps, "dpo": args.dpo_steps, "rl": args.rl_steps}
         for kind, steps in ((k, steps_of[k]) for k in args.kinds.split(",")):
+            if not any(workspace.glob(f"align/{kind}/*/run_spec.json")):
+                print(f"skipping {kind}: no align/{kind} run in {workspace} (see align.recipe)", file=sys.stderr)
+                continue
             mine, plain = [], []
             for repeat in range(args.repeats):
                 started = time.time()
