@@ -174,6 +174,20 @@ ROWS = [
         set(),
     ),
     ("align.lora.merge_parity_tolerance=0.01", set()),
+    # the alignment road: which steps run; RL's start (DPO or SFT) reaches its key as upstream
+    ("align.recipe=[sft, dpo, reward, rl]", set()),
+    ("align.reward.micro_batch_size=4", set()),
+    ("align.reward.eval_every=5", set()),
+    ("align.reward.log_every=5", set()),
+    ("align.rl.micro_batch_size=4", set()),
+    ("align.rl.eval_every=5", set()),
+    ("align.rl.log_every=5", set()),
+    ("align.rl.use_vllm=true", set()),
+    ("align.rl.stop_on_hacking=true", set()),
+    ("align.rl.heldout_prompts=8", set()),
+    ("align.rl.hacking.min_reward_gain=0.2", set()),
+    ("align.rl.hacking.max_accuracy_drop=0.1", set()),
+    ("align.rl.hacking.max_loss_rise=0.2", set()),
     ("align.eval_generations=10", set()),
     ("align.distributed.node_launcher=slurm", set()),
     ("align.distributed.backend=fsdp2", set()),
@@ -299,6 +313,7 @@ def _candidates(value: object, annotation: object = None) -> list[str]:
     if value is None:
         return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
     if isinstance(value, list):
+        value = [v.model_dump(mode="json") if hasattr(v, "model_dump") else v for v in value]  # sections in a list
         return (
             [json.dumps(value[:-1]), json.dumps(value + value[-1:])]
             if value

@@ -271,7 +271,8 @@ class AlignConfig(StrictModel):
     )
     builtin: BuiltinDataConfig = BuiltinDataConfig()
     lora: LoraConfig = LoraConfig()
-    recipe: list[Recipe] = Field(
+    # which steps run (like `stages`); what a step starts from reaches its key through its upstream
+    recipe: list[Recipe] = runtime_field(
         default_factory=lambda: list(DEFAULT_RECIPE),
         description="The alignment steps in order: [sft, dpo] (default), [sft, rl], [sft, dpo, rl], "
         "[sft, reward, rl], [sft, reward], ... The last model (dpo or rl) is what evaluation compares "
@@ -312,7 +313,7 @@ class AlignConfig(StrictModel):
             raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
-        for name in ("sft", "dpo", "reward", "rl"):
+        for name in ("sft", "dpo", *(k for k in ("reward", "rl") if k in self.recipe)):
             cfg = getattr(self, name)
             if d.num_ranks != "auto" and cfg.global_batch_size % (
                 cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes
