@@ -160,7 +160,7 @@ def hacking_watch(spec: dict[str, Any], holder: dict[str, Any]) -> Any:
 
         def _measure(self, step: int) -> dict[str, Any]:
             if self.probe is None:
-                self.probe = Probe({**spec, "heldout_generation": spec["heldout_generation"]}, holder["tokenizer"])
+                self.probe = Probe(spec, holder["tokenizer"])
             trainer = holder["trainer"]
             model = trainer.accelerator.unwrap_model(trainer.model)
             was_training = model.training

@@ -90,10 +90,6 @@ def reward_functions(rewards: list[dict[str, Any]], reward_model_dir: str | None
     return functions, [float(t["weight"]) for t in rewards]
 
 
-def reward_names(rewards: list[dict[str, Any]]) -> list[str]:
-    return [t["function"].split(":")[1] if t["kind"] == "function" else t["kind"] for t in rewards]
-
-
 # -- the model ----------------------------------------------------------------------------------------
 
 
