@@ -591,7 +591,8 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
         for key, value in summarize(raw[name]).items():
             out[f"{key}_{name}" if not key.startswith("kl_") else key] = value
         out[f"examples_{name}"] = raw[name]["examples"]
-        del model
+        if name == "before":
+            probe.reference = model  # the start is the KL reference: load it once
     out["exact_match_before"], out["exact_match_after"] = out["heldout_verified_before"], out["heldout_verified_after"]
     for metric, key in (("exact_match", "heldout_verified"), ("heldout_reward", "heldout_configured_reward")):
         delta, low, high = paired_bootstrap(raw["before"][key], raw["after"][key])
