@@ -2,7 +2,7 @@
 
 Three comparisons (`--compare`):
   plain     lmforge's DeepSpeed step vs a plain PyTorch loop, one process (the default);
-  backends  FSDP2 vs DeepSpeed ZeRO-2 (and ZeRO-0) on 2 ranks (torchrun): the engines live in every rank and step
+  backends  FSDP2 vs DeepSpeed ZeRO-2 (and ZeRO-0) on 2 ranks (torchrun; `--ranks N`): the engines live in every rank and step
             in turn on the same batches from the same initial weights, so tokens/s and the loss
             trajectories (largest relative gap per step) are compared under the same conditions;
   compile   torch.compile (per decoder layer, inductor) vs eager, one process: the first step's
@@ -113,6 +113,16 @@ class PlainLoop:
         return float(loss.detach())
 
 
+def _loss(outcome: object, name: str, anomalies: list[str]) -> float:
+    """A step's loss; a step the guardrails flagged (spike, non-finite) is reported, not hidden."""
+    from training.loop import Anomaly
+
+    if isinstance(outcome, Anomaly):
+        anomalies.append(f"{name}: {outcome.kind} at step {outcome.step} (loss {outcome.loss:.4f})")
+        return outcome.loss
+    return float(outcome)  # type: ignore[arg-type]
+
+
 def _steady(timings: list[float]) -> float:
     """Median step time after the first few (allocator and kernel warm-up)."""
     return float(np.median(timings[3:] if len(timings) > 6 else timings))
@@ -177,11 +187,12 @@ def backends_worker(args: argparse.Namespace) -> None:
     }
     timings: dict[str, list[float]] = {n: [] for n in trainers}
     losses: dict[str, list[float]] = {n: [] for n in trainers}
+    anomalies: list[str] = []
     for _ in range(args.steps):
         for name, trainer in trainers.items():
             dist.barrier()
             start = time.perf_counter()
-            losses[name].append(trainer.train_step())  # type: ignore[arg-type]
+            losses[name].append(_loss(trainer.train_step(), name, anomalies))
             timings[name].append(time.perf_counter() - start)
     if rank:
         return
@@ -210,6 +221,8 @@ def backends_worker(args: argparse.Namespace) -> None:
             f"{label:28} {tps[name]:10.0f} {fpt * tps[name] / peak_all:7.1%} "
             f"{losses[name][0]:11.4f} {losses[name][-1]:10.4f}"
         )
+    for line in anomalies:
+        print(line)
     for other, label in (("fsdp2", "FSDP2"), ("zero0", "ZeRO-0 (DeepSpeed's own spread, for scale)")):
         gaps = [abs(a - b) / abs(b) for a, b in zip(losses[other], losses["deepspeed"])]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
@@ -228,14 +241,14 @@ def compare_backends(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
             f"--master_port={os.environ.get('MASTER_PORT', '29614')}",
             __file__, "--worker", "--compare", "backends", "--workdir", tmp,
             "--steps", str(args.steps), "--preset", args.preset,
         ]  # fmt: skip
         for item in args.overrides:
             command += ["--set", item]
-        env = {**os.environ, "LOCAL_SIZE": "2"}
+        env = {**os.environ, "LOCAL_SIZE": str(args.ranks)}
         sys.exit(subprocess.run(command, env=env).returncode)
 
 
@@ -303,6 +316,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--ranks", type=int, default=2, help="backends: ranks (GPUs) to start")
     parser.add_argument("--base", help="plain: continued pretraining of this model (a directory, or neox / qwen2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)

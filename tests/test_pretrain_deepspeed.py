@@ -148,6 +148,22 @@ def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_pa
     assert manifest["counts"]["anomalies"] == 1 and manifest["extra"]["anomalies"][0]["step"] == 53
 
 
+def test_non_finite_gradients_with_a_finite_loss_are_an_anomaly(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    """What a broken attention kernel does (seen with cuDNN's SDPA on an H200): DeepSpeed would skip or
+    apply such a step without failing; the guardrails roll it back and skip its batch like a NaN loss."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, "debug.pretrain.nan_grad_at_batches=[52]", "pretrain.max_steps=60")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
+    assert [(a["kind"], a["step"], a["micro_batches"]) for a in anomalies] == [("non_finite_grad", 53, [52])]
+    assert anomalies[0]["loss"] == anomalies[0]["loss"]  # the loss itself was finite
+    assert anomalies[0]["action"].startswith("rolled back to step-00000040")
+    rows = _metrics(manifest)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in rows)
+
+
 def test_corrupted_latest_checkpoint_resumes_from_the_previous(trained: dict, tmp_path: Path) -> None:
     workspace = Path(trained["dir"]).parents[2]
     copy = tmp_path / "ws"

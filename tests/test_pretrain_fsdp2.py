@@ -139,3 +139,16 @@ def test_compiled_fsdp2_layers_train_export_and_report_the_compile_time(
     assert manifest["extra"]["plan"]["compile"] is True
     assert metrics["compile_s"] > 1 and metrics["first_step_s"] > metrics["compile_s"]
     assert metrics["parity_max_abs_logit_diff"] <= 1e-3
+
+
+def test_fsdp2_never_applies_non_finite_gradients(curated: tuple[Path, dict], tmp_path: Path) -> None:
+    """A finite loss with NaN gradients: FSDP2's engine skips the update (as DeepSpeed does) and the
+    guardrails roll the step back; before, it applied them and every later loss was NaN (seen on an H200)."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace)
+    config = small_config(workspace, FSDP2, "debug.pretrain.nan_grad_at_batches=[52]", "pretrain.max_steps=60")
+    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
+    anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
+    assert [(a["kind"], a["step"], a["micro_batches"]) for a in anomalies] == [("non_finite_grad", 53, [52])]
+    rows = _metrics(manifest)
+    assert [r["step"] for r in rows] == list(range(1, 61)) and all(r["loss"] == r["loss"] for r in rows)

@@ -157,6 +157,11 @@ class FaultInjectionConfig(StrictModel):
     nan_at_batches: list[int] = Field(
         default_factory=list, description="Global micro-batch indices whose loss is made NaN."
     )
+    nan_grad_at_batches: list[int] = Field(
+        default_factory=list,
+        description="Global micro-batch indices whose gradients (not loss) are made NaN, as a broken "
+        "attention kernel does.",
+    )
 
 
 class PretrainConfig(StrictModel):

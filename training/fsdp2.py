@@ -29,6 +29,7 @@ makes their loss trajectories comparable, and the loop's LR-scale rule applies u
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ class Fsdp2Engine:
         )
         self.micro = 0  # micro-batches since the last optimizer step
         self.grad_norm = float("nan")
+        self.skipped_steps = 0  # optimizer steps not taken: non-finite gradients (DeepSpeed's name)
 
     # -- the engine surface ----------------------------------------------------------------
 
@@ -126,6 +128,11 @@ class Fsdp2Engine:
         clip = self.cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
         self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(self.grad_norm):  # as DeepSpeed does: never apply it (the Trainer reports it)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.micro = 0
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()

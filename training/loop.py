@@ -56,10 +56,12 @@ class Trainer:
         peak_tflops: float | None,
         nan_at_batches: tuple[int, ...] = (),
         base_dir: Path | None = None,
+        nan_grad_at_batches: tuple[int, ...] = (),
     ):
         import torch
 
         self.nan_at_batches = set(nan_at_batches)  # debug.pretrain: a reproducible divergence
+        self.nan_grad_at_batches = set(nan_grad_at_batches)  # ... and a finite loss with NaN gradients
 
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         self.out_dir, self.special, self.base_dir = out_dir, special, base_dir
@@ -252,13 +254,26 @@ class Trainer:
                 step_loss = sum(losses) / len(losses)
                 if self.detector.judge(step_loss) == "spike":
                     return Anomaly("spike", self.step + 1, indices, step_loss, self._window_mean())
+            if self.schedule.index_of(start) in self.nan_grad_at_batches:
+                loss = _poison_gradient(loss)  # test hook: a finite loss whose gradients are NaN
             self.engine.backward(loss)
-            if micro == self.plan.grad_accum - 1 and self.plan.zero_stage == 0 and self.plan.backend == "deepspeed":
+            last = micro == self.plan.grad_accum - 1
+            if last and self.plan.zero_stage == 0 and self.plan.backend == "deepspeed":
                 self.grad_norm = self._replicated_grad_norm()
+                if not math.isfinite(self.grad_norm):  # DeepSpeed would apply it (fp32) or skip it (bf16) silently
+                    return Anomaly("non_finite_grad", self.step + 1, indices, sum(losses) / len(losses),
+                                   self._window_mean())  # fmt: skip
+            skipped = getattr(self.engine, "skipped_steps", 0)
             self.engine.step()
         if self.plan.zero_stage > 0:
             self.grad_norm = _float(self.engine.get_global_grad_norm())
         step_loss = sum(losses) / len(losses)
+        # A finite loss with non-finite gradients: DeepSpeed skips such a step without failing and
+        # FSDP2's engine skips it too, so a run whose every backward is broken (a bad attention
+        # kernel, see training.device_setup.safe_attention_kernels) would "train" without learning.
+        # It is an anomaly like a NaN loss: rolled back, batches skipped, stopped when it repeats.
+        if getattr(self.engine, "skipped_steps", 0) > skipped:
+            return Anomaly("non_finite_grad", self.step + 1, indices, step_loss, self._window_mean())
         self.detector.accept(step_loss)
         self.step += 1
         self.tokens += self.cfg.global_batch_size * self.cfg.seq_len
@@ -315,8 +330,13 @@ class Trainer:
             record["action"],
         )
         if stopping:
+            hint = (
+                " (a finite loss with non-finite gradients: a kernel, not the data; README Troubleshooting)"
+                if anomaly.kind == "non_finite_grad"
+                else ""
+            )
             raise TrainingDiverged(
-                f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}); "
+                f"{count} anomalies in a row (last at step {anomaly.step}: {anomaly.kind}{hint}); "
                 f"stopping; report: {self.anomalies_path}"
             )
         for start in anomaly.batches:
@@ -494,6 +514,22 @@ class Trainer:
                 tokens_per_s,
                 f" mfu {values['mfu']:.2%}" if "mfu" in values else "",
             )
+
+
+def _poison_gradient(loss: Any) -> Any:
+    """`loss` unchanged in the forward pass, with NaN gradients in the backward one (debug.pretrain)."""
+    import torch
+
+    class PoisonGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad * float("nan")
+
+    return PoisonGradient.apply(loss)
 
 
 def _float(value: Any) -> float:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from lmforge.entry import main
-from training.device_setup import disable_shm_comm_op
+from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 
 
 def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
@@ -31,6 +31,7 @@ def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
         torch.set_num_threads(per_rank)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        safe_attention_kernels()
     if backend == "fsdp2":  # plain torch.distributed: RANK/WORLD_SIZE/MASTER_* from torchrun or the node launcher
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -66,6 +67,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         spec.get("peak_tflops"),
         tuple(spec["debug"]["nan_at_batches"]),
         Path(spec["base_dir"]) if spec.get("base_dir") else None,
+        tuple(spec["debug"]["nan_grad_at_batches"]),
     )
     summary = trainer.run()
     state = consolidated_state(trainer.engine, plan.zero_stage)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.entry import main
-from training.device_setup import disable_shm_comm_op
+from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -334,6 +334,7 @@ def train(spec: dict[str, Any], rank: int) -> None:
     out_dir = Path(spec["out_dir"])
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
     disable_shm_comm_op()
+    safe_attention_kernels()
     if spec["zero_stage"]:
         import deepspeed
         import torch

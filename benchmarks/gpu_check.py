@@ -1,0 +1,239 @@
+"""A GPU preset's pretraining and alignment on one GPU, as one short script (or the same on a CPU, small).
+
+    python benchmarks/gpu_check.py [--preset gpu-1node] [--steps 12] [--out DIR] [--sections ...]
+
+Sections, each a child process with its own time limit, its log kept under --out:
+
+  matmul     the card's measured bf16 matrix rate (8192^3 products), beside the data-sheet peak
+             the MFU figures use;
+  plain      `benchmarks/pretrain.py --compare plain`: lmforge's DeepSpeed step vs a plain PyTorch
+             loop, the preset's model (gpu-1node: 1.1B Llama, seq 2048, micro-batch 8), bf16;
+  backends   `benchmarks/pretrain.py --compare backends --ranks 1`: FSDP2 vs DeepSpeed ZeRO-2 and
+             ZeRO-0 on the same batches from the same weights;
+  align      the alignment stage's entry (`training.align.entry`, started by accelerate as the
+             align step starts it) on a model of the preset's architecture: LoRA SFT, then LoRA DPO
+             from the SFT model, with the preset's align values (LoRA r/alpha, lr, micro-batch,
+             bf16, ZeRO stage) on the built-in chat and preference data of a tiny-cpu workspace
+             (`--align-data`, its `align/data/<key>` folder) and its tokenizer (`--tokenizer`,
+             a model folder); the global batch is cut to `--align-batch` sequences to fit the time;
+  compile    `benchmarks/pretrain.py --compare compile`: torch.compile'd layers vs eager.
+
+It needs no Prefect (the training packages do not import it): on a machine that has torch,
+transformers, accelerate and peft, add deepspeed, trl, datasets and pydantic (the README's
+"Running on GPUs" says how this project measured its figures on a lent GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SECTIONS = ("matmul", "plain", "backends", "align", "compile")
+
+
+def matmul() -> None:
+    import torch
+
+    from training.device import detect_device, peak_tflops
+
+    device = detect_device()
+    n = 8192 if torch.cuda.is_available() else 1024
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    runs = 10
+    start = time.perf_counter()
+    for _ in range(runs):
+        a @ b
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / runs
+    print(f"device {device.name} x{device.count}, torch {torch.__version__}")
+    print(f"bf16 matmul {n}^3: {2 * n**3 / seconds / 1e12:.1f} TFLOP/s measured; "
+          f"MFU peak used below: {peak_tflops(device, 'bf16'):.1f} TFLOP/s")  # fmt: skip
+
+
+# the check trains on synthetic tokens and a workspace's chat data, not on the preset's corpus:
+# its curate.inputs (gpu-1node: /data/raw/...) is pointed at a file that exists, so the preset loads anywhere
+LOADABLE = ["curate.inputs=[README.md]"]
+
+
+def build_model(preset: str, tokenizer_dir: Path, out: Path, overrides: list[str]) -> Path:
+    """A randomly initialised model of the preset's architecture with the tokenizer of `tokenizer_dir`."""
+    import shutil
+
+    import torch
+
+    from lmforge.config import load_config
+    from training.model import build_model as build
+
+    config = load_config(preset, [*LOADABLE, *overrides])
+    hf_config = json.loads((tokenizer_dir / "config.json").read_text())
+    special = {
+        "bos_id": hf_config.get("bos_token_id") or 0,
+        "eos_id": hf_config.get("eos_token_id") or 0,
+        "pad_id": hf_config.get("pad_token_id") or 0,
+    }
+    p = config.pretrain
+    model = build(p.model, hf_config["vocab_size"], p.seq_len, special, p.seed)
+    model.to(torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    print(f"model: {sum(x.numel() for x in model.parameters()) / 1e6:.0f}M parameters, {p.model.num_layers} layers")
+    return out
+
+
+def align_spec(
+    preset: str, kind: str, base: Path, data: Path, out: Path, steps: int, batch: int, overrides: list[str]
+) -> dict:
+    from lmforge.config import load_config
+    from training.align.steps import _plain, _training_fields
+    from training.device import detect_device
+
+    config = load_config(preset, [*LOADABLE, *overrides])
+    a = config.align
+    cfg = getattr(a, kind)
+    settings = {f.rsplit(".", 1)[1]: _plain(getattr(cfg, f.rsplit(".", 1)[1])) for f in _training_fields(kind)}
+    micro = min(settings["micro_batch_size"], batch)
+    settings.update(max_steps=steps, save_steps=steps, global_batch_size=batch, micro_batch_size=micro, log_every=1)
+    cuda = detect_device().kind == "cuda"
+    lora = a.method in ("lora", "qlora") if kind == "sft" else cfg.lora
+    context = json.loads((base / "config.json").read_text())["max_position_embeddings"]
+    return {
+        "kind": kind,
+        "config": settings,
+        "base_dir": str(base),
+        "out_dir": str(out),
+        "train": str(data / kind / "train.jsonl"),
+        "heldout": str(data / ("heldout_sft.jsonl" if kind == "sft" else "heldout_preferences.jsonl")),
+        "heldout_generation": [],
+        "heldout_chats": [],
+        "max_length": min(cfg.max_seq_len or context, context),
+        "precision": ("bf16" if a.precision == "auto" else a.precision) if cuda else "fp32",
+        "zero_stage": a.distributed.zero_stage,
+        "backend": "deepspeed",
+        "lora": a.lora.model_dump(mode="json") if lora else None,
+        "quantized_base": False,
+        "fault": config.debug.align.model_dump(mode="json"),
+        "eval_every": 10**9,
+        "attempt": 1,
+        "attempt_dir": str(out / "logs" / "attempt-1"),
+        "world_size": 1,
+    }
+
+
+def align(args: argparse.Namespace) -> None:
+    from lmforge.launch import Launch, build_command, free_port
+    from lmforge.launcher import QUIET_ENV
+
+    work = Path(args.work)
+    base = build_model(args.preset, Path(args.tokenizer).resolve(), work / "base", args.overrides)
+    start = base
+    for kind in args.align_kinds.split(","):
+        out = work / kind
+        out.mkdir(parents=True, exist_ok=True)
+        spec = align_spec(
+            args.preset,
+            kind,
+            start,
+            Path(args.align_data).resolve(),
+            out,
+            args.align_steps,
+            args.align_batch,
+            args.overrides,
+        )
+        (out / "run_spec.json").write_text(json.dumps(spec))
+        command = build_command("training.align.entry", out / "run_spec.json", Launch("accelerate", 1), free_port())
+        began = time.time()
+        done = subprocess.run(
+            command, cwd=ROOT, env={**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join(sys.path)}
+        )
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if done.returncode == 0 else []
+        speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        lora = f"LoRA r={spec['lora']['r']}" if spec["lora"] else "full"
+        print(
+            f"align {kind}: {lora}, {spec['precision']}, ZeRO-{spec['zero_stage']}, batch {args.align_batch} x "
+            f"max_length {spec['max_length']}, {args.align_steps} steps in {time.time() - began:.0f}s (rc {done.returncode}); "
+            f"tokens/s {sum(speeds[1:]) / max(len(speeds[1:]), 1):,.0f} (from step 2); first/last loss "
+            f"{rows[0].get('loss') if rows else None} / {rows[-1].get('loss') if rows else None}; "
+            f"summary {'written' if summary else 'missing'}"
+        )
+        if done.returncode:
+            return
+        start = out / "hf"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="gpu-1node")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", default="gpu-check")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--align-data", help="a tiny-cpu workspace's align/data/<key> folder")
+    parser.add_argument("--tokenizer", help="a model folder whose tokenizer (and chat template) to use")
+    parser.add_argument("--align-kinds", default="sft,dpo", help="dpo alone starts from the base model")
+    parser.add_argument("--align-steps", type=int, default=8)
+    parser.add_argument("--align-batch", type=int, default=32)
+    parser.add_argument("--work", default="/tmp/lmforge-gpu-check", help="where the align section writes its models")
+    parser.add_argument("--limit", type=int, default=200, help="seconds per section")
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    if args.section == "matmul":
+        return matmul()
+    if args.section == "align":
+        return align(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "pretrain.py"),
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+    ]
+    for item in [*LOADABLE, *args.overrides]:
+        bench += ["--set", item]
+    commands = {
+        "matmul": [sys.executable, __file__, "--section", "matmul"],
+        "plain": [*bench, "--compare", "plain"],
+        "backends": [*bench, "--compare", "backends", "--ranks", "1"],
+        "align": [sys.executable, __file__, "--section", "align", *sys.argv[1:]],
+        "compile": [*bench, "--compare", "compile"],
+    }
+    table = []
+    for name in args.sections.split(","):
+        began = time.time()
+        with open(out / f"{name}.log", "w") as log:
+            # its own process group, so that a section past its limit is stopped with every rank it started
+            child = subprocess.Popen(commands[name], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc: int | str = child.wait(timeout=args.limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                rc = "timeout"
+        lines = (out / f"{name}.log").read_text().splitlines()
+        keep = [x for x in lines if not x.startswith(("[", "W1", "I1")) and "Warning" not in x]
+        table.append(f"== {name} (rc {rc}, {time.time() - began:.0f}s)\n" + "\n".join(keep[-12:]))
+        print(table[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
