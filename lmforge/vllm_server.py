@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.errors import ConfigError, LmforgeError
@@ -77,6 +77,97 @@ class EngineConfig(StrictModel):
     seed: int = 0
 
 
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding (`serve.speculative`): vLLM's proposers, through `--speculative-config`.
+
+    A proposer guesses the next `num_speculative_tokens` tokens and the served model checks them
+    all in one forward pass; the output is the one the model alone would give (token for token
+    under greedy decoding, in distribution when sampling), only the speed changes."""
+
+    method: Literal["off", "ngram", "draft"] = Field(
+        "off",
+        description="off; ngram: vLLM's prompt-lookup proposer (copies continuations of n-grams already in the "
+        "context: code, copying, repetition); draft: a small model with the served model's tokenizer.",
+    )
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Tokens proposed per step.")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest n-gram matched.")
+    prompt_lookup_max: int = Field(3, ge=1, description="ngram: longest n-gram matched.")
+    draft_model: str | None = Field(
+        None, description="draft: a Hugging Face model directory with the served model's tokenizer."
+    )
+    keep: Literal["if_not_slower", "always"] = Field(
+        "if_not_slower",
+        description="if_not_slower: the release measures the SLO workloads (repetition, distinct) with and "
+        "without speculation and serves with it only if no level's output tokens/s or TPOT p50 is worse by "
+        "more than `tolerance`; always: as configured.",
+    )
+    tolerance: float = Field(0.05, ge=0, lt=1, description="Relative slack of the if_not_slower comparison.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeConfig:
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("serve.speculative.draft_model: method draft needs a model directory")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"serve.speculative.prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+
+def same_tokenizer(model_dir: Path, other: Path) -> str | None:
+    """None when `other` tokenizes as `model_dir` does (same vocabulary, same ids); else why not."""
+    from transformers import AutoTokenizer
+
+    mine, theirs = AutoTokenizer.from_pretrained(str(model_dir)), AutoTokenizer.from_pretrained(str(other))
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    if a == b:
+        return None
+    differ = sorted(set(a.items()) ^ set(b.items()))
+    return f"vocabularies of {len(a)} and {len(b)} tokens differ ({len(differ)} token/id pairs, e.g. {differ[0]!r})"
+
+
+def speculative_args(spec: SpeculativeConfig | None, model_dir: Path) -> list[str]:
+    """`--speculative-config JSON` for vLLM (nothing when off); a draft is checked first, in one line."""
+    if spec is None or spec.method == "off":
+        return []
+    config: dict[str, Any] = {"num_speculative_tokens": spec.num_speculative_tokens}
+    if spec.method == "ngram":
+        config.update(
+            method="ngram", prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max
+        )
+    else:
+        draft = Path(str(spec.draft_model)).expanduser()
+        if not (draft / "config.json").exists():
+            raise ConfigError(f"serve.speculative.draft_model: {draft} is not a model directory (no config.json)")
+        why = same_tokenizer(model_dir, draft)
+        if why is not None:
+            raise ConfigError(
+                f"serve.speculative.draft_model: {draft} does not share the served model's tokenizer ({why}); "
+                "a draft must propose the same token ids"
+            )
+        config["model"] = str(draft.resolve())
+    return ["--speculative-config", json.dumps(config)]
+
+
+def speculation_stats(base_url: str, api_key: str) -> dict[str, float]:
+    """Acceptance figures from the server's Prometheus counters (a server started with speculation on):
+    drafts, draft tokens, accepted tokens, acceptance rate, mean accepted length (tokens per step)."""
+    status, body = request(f"{base_url}/metrics", api_key)
+    if status != 200 or not isinstance(body, str):
+        return {}
+    totals: dict[str, float] = {}
+    for line in body.splitlines():
+        for name in ("drafts", "draft_tokens", "accepted_tokens"):
+            if line.startswith(f"vllm:spec_decode_num_{name}_total"):
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if not totals.get("draft_tokens"):
+        return totals
+    totals["acceptance_rate"] = totals.get("accepted_tokens", 0.0) / totals["draft_tokens"]
+    totals["mean_accepted_length"] = 1 + totals.get("accepted_tokens", 0.0) / max(totals.get("drafts", 1.0), 1.0)
+    return totals
+
+
 def server_command(
     model_dir: Path,
     cfg: EngineConfig,
@@ -85,6 +176,7 @@ def server_command(
     host: str = "127.0.0.1",
     served_name: str = "model",
     chat_template: Path | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> list[str]:
     """The server's command line. The API key is not on it (it would show in `ps`): see `server_env`."""
     import torch
@@ -111,7 +203,6 @@ def server_command(
         "20",
         "--generation-config",
         "auto",
-        "--disable-log-stats",
         # a key on every path but /health, bounded bodies, n and concurrency (vLLM's own check covers /v1 only)
         "--middleware",
         "lmforge.vllm_guard.Guard",
@@ -133,7 +224,9 @@ def server_command(
         ]
     if chat_template is not None:
         command += ["--chat-template", str(chat_template)]
-    return command
+    spec = speculative_args(speculative, model_dir)
+    # stats feed /metrics (keyed by the guard); with speculation on they hold its acceptance figures
+    return [*command, *spec] if spec else [*command, "--disable-log-stats"]
 
 
 MIN_KEY_CHARS = 16
@@ -268,7 +361,14 @@ def wait_ready(base_url: str, api_key: str, served_name: str, timeout_s: float, 
 class TemporaryServer:
     """A vLLM server for the length of a `with` block (evaluation, the quantization gate)."""
 
-    def __init__(self, model_dir: Path, cfg: EngineConfig, work_dir: Path, served_name: str = "model") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: EngineConfig,
+        work_dir: Path,
+        served_name: str = "model",
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         import secrets
 
         from lmforge.launch import free_port
@@ -277,7 +377,9 @@ class TemporaryServer:
         self.port, self.api_key, self.served_name = free_port(), f"sk-lmforge-{secrets.token_hex(16)}", served_name
         self.base_url = f"http://127.0.0.1:{self.port}"
         template = plain_chat_template(model_dir, work_dir / "chat_template.plain.jinja")
-        command = server_command(model_dir, cfg, port=self.port, served_name=served_name, chat_template=template)
+        command = server_command(
+            model_dir, cfg, port=self.port, served_name=served_name, chat_template=template, speculative=speculative
+        )
         from lmforge.devices import launch_env
 
         env, placement = launch_env(server_env(cfg, self.api_key))  # not on the GPUs a served model holds

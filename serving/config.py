@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from lmforge.vllm_server import EngineConfig
+from lmforge.vllm_server import EngineConfig, SpeculativeConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -79,6 +79,7 @@ class ServeConfig(StrictModel):
         "Nothing else reaches it: cloud credentials and tokens in the starting shell stay out.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")
     smoke_max_tokens: int = Field(
         48, ge=1, description="The smoke test's answer must end (at <|im_end|>) within this many tokens."

@@ -161,6 +161,7 @@ def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
         "engine": digest(json.dumps(engine, sort_keys=True))[:16],
         "inherit_env": sorted(cfg.inherit_env),
         "front": cfg.front,
+        "speculative": cfg.speculative.model_dump(mode="json"),
     }
     if not cfg.front:  # the server itself is the endpoint: its address is a server setting
         wanted |= {"host": cfg.host, "port": cfg.port}
@@ -221,7 +222,13 @@ def start(
     directory.mkdir(parents=True, exist_ok=True)
     template = plain_chat_template(model_dir, directory / "chat_template.jinja")
     command = server_command(
-        model_dir, cfg.engine, port=port, host=bind, served_name=served_name, chat_template=template
+        model_dir,
+        cfg.engine,
+        port=port,
+        host=bind,
+        served_name=served_name,
+        chat_template=template,
+        speculative=cfg.speculative,
     )
     host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     record: dict[str, Any] = {

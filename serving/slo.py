@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 WORKLOADS = ("shared-prefix", "distinct")
+# where speculation should help (text that repeats itself, as code and copying do) and where it should not
+SPECULATION_WORKLOADS = ("repetition", "distinct")
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,6 +49,10 @@ def prompts(workload: str, count: int, prefix_words: int, seed: int = 0) -> list
     shared = _words(rng, prefix_words)
     out = []
     for _ in range(count):
+        if workload == "repetition":  # a phrase said over and over: its continuation is in the context
+            phrase = _words(rng, 6)
+            out.append(" ".join([phrase] * max(2, (prefix_words + 8) // 6)))
+            continue
         head = shared if workload == "shared-prefix" else _words(rng, prefix_words)
         out.append(f"{head}\nQuestion: {_words(rng, 8)}\nAnswer:")
     return out
@@ -68,7 +74,7 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
     def longest(words: int) -> int:
         return max(
             len(tokenizer(p, add_special_tokens=False)["input_ids"])
-            for w in WORKLOADS
+            for w in (*WORKLOADS, "repetition")
             for p in prompts(w, 8, words, seed=1)
         )
 

@@ -129,6 +129,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "gate": ctx.manifest(QUANT_VERDICT)["key"],
             "verdict": source["verdict"],
         }
+    cfg, speculation = decide_speculation(cfg, model_dir, ctx.out_dir / "speculation")
     rows: list[dict[str, Any]] = []
 
     def check(record: dict[str, Any]) -> None:
@@ -162,6 +163,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "lineage": lineage,
         "smoke": record["smoke"],
         "engine": cfg.engine.model_dump(),
+        "speculation": speculation,
         "startup_s": record["startup_s"],
     }
     atomic_write_json(ctx.out_dir / "release.json", released)
@@ -177,8 +179,86 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "lineage": lineage,
             "url": record["endpoint"],
             "slo": rows,
+            "speculation": speculation,
         },
     }
+
+
+def slower_levels(off: list[dict[str, Any]], on: list[dict[str, Any]], tolerance: float) -> list[str]:
+    """The SLO levels (same workload and clients, in order) where `on` is slower than `off` by more
+    than `tolerance`: fewer output tokens/s, a longer TPOT p50, or a request that failed."""
+    out = []
+    for a, b in zip(off, on, strict=True):
+        if b["errors"] > a["errors"] or (
+            b["output_tokens_per_s"] < a["output_tokens_per_s"] * (1 - tolerance)
+            or b["tpot_ms_p50"] > a["tpot_ms_p50"] * (1 + tolerance)
+        ):
+            out.append(
+                f"{b['workload']} x{b['clients']}: {b['output_tokens_per_s']:.0f} vs {a['output_tokens_per_s']:.0f} "
+                f"tok/s, TPOT p50 {b['tpot_ms_p50']:.1f} vs {a['tpot_ms_p50']:.1f} ms"
+            )
+    return out
+
+
+class _Speculating:
+    """The serve config (a model or a step's view of it) with another `speculative` section."""
+
+    def __init__(self, cfg: Any, speculative: Any) -> None:
+        self._cfg, self.speculative = cfg, speculative
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+
+def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict[str, Any]]:
+    """The serve config to release with, and why: with `serve.speculative.keep: if_not_slower`, the
+    SLO levels run on two temporary servers, without speculation and with it, over a workload
+    where it should help (repetition) and one where it should not (distinct); speculation stays on
+    only if no level is slower (output tokens/s or TPOT p50) beyond the tolerance. One line says which."""
+    from lmforge.vllm_server import TemporaryServer, speculation_stats
+    from serving import slo
+
+    spec = cfg.speculative
+    if spec.method == "off":
+        return cfg, {"method": "off"}
+    if spec.keep == "always":
+        log.info("serve: speculative decoding %s on, as configured (serve.speculative.keep=always)", spec.method)
+        return cfg, {"method": spec.method, "decision": "on (configured)"}
+    words = slo.fit_prefix_words(model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    stats: dict[str, float] = {}
+    for label, proposer in (("off", None), (spec.method, spec)):
+        (work / label).mkdir(parents=True, exist_ok=True)
+        with TemporaryServer(model_dir, cfg.engine, work / label, "probe", speculative=proposer) as server:
+            rows[label] = slo.run(
+                server.base_url,
+                server.api_key,
+                "probe",
+                cfg.slo.concurrency,
+                cfg.slo.requests_per_client,
+                cfg.slo.max_tokens,
+                words,
+                workloads=slo.SPECULATION_WORKLOADS,
+            )
+            if proposer is not None:
+                stats = speculation_stats(server.base_url, server.api_key)
+    slower = slower_levels(rows["off"], rows[spec.method], spec.tolerance)
+    accepted = f"acceptance {stats.get('acceptance_rate', float('nan')):.2f}, mean accepted length " + (
+        f"{stats.get('mean_accepted_length', float('nan')):.2f}"
+    )
+    decision = {"method": spec.method, "stats": stats, "rows": rows, "slower": slower}
+    if slower:
+        log.warning(
+            "serve: speculative decoding (%s) off: slower at %d of %d levels (%s; %s)",
+            spec.method,
+            len(slower),
+            len(rows["off"]),
+            slower[0],
+            accepted,
+        )
+        return _Speculating(cfg, spec.model_copy(update={"method": "off"})), {**decision, "decision": "off (slower)"}
+    log.info("serve: speculative decoding (%s) on: no level slower (%s)", spec.method, accepted)
+    return cfg, {**decision, "decision": "on (not slower)"}
 
 
 RELEASE_STEPS = [
@@ -190,6 +270,7 @@ RELEASE_STEPS = [
             "serve.model",
             "serve.require_evaluation",
             "serve.engine",
+            "serve.speculative",
             "serve.smoke_prompt",
             "serve.smoke_max_tokens",
             "serve.slo",

@@ -1,0 +1,118 @@
+"""Speculative decoding on the served model, for real: vLLM's n-gram and draft-model proposers on CPU.
+
+The check that matters: greedy output with speculation equals greedy output without it, token for
+token, over the held-out prompts; and the proposer did propose (vLLM's counters), so the equality
+is not the trivial one of a proposer that never ran.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+from lmforge.vllm_server import EngineConfig, SpeculativeConfig, TemporaryServer, speculation_stats, speculative_args
+
+pytestmark = pytest.mark.slow
+
+
+def _heldout_chats(workspace: Path, count: int) -> list[list[dict]]:
+    """Held-out prompts, those whose answers repeat the prompt's words first (copy, reverse, sort:
+    where the n-gram proposer has something to propose), then the others."""
+    path = next(workspace.glob("align/data/*/heldout_sft.jsonl"))
+    records = [json.loads(line) for line in path.read_text().splitlines() if "answer" in line]
+    records.sort(key=lambda r: r.get("task") not in ("copy", "reverse", "sort"))
+    return [r["messages"][:-1] for r in records[:count]]
+
+
+def _greedy(server: TemporaryServer, chats: list[list[dict]]) -> list[list[str]]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0)
+    out = []
+    for messages in chats:
+        # past the answer's end too (ignore_eos): 32 tokens of the model's own continuation each
+        reply = client.chat.completions.create(
+            model=server.served_name,
+            messages=messages,
+            temperature=0.0,
+            max_tokens=32,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
+        out.append([t.token for t in reply.choices[0].logprobs.content])
+    return out
+
+
+def test_greedy_output_is_identical_with_and_without_speculation(aligned: dict, tmp_path: Path) -> None:
+    model = Path(aligned["align/dpo"]["dir"]) / "hf"
+    draft = Path(aligned["align/sft"]["dir"]) / "hf"  # the model DPO started from: same tokenizer, other weights
+    chats = _heldout_chats(Path(aligned["align/dpo"]["dir"]).parents[2], 16)
+    proposers = {
+        "off": None,
+        "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3),
+        "draft": SpeculativeConfig(method="draft", draft_model=str(draft), num_speculative_tokens=3),
+    }
+    outputs, stats = {}, {}
+    for name, proposer in proposers.items():
+        (tmp_path / name).mkdir()
+        with TemporaryServer(model, EngineConfig(), tmp_path / name, "spec", speculative=proposer) as server:
+            outputs[name] = _greedy(server, chats)
+            stats[name] = speculation_stats(server.base_url, server.api_key)
+    assert all(len(tokens) == 32 for tokens in outputs["off"])
+    for name in ("ngram", "draft"):
+        assert outputs[name] == outputs["off"], name
+        assert stats[name]["draft_tokens"] > 0, f"{name} never proposed: {stats[name]}"
+        assert 0.0 <= stats[name]["acceptance_rate"] <= 1.0
+    assert not stats["off"].get("draft_tokens")
+    # the SFT model agrees with the DPO model on many tokens: proposals were accepted, and the output
+    # is still the DPO model's (equal to the run without speculation, above)
+    assert stats["draft"]["accepted_tokens"] > 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused_in_one_line(trained: dict, tmp_path: Path) -> None:
+    model = Path(trained["dir"]) / "hf"
+    other = tmp_path / "other-draft"
+    shutil.copytree(model, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    word = next(w for w in vocab if w.isalpha() and len(w) > 3)
+    vocab[word + "X"] = vocab.pop(word)
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError) as info:
+        speculative_args(SpeculativeConfig(method="draft", draft_model=str(other)), model)
+    message = str(info.value)
+    assert "serve.speculative.draft_model" in message and "tokenizer" in message and "\n" not in message
+    with pytest.raises(ConfigError, match="serve.speculative.draft_model: .* is not a model directory"):
+        speculative_args(SpeculativeConfig(method="draft", draft_model=str(tmp_path)), model)
+    # the same tokenizer passes and reaches vLLM as --speculative-config
+    args = speculative_args(SpeculativeConfig(method="draft", draft_model=str(model)), model)
+    assert args[0] == "--speculative-config" and json.loads(args[1])["model"] == str(model.resolve())
+    assert speculative_args(SpeculativeConfig(), model) == []
+
+
+def test_speculative_settings_are_checked_when_the_config_loads() -> None:
+    from lmforge.config import load_config
+
+    with pytest.raises(ConfigError, match="serve.speculative.draft_model: method draft needs a model directory"):
+        load_config("tiny-cpu", ["serve.speculative.method=draft"])
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        load_config("tiny-cpu", ["serve.speculative.method=ngram", "serve.speculative.prompt_lookup_min=4"])
+
+
+def test_the_release_keeps_speculation_only_where_it_is_not_slower() -> None:
+    from serving.steps import slower_levels
+
+    def row(workload: str, clients: int, tps: float, tpot: float, errors: int = 0) -> dict:
+        return {"workload": workload, "clients": clients, "output_tokens_per_s": tps, "tpot_ms_p50": tpot,
+                "errors": errors}  # fmt: skip
+
+    off = [row("repetition", 1, 100, 10), row("distinct", 32, 400, 40)]
+    assert slower_levels(off, [row("repetition", 1, 150, 7), row("distinct", 32, 390, 41)], 0.05) == []
+    slower = slower_levels(off, [row("repetition", 1, 150, 7), row("distinct", 32, 300, 41)], 0.05)
+    assert slower == ["distinct x32: 300 vs 400 tok/s, TPOT p50 41.0 vs 40.0 ms"]
+    assert slower_levels(off, [row("repetition", 1, 100, 12), row("distinct", 32, 400, 40)], 0.05)  # TPOT
+    assert slower_levels(off, [row("repetition", 1, 100, 10, errors=1), row("distinct", 32, 400, 40)], 0.05)
