@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
     .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]
+    .venv/bin/python benchmarks/serve.py --model DIR --speculative [--draft DRAFT_DIR]
 
 Rows, for the `shared-prefix` workload (a long system prompt shared by every request, then a
 short question) and the `distinct` one (prompts of the same length with nothing shared):
@@ -10,6 +11,11 @@ short question) and the `distinct` one (prompts of the same length with nothing 
 - vLLM, prefix caching off, same levels (the baseline for the prefix-caching effect on TTFT);
 - Hugging Face `generate`, one request at a time, and batched (all of a level's prompts as one
   left-padded batch): what a user would write without a server.
+
+With `--speculative`: vLLM without speculation, with its n-gram proposer and with a draft model,
+on a `repetition` workload (a phrase said over and over: the continuation is in the context, the
+case speculation is for) and the `distinct` one, each level's output tokens/s and TPOT against
+no speculation, and the proposers' acceptance rate and mean accepted length (vLLM's counters).
 
 TTFT/TPOT/latency p50/p90/p99 and output tokens/s, then the ratios the README quotes: vLLM's
 throughput at the highest level over HF's (sequential and batched), and TTFT p50 of the
@@ -115,6 +121,32 @@ def vllm_rows(
     return [{"engine": label, **r} for r in rows]
 
 
+def speculation_rows(
+    model_dir: Path, draft: str | None, concurrency: list[int], per_client: int, max_tokens: int, prefix_words: int
+) -> tuple[list[dict], dict[str, dict]]:
+    """vLLM without speculation, with the n-gram proposer and (given a draft) with the draft model, on a
+    workload where speculation should help (repetition) and one where it should not (distinct)."""
+    from lmforge.vllm_server import EngineConfig, SpeculativeConfig, TemporaryServer, speculation_stats
+
+    proposers: dict[str, SpeculativeConfig | None] = {"off": None, "ngram": SpeculativeConfig(method="ngram")}
+    if draft:
+        proposers["draft"] = SpeculativeConfig(method="draft", draft_model=draft)
+    rows, stats = [], {}
+    for name, proposer in proposers.items():
+        with (
+            tempfile.TemporaryDirectory() as work,
+            TemporaryServer(model_dir, EngineConfig(), Path(work), "bench", speculative=proposer) as server,
+        ):
+            found = slo.run(
+                server.base_url, server.api_key, "bench", concurrency, per_client, max_tokens, prefix_words,
+                workloads=slo.SPECULATION_WORKLOADS,
+            )  # fmt: skip
+            if proposer is not None:
+                stats[name] = speculation_stats(server.base_url, server.api_key)
+        rows += [{"engine": f"vLLM, speculation {name}", **r} for r in found]
+    return rows, stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", default="workspace")
@@ -124,6 +156,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prefix-words", type=int, default=120)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument(
+        "--speculative", action="store_true", help="compare speculative decoding (off / ngram / --draft) instead"
+    )
+    parser.add_argument("--draft", help="--speculative: a draft model directory with the served model's tokenizer")
     args = parser.parse_args()
     model_dir = _model_dir(args)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -134,6 +170,8 @@ def main() -> None:
         f"{args.max_tokens} tokens each, system prompt {words} words (what the context holds)\n",
         flush=True,
     )
+    if args.speculative:
+        return speculative_report(model_dir, args, shape)
     rows = vllm_rows(model_dir, True, *shape)
     rows += vllm_rows(model_dir, False, *shape)
     rows += hf_rows(model_dir, *shape)
@@ -158,6 +196,28 @@ def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def speculative_report(model_dir: Path, args: argparse.Namespace, shape: tuple) -> None:  # type: ignore[type-arg]
+    rows, stats = speculation_rows(model_dir, args.draft, *shape)
+    print(slo.table(rows))
+    for name, figures in stats.items():
+        print(
+            f"{name}: acceptance rate {figures.get('acceptance_rate', float('nan')):.3f}, mean accepted length "
+            f"{figures.get('mean_accepted_length', float('nan')):.2f} tokens per step "
+            f"({figures.get('accepted_tokens', 0):.0f} of {figures.get('draft_tokens', 0):.0f} proposed tokens)"
+        )
+    base = {(r["workload"], r["clients"]): r for r in rows if r["engine"] == "vLLM, speculation off"}
+    for r in rows:
+        if r["engine"] == "vLLM, speculation off":
+            continue
+        b = base[(r["workload"], r["clients"])]
+        print(
+            f"{r['engine']}, {r['workload']} x{r['clients']}: tok/s {r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, "
+            f"TPOT p50 {r['tpot_ms_p50']:.1f} vs {b['tpot_ms_p50']:.1f} ms"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "stats": stats}, indent=1))
 
 
 if __name__ == "__main__":

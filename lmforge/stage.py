@@ -51,6 +51,7 @@ KINDS = {
     "token-shards": "packed token shards (tokens/*.bin) with index.json",
     "hf-model": "a Hugging Face model directory (safetensors, config, tokenizer, generation config)",
     "reward-model": "a Hugging Face sequence-classification directory (one score per conversation) with its tokenizer",
+    "draft-model": "a small Hugging Face causal LM with the served model's tokenizer, for speculative decoding",
     "chat-data": "chat records (JSONL with messages), train and held-out splits",
     "preference-data": "preference records (JSONL with prompt, chosen, rejected), train and held-out splits",
     "ngram-index": "a hashed n-gram index of a training source, for contamination checks",

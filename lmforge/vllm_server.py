@@ -93,7 +93,9 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest n-gram matched.")
     prompt_lookup_max: int = Field(3, ge=1, description="ngram: longest n-gram matched.")
     draft_model: str | None = Field(
-        None, description="draft: a Hugging Face model directory with the served model's tokenizer."
+        None,
+        description="draft: `distilled` (the draft align/draft distils from the served lineage; needs "
+        "align.draft.enabled) or a Hugging Face model directory with the served model's tokenizer.",
     )
     keep: Literal["if_not_slower", "always"] = Field(
         "if_not_slower",

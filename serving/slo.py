@@ -69,13 +69,13 @@ def fit_prefix_words(model_dir: Any, max_tokens: int, prefix_words: int, max_mod
     context = max_model_len or json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.model_max_length = 10**9  # measuring over-long prompts is the point: no warning about them
-    budget = context - max_tokens - 8
+    budget = context - max_tokens - 8 - context // 20  # headroom: the levels draw other prompts than these
 
     def longest(words: int) -> int:
         return max(
             len(tokenizer(p, add_special_tokens=False)["input_ids"])
             for w in (*WORKLOADS, "repetition")
-            for p in prompts(w, 8, words, seed=1)
+            for p in prompts(w, 32, words, seed=1)
         )
 
     if longest(0) <= budget:  # the longest system prompt that fits, by bisection

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
+DRAFT_MODEL = Product("draft-model")  # align/draft's, when serve.speculative.draft_model is "distilled"
+DISTILLED = "distilled"
 AUTO_ORDER = ("quantized", "rl", "dpo", "sft", "pretrained", "base")
 
 
@@ -48,7 +50,21 @@ def _upstream(config: PipelineBase) -> tuple[Any, ...]:
         wants.append(Maybe(BASE_MODEL))  # its name goes into the served name
     if config.serve.require_evaluation:
         wants.append(EVAL_VERDICT)
+    if _distilled_draft(config):
+        wants.append(DRAFT_MODEL)
     return tuple(wants)
+
+
+def _distilled_draft(config: ConfigOrView) -> bool:
+    """Whether serving speculates with the draft `align/draft` distils (`draft_model: distilled`)."""
+    spec = config.serve.speculative
+    if spec.method != "draft" or spec.draft_model != DISTILLED:
+        return False
+    if not config.align.draft.enabled:
+        raise ConfigError(
+            "serve.speculative.draft_model: distilled needs align.draft.enabled: true (the step that distils it)"
+        )
+    return True
 
 
 def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
@@ -129,6 +145,10 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "gate": ctx.manifest(QUANT_VERDICT)["key"],
             "verdict": source["verdict"],
         }
+    if _distilled_draft(ctx.config):
+        draft = str(ctx.path(DRAFT_MODEL))
+        cfg = _Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
+        lineage["draft"] = {"step": ctx.manifest(DRAFT_MODEL)["step"], "key": ctx.manifest(DRAFT_MODEL)["key"]}
     cfg, speculation = decide_speculation(cfg, model_dir, ctx.out_dir / "speculation")
     rows: list[dict[str, Any]] = []
 

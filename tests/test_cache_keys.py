@@ -188,6 +188,12 @@ ROWS = [
     ("align.rl.hacking.min_reward_gain=0.2", set()),
     ("align.rl.hacking.max_accuracy_drop=0.1", set()),
     ("align.rl.hacking.max_loss_rise=0.2", set()),
+    # the draft model for speculative decoding: whether it is distilled is which steps run
+    ("align.draft.enabled=true", set()),
+    ("align.draft.micro_batch_size=4", set()),
+    ("align.draft.eval_every=5", set()),
+    ("align.draft.log_every=5", set()),
+    ("align.draft.heldout_chats=50", set()),
     ("align.eval_generations=10", set()),
     ("align.distributed.node_launcher=slurm", set()),
     ("align.distributed.backend=fsdp2", set()),

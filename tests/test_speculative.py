@@ -47,9 +47,44 @@ def _greedy(server: TemporaryServer, chats: list[list[dict]]) -> list[list[str]]
     return out
 
 
-def test_greedy_output_is_identical_with_and_without_speculation(aligned: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def distilled(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The small lineage's draft model, distilled from its DPO model on 2 ranks."""
+    from lmforge.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    workspace = tmp_path_factory.mktemp("draft")
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    config = small_config(
+        workspace, "align.draft.enabled=true", "align.draft.max_steps=40", "align.draft.save_steps=20",
+        "align.draft.heldout_chats=100",
+    )  # fmt: skip
+    return run_pipeline_locally(config, ["align"])
+
+
+def test_the_draft_is_distilled_from_the_served_model(distilled: dict, aligned: dict) -> None:
+    from lmforge.vllm_server import same_tokenizer
+
+    draft = distilled["align/draft"]
+    assert distilled["align/dpo"]["key"] == aligned["align/dpo"]["key"]  # the lineage before it is reused
+    m = draft["metrics"]
+    assert m["student_layers"] < m["teacher_layers"] and m["params_ratio"] < 1
+    # distillation made the layer-dropped student agree with its teacher more often, and predict better
+    assert m["top1_agreement"] > m["top1_agreement_before"] + 0.05, m
+    assert m["heldout_loss"] < m["heldout_loss_before"]
+    heldout = next(Path(draft["dir"]).parents[2].glob("align/data/*/heldout_sft.jsonl"))
+    assert draft["counts"]["heldout_items"] == min(100, len(heldout.read_text().splitlines()))
+    teacher = Path(aligned["align/dpo"]["dir"]) / "hf"
+    assert same_tokenizer(teacher, Path(draft["dir"]) / "hf") is None
+    rows = [json.loads(line) for line in (Path(draft["dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 40
+
+
+def test_greedy_output_is_identical_with_and_without_speculation(
+    aligned: dict, distilled: dict, tmp_path: Path
+) -> None:
     model = Path(aligned["align/dpo"]["dir"]) / "hf"
-    draft = Path(aligned["align/sft"]["dir"]) / "hf"  # the model DPO started from: same tokenizer, other weights
+    draft = Path(distilled["align/draft"]["dir"]) / "hf"  # distilled from the DPO model
     chats = _heldout_chats(Path(aligned["align/dpo"]["dir"]).parents[2], 16)
     proposers = {
         "off": None,
@@ -62,14 +97,15 @@ def test_greedy_output_is_identical_with_and_without_speculation(aligned: dict, 
         with TemporaryServer(model, EngineConfig(), tmp_path / name, "spec", speculative=proposer) as server:
             outputs[name] = _greedy(server, chats)
             stats[name] = speculation_stats(server.base_url, server.api_key)
-    assert all(len(tokens) == 32 for tokens in outputs["off"])
+    # up to 32 tokens each (fewer where the small model's 64-token context ends first)
+    assert all(outputs["off"]) and sum(map(len, outputs["off"])) > 8 * len(chats)
     for name in ("ngram", "draft"):
         assert outputs[name] == outputs["off"], name
         assert stats[name]["draft_tokens"] > 0, f"{name} never proposed: {stats[name]}"
         assert 0.0 <= stats[name]["acceptance_rate"] <= 1.0
     assert not stats["off"].get("draft_tokens")
-    # the SFT model agrees with the DPO model on many tokens: proposals were accepted, and the output
-    # is still the DPO model's (equal to the run without speculation, above)
+    # the distilled draft agrees with the DPO model on many tokens: proposals were accepted, and the
+    # output is still the DPO model's (equal to the run without speculation, above)
     assert stats["draft"]["accepted_tokens"] > 0
 
 
@@ -79,8 +115,8 @@ def test_a_draft_with_another_tokenizer_is_refused_in_one_line(trained: dict, tm
     shutil.copytree(model, other)
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
-    word = next(w for w in vocab if w.isalpha() and len(w) > 3)
-    vocab[word + "X"] = vocab.pop(word)
+    first, second = [w for w in vocab if w.isalpha() and len(w) > 3][:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same tokens, two ids swapped
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ConfigError) as info:
         speculative_args(SpeculativeConfig(method="draft", draft_model=str(other)), model)

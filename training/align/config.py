@@ -129,6 +129,30 @@ class RewardModelConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
+class DraftConfig(TrainConfig):
+    """`align/draft`: a draft model for speculative decoding, distilled from the last model of the recipe
+    (TRL's GKDTrainer on the SFT conversations; see training/align/draft.py)."""
+
+    enabled: bool = runtime_field(
+        False, description="Distil a draft model (serve.speculative.draft_model: distilled serves with it)."
+    )
+    layers: int | None = Field(
+        None,
+        ge=1,
+        description="Decoder layers of the student (copied, evenly spaced, from the teacher's); "
+        "None: a quarter of the teacher's, at least 1.",
+    )
+    beta: float = Field(
+        0.0, ge=0, le=1, description="GKD's generalized JSD: 0 = forward KL to the teacher, 1 = reverse."
+    )
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of both distributions in the loss.")
+    heldout_chats: int = runtime_field(
+        200, ge=1, description="Held-out conversations the summary's top-1 agreement is measured on."
+    )
+    lr: float = Field(1e-3, gt=0)
+    max_steps: int = Field(200, ge=1)
+
+
 class RewardFunction(StrictModel):
     """One term of RL's reward: the built-in verifier, the trained reward model, or a function of the user's."""
 
@@ -282,6 +306,7 @@ class AlignConfig(StrictModel):
     dpo: DpoConfig = DpoConfig()
     reward: RewardModelConfig = RewardModelConfig()
     rl: RlConfig = RlConfig()
+    draft: DraftConfig = DraftConfig()
     distributed: AlignDistributedConfig = AlignDistributedConfig()
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 where the hardware has it, else fp32."
@@ -313,7 +338,8 @@ class AlignConfig(StrictModel):
             raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
-        for name in ("sft", "dpo", *(k for k in ("reward", "rl") if k in self.recipe)):
+        trained = ("sft", "dpo", *(k for k in ("reward", "rl") if k in self.recipe))
+        for name in (*trained, *(("draft",) if self.draft.enabled else ())):
             cfg = getattr(self, name)
             if d.num_ranks != "auto" and cfg.global_batch_size % (
                 cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes

@@ -369,6 +369,11 @@ def train(spec: dict[str, Any], rank: int) -> None:
         from training.align.rl import rl_trainer
 
         trainer = rl_trainer(spec, model, tokenizer, _training_args, _callbacks(spec, holder))
+    elif spec["kind"] == "draft":  # `model` is the teacher; the student is built from it
+        from training.align.draft import draft_trainer
+
+        train_data = _dataset(spec["train"], ["messages"])
+        trainer = draft_trainer(spec, model, tokenizer, _training_args, _callbacks(spec, holder), train_data)
     elif spec["kind"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -459,7 +464,12 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
         return
     summary["merge_parity_max_abs_logit_diff"] = merge_lora(spec, out_dir / "adapter", hf) if spec.get("lora") else None
     finalize_export(spec, tokenizer, hf)
-    if spec["kind"] == "rl":
+    if spec["kind"] == "draft":
+        from training.align.draft import measure_draft
+
+        summary.update(measure_draft(spec, tokenizer, hf))
+        summary["warnings"] = []
+    elif spec["kind"] == "rl":
         summary.update(measure_rl(spec, tokenizer, hf))
         hacked = out_dir / "hacking.json"
         summary["warnings"] = [json.loads(hacked.read_text())["message"]] if hacked.exists() else []

@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DATA, SFT, DPO, REWARD, RL = "align/data", "align/sft", "align/dpo", "align/reward", "align/rl"
+DRAFT = "align/draft"
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 PRETRAINED, SFT_MODEL, DPO_MODEL = hf_model("pretrained"), hf_model("sft"), hf_model("dpo")
 REWARD_MODEL, RL_MODEL = Product("reward-model"), hf_model("rl")
+DRAFT_MODEL = Product("draft-model")  # not an hf-model role: nothing evaluates, quantizes or serves it alone
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
 
 
@@ -159,13 +161,14 @@ def _precision(config: ConfigView) -> str:
 
 def _training_fields(kind: str) -> list[str]:
     """The fields of `align.<kind>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
-    from training.align.config import DpoConfig, RewardModelConfig, RlConfig, SftConfig, TrainConfig
+    from training.align.config import DpoConfig, DraftConfig, RewardModelConfig, RlConfig, SftConfig, TrainConfig
 
     models: dict[str, type[TrainConfig]] = {
         "sft": SftConfig,
         "dpo": DpoConfig,
         "reward": RewardModelConfig,
         "rl": RlConfig,
+        "draft": DraftConfig,
     }
     return [f"align.{kind}.{f}" for f in models[kind].model_fields if f not in ("inputs", "enabled")]
 
@@ -174,7 +177,14 @@ def _lora(config: ConfigView | PipelineBase, kind: str) -> bool:
     a = config.align
     if kind == "sft":
         return a.method in ("lora", "qlora")
-    return kind != "rl" and getattr(a, kind).lora  # RL trains every weight
+    return kind not in ("rl", "draft") and getattr(a, kind).lora  # RL and the draft train every weight
+
+
+def draft_teacher(config: ConfigView | PipelineBase) -> Product:
+    """What the draft is distilled from: the recipe's last policy (the model serving takes when unquantized)."""
+    if "rl" in config.align.recipe:
+        return RL_MODEL
+    return DPO_MODEL if "dpo" in config.align.recipe and config.align.dpo.enabled else SFT_MODEL
 
 
 def rl_start(config: ConfigView | PipelineBase) -> Product:
@@ -231,12 +241,15 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
         start = SFT_MODEL
     elif kind == "rl":  # the model `rl_start` chose when the graph was resolved
         start = DPO_MODEL if ctx.has(DPO_MODEL) else SFT_MODEL
+    elif kind == "draft":  # the teacher `draft_teacher` chose
+        start = next(p for p in (RL_MODEL, DPO_MODEL, SFT_MODEL) if ctx.has(p))
     else:
         start = BASE_MODEL if ctx.has(BASE_MODEL) else PRETRAINED
     base = ctx.path(start)
     context = _context(base)
-    data_dir = ctx.path(CHAT_DATA if kind in ("sft", "rl") else PREFERENCE_DATA)
-    heldout = data_dir.parent / (HELDOUT_SFT if kind in ("sft", "rl") else HELDOUT_PREFERENCES)
+    chats = kind in ("sft", "rl", "draft")
+    data_dir = ctx.path(CHAT_DATA if chats else PREFERENCE_DATA)
+    heldout = data_dir.parent / (HELDOUT_SFT if chats else HELDOUT_PREFERENCES)
     verifiable = spread_over_tasks(
         [r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r], a.eval_generations
     )
@@ -267,6 +280,8 @@ def _spec(ctx: StepContext, kind: str) -> dict[str, Any]:
             "use_vllm": cfg.use_vllm,
         }
         verifiable = spread_over_tasks(verifiable_all, cfg.heldout_prompts)
+    if kind == "draft":  # judged by agreement with its teacher (draft.measure_draft), not by answers
+        verifiable = []
     return {
         **extra,
         "kind": kind,
@@ -451,6 +466,23 @@ ALIGN_STEPS = [
         provides={RL_MODEL: "hf"},
         progress=_progress("rl"),
         code=(*CODE, "training.align.rl"),
+        libraries=LIBS,
+    ),
+    Step(
+        DRAFT,
+        1,
+        "Draft model for speculative decoding: fewer of the teacher's layers, distilled with TRL's GKDTrainer",
+        reads=_train_reads("draft"),
+        derive=_resolved_precision,
+        upstream=lambda c: (draft_teacher(c), CHAT_DATA),
+        finalize=_train_finalize("draft"),
+        when=lambda c: c.align.draft.enabled and not left_out_for_base(c, "align"),
+        retries=3,
+        bookkeeping=("checkpoints", "logs"),
+        digest_paths=("hf/",),
+        provides={DRAFT_MODEL: "hf"},
+        progress=_progress("draft"),
+        code=(*CODE, "training.align.draft"),
         libraries=LIBS,
     ),
 ]

@@ -1,0 +1,152 @@
+"""`align/draft`: a small draft model for speculative decoding, distilled from the model that is served.
+
+The student is the teacher's own architecture with fewer decoder layers (every `k`-th layer and
+the last one copied from the teacher, the embeddings, final norm and output head too: the usual
+"layer dropping" initialisation, as DistilBERT's), so it has the teacher's tokenizer by
+construction, which a draft needs (vLLM checks the proposed token ids against the teacher's).
+It is trained with TRL's `GKDTrainer` on the lineage's SFT conversations with `lmbda=0` (the
+dataset's sequences, no student sampling): the loss is the generalized Jensen-Shannon divergence
+between the teacher's and the student's token distributions (`beta=0`: forward KL to the teacher).
+Launch, checkpoints, resume and export are the alignment entry's, as for SFT.
+
+What a draft is worth is how often its next token is the teacher's: `measure_draft` reports the
+top-1 agreement with the teacher on the held-out conversations (before and after distillation)
+and the student's held-out loss beside the teacher's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("training.align")
+LAYER = re.compile(r"(\.(?:layers|h)\.)(\d+)\.")
+
+
+def kept_layers(total: int, keep: int) -> list[int]:
+    """`keep` of `total` layer indices, evenly spaced, first and last included."""
+    keep = max(1, min(keep, total))
+    if keep == 1:
+        return [total - 1]
+    return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
+
+
+def build_student(teacher: Any, layers: int | None) -> Any:
+    """The teacher with `layers` decoder layers (default: a quarter, at least 1), weights copied."""
+    from transformers import AutoModelForCausalLM
+
+    total = teacher.config.num_hidden_layers
+    keep = kept_layers(total, layers or max(1, total // 4))
+    config = copy.deepcopy(teacher.config)
+    config.num_hidden_layers = len(keep)
+    if isinstance(getattr(config, "layer_types", None), list):  # Qwen2-style per-layer attention types
+        config.layer_types = [config.layer_types[i] for i in keep]
+    student = AutoModelForCausalLM.from_config(config, dtype=teacher.dtype)
+    new_index = {old: new for new, old in enumerate(keep)}
+    state = {}
+    for name, tensor in teacher.state_dict().items():
+        match = LAYER.search(name)
+        if match is None:
+            state[name] = tensor
+        elif int(match.group(2)) in new_index:
+            state[LAYER.sub(lambda m: f"{m.group(1)}{new_index[int(m.group(2))]}.", name, count=1)] = tensor
+    student.load_state_dict(state, strict=True)
+    return student
+
+
+def draft_trainer(
+    spec: dict[str, Any], teacher: Any, tokenizer: Any, args_for: Any, callbacks: list[Any], dataset: Any
+) -> Any:
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    cfg = spec["config"]
+    # GKD's collator splits each conversation into prompt and last answer and refuses one whose
+    # answer alone fills max_length: those are left out (counted in the log), not truncated
+    fits = dataset.filter(
+        lambda r: (
+            len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False)) <= spec["max_length"]
+        )
+    )
+    if len(fits) < len(dataset):
+        log.info("draft: %d of %d conversations are longer than %d tokens; distilling on the rest",
+                 len(dataset) - len(fits), len(dataset), spec["max_length"])  # fmt: skip
+    if not len(fits):
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"align.draft: no SFT conversation fits in {spec['max_length']} tokens")
+    student = build_student(teacher, cfg["layers"])
+    args = args_for(spec, GKDConfig, lmbda=0.0, beta=cfg["beta"], temperature=cfg["temperature"], seq_kd=False)
+    teacher.eval()
+    return GKDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=fits,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+def _params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def agreement(student: Any, teacher: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> dict[str, float]:
+    """Top-1 agreement (argmax equal) over every next-token position of the chats, and both models' loss."""
+    import torch
+    import torch.nn.functional as F
+
+    same = total = 0
+    losses = {"student": 0.0, "teacher": 0.0}
+    with torch.no_grad():
+        for messages in chats:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            ids = torch.tensor([list(ids)])
+            if ids.shape[1] < 2:
+                continue
+            logits = {"student": student(input_ids=ids).logits[0, :-1].float(),
+                      "teacher": teacher(input_ids=ids).logits[0, :-1].float()}  # fmt: skip
+            target = ids[0, 1:]
+            same += int((logits["student"].argmax(-1) == logits["teacher"].argmax(-1)).sum())
+            total += target.numel()
+            for name, value in logits.items():
+                losses[name] += float(F.cross_entropy(value, target, reduction="sum"))
+    return {
+        "top1_agreement": same / max(total, 1),
+        "heldout_loss": losses["student"] / max(total, 1),
+        "teacher_heldout_loss": losses["teacher"] / max(total, 1),
+        "positions": total,
+    }
+
+
+def measure_draft(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+    """The summary's figures: agreement and loss of the initial (layer-dropped) and the distilled student."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    chats = [json.loads(line)["messages"] for line in Path(spec["heldout"]).read_text().splitlines()]
+    chats = chats[: spec["config"]["heldout_chats"]]
+    teacher = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    before = agreement(build_student(teacher, spec["config"]["layers"]).eval(), teacher, tokenizer, chats)
+    after = agreement(student, teacher, tokenizer, chats)
+    return {
+        "heldout_items": len(chats),
+        "top1_agreement_before": before["top1_agreement"],
+        "top1_agreement": after["top1_agreement"],
+        "heldout_loss_before": before["heldout_loss"],
+        "heldout_loss": after["heldout_loss"],
+        "teacher_heldout_loss": after["teacher_heldout_loss"],
+        "student_layers": student.config.num_hidden_layers,
+        "teacher_layers": teacher.config.num_hidden_layers,
+        "student_params": _params(student),
+        "teacher_params": _params(teacher),
+        "params_ratio": _params(student) / _params(teacher),
+    }
