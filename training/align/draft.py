@@ -99,27 +99,32 @@ def _params(model: Any) -> int:
 
 
 def agreement(student: Any, teacher: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> dict[str, float]:
-    """Top-1 agreement (argmax equal) over every next-token position of the chats, and both models' loss."""
+    """Top-1 agreement (argmax equal) on the positions that predict each chat's last answer (and over
+    every position), and both models' loss per token over every position."""
     import torch
     import torch.nn.functional as F
 
-    same = total = 0
+    same = total = same_answer = answer = 0
     losses = {"student": 0.0, "teacher": 0.0}
     with torch.no_grad():
         for messages in chats:
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-            ids = torch.tensor([list(ids)])
+            ids = torch.tensor([list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))])
+            prompt = len(tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False))  # fmt: skip
             if ids.shape[1] < 2:
                 continue
             logits = {"student": student(input_ids=ids).logits[0, :-1].float(),
                       "teacher": teacher(input_ids=ids).logits[0, :-1].float()}  # fmt: skip
             target = ids[0, 1:]
-            same += int((logits["student"].argmax(-1) == logits["teacher"].argmax(-1)).sum())
-            total += target.numel()
+            agree = logits["student"].argmax(-1) == logits["teacher"].argmax(-1)
+            same, total = same + int(agree.sum()), total + target.numel()
+            # the positions that predict the last answer's tokens: what a draft proposes when serving
+            same_answer, answer = same_answer + int(agree[prompt - 1 :].sum()), answer + max(len(agree) - prompt + 1, 0)
             for name, value in logits.items():
                 losses[name] += float(F.cross_entropy(value, target, reduction="sum"))
     return {
-        "top1_agreement": same / max(total, 1),
+        "top1_agreement": same_answer / max(answer, 1),
+        "top1_agreement_all_tokens": same / max(total, 1),
         "heldout_loss": losses["student"] / max(total, 1),
         "teacher_heldout_loss": losses["teacher"] / max(total, 1),
         "positions": total,
@@ -141,6 +146,8 @@ def measure_draft(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, A
         "heldout_items": len(chats),
         "top1_agreement_before": before["top1_agreement"],
         "top1_agreement": after["top1_agreement"],
+        "top1_agreement_all_tokens_before": before["top1_agreement_all_tokens"],
+        "top1_agreement_all_tokens": after["top1_agreement_all_tokens"],
         "heldout_loss_before": before["heldout_loss"],
         "heldout_loss": after["heldout_loss"],
         "teacher_heldout_loss": after["teacher_heldout_loss"],
