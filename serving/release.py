@@ -602,6 +602,17 @@ def _uptime(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+class Speculating:
+    """The serve config (a model or a step's view of it) with another `speculative` section: the one
+    the release decided on (speculation off where it was slower, a distilled draft's directory)."""
+
+    def __init__(self, cfg: Any, speculative: Any) -> None:
+        self._cfg, self.speculative = cfg, speculative
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cfg, name)
+
+
 def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Make the server described by `want` (served_name, model_dir, lineage) the running current one.
 
@@ -609,6 +620,11 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
     record): it is started, smoke-tested and promoted, and the old server stopped. A server whose key,
     host, port or engine settings differ from `cfg` is replaced so, with one line saying what changed.
     """
+    released = want.get("speculative_config") or want.get("settings", {}).get("speculative")
+    if released is not None:  # as the release decided, not as configured (serve.speculative is its key)
+        from lmforge.vllm_server import SpeculativeConfig
+
+        cfg = Speculating(cfg, SpeculativeConfig(**released))  # type: ignore[assignment]
     with promotion_lock(workspace):
         record = current(workspace)
         if record and record["served_name"] == want["served_name"] and alive(record):

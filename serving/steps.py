@@ -147,7 +147,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         }
     if _distilled_draft(ctx.config):
         draft = str(ctx.path(DRAFT_MODEL))
-        cfg = _Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
+        cfg = release.Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
         lineage["draft"] = {"step": ctx.manifest(DRAFT_MODEL)["step"], "key": ctx.manifest(DRAFT_MODEL)["key"]}
     cfg, speculation = decide_speculation(cfg, model_dir, ctx.out_dir / "speculation")
     rows: list[dict[str, Any]] = []
@@ -200,6 +200,8 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "url": record["endpoint"],
             "slo": rows,
             "speculation": speculation,
+            # what the server runs with (the decision above, a distilled draft resolved): a restart keeps it
+            "speculative_config": cfg.speculative.model_dump(mode="json"),
         },
     }
 
@@ -218,16 +220,6 @@ def slower_levels(off: list[dict[str, Any]], on: list[dict[str, Any]], tolerance
                 f"tok/s, TPOT p50 {b['tpot_ms_p50']:.1f} vs {a['tpot_ms_p50']:.1f} ms"
             )
     return out
-
-
-class _Speculating:
-    """The serve config (a model or a step's view of it) with another `speculative` section."""
-
-    def __init__(self, cfg: Any, speculative: Any) -> None:
-        self._cfg, self.speculative = cfg, speculative
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cfg, name)
 
 
 def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict[str, Any]]:
@@ -276,7 +268,9 @@ def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict
             slower[0],
             accepted,
         )
-        return _Speculating(cfg, spec.model_copy(update={"method": "off"})), {**decision, "decision": "off (slower)"}
+        from serving.release import Speculating
+
+        return Speculating(cfg, spec.model_copy(update={"method": "off"})), {**decision, "decision": "off (slower)"}
     log.info("serve: speculative decoding (%s) on: no level slower (%s)", spec.method, accepted)
     return cfg, {**decision, "decision": "on (not slower)"}
 
