@@ -126,23 +126,19 @@ def speculation_rows(
 ) -> tuple[list[dict], dict[str, dict]]:
     """vLLM without speculation, with the n-gram proposer and (given a draft) with the draft model, on a
     workload where speculation should help (repetition) and one where it should not (distinct)."""
-    from lmforge.vllm_server import EngineConfig, SpeculativeConfig, TemporaryServer, speculation_stats
+    from lmforge.vllm_server import EngineConfig, SpeculativeConfig
 
     proposers: dict[str, SpeculativeConfig | None] = {"off": None, "ngram": SpeculativeConfig(method="ngram")}
     if draft:
         proposers["draft"] = SpeculativeConfig(method="draft", draft_model=draft)
     rows, stats = [], {}
     for name, proposer in proposers.items():
-        with (
-            tempfile.TemporaryDirectory() as work,
-            TemporaryServer(model_dir, EngineConfig(), Path(work), "bench", speculative=proposer) as server,
-        ):
-            found = slo.run(
-                server.base_url, server.api_key, "bench", concurrency, per_client, max_tokens, prefix_words,
-                workloads=slo.SPECULATION_WORKLOADS,
-            )  # fmt: skip
-            if proposer is not None:
-                stats[name] = speculation_stats(server.base_url, server.api_key)
+        with tempfile.TemporaryDirectory() as work:
+            found, figures = slo.speculation_levels(
+                model_dir, EngineConfig(), proposer, Path(work), concurrency, per_client, max_tokens, prefix_words
+            )
+        if proposer is not None:
+            stats[name] = figures
         rows += [{"engine": f"vLLM, speculation {name}", **r} for r in found]
     return rows, stats
 

@@ -214,6 +214,27 @@ def run(
     return rows
 
 
+def speculation_levels(
+    model_dir: Any,
+    engine: Any,
+    proposer: Any,
+    work: Any,
+    concurrency: list[int],
+    per_client: int,
+    max_tokens: int,
+    prefix_words: int,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The speculation workloads (repetition, distinct) at each level on a temporary vLLM server with
+    `proposer` (None: no speculation), and the proposer's acceptance figures (vLLM's counters)."""
+    from lmforge.vllm_server import TemporaryServer, speculation_stats
+
+    with TemporaryServer(model_dir, engine, work, "probe", speculative=proposer) as server:
+        rows = run(server.base_url, server.api_key, "probe", concurrency, per_client, max_tokens, prefix_words,
+                   workloads=SPECULATION_WORKLOADS)  # fmt: skip
+        stats = speculation_stats(server.base_url, server.api_key) if proposer is not None else {}
+    return rows, stats
+
+
 def violations(rows: list[dict[str, Any]], ttft_p90_ms: float | None, tpot_p90_ms: float | None) -> list[str]:
     """Each SLO broken, as a short phrase; failed requests count as a violation too."""
     out = []

@@ -227,7 +227,6 @@ def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict
     SLO levels run on two temporary servers, without speculation and with it, over a workload
     where it should help (repetition) and one where it should not (distinct); speculation stays on
     only if no level is slower (output tokens/s or TPOT p50) beyond the tolerance. One line says which."""
-    from lmforge.vllm_server import TemporaryServer, speculation_stats
     from serving import slo
 
     spec = cfg.speculative
@@ -241,19 +240,11 @@ def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict
     stats: dict[str, float] = {}
     for label, proposer in (("off", None), (spec.method, spec)):
         (work / label).mkdir(parents=True, exist_ok=True)
-        with TemporaryServer(model_dir, cfg.engine, work / label, "probe", speculative=proposer) as server:
-            rows[label] = slo.run(
-                server.base_url,
-                server.api_key,
-                "probe",
-                cfg.slo.concurrency,
-                cfg.slo.requests_per_client,
-                cfg.slo.max_tokens,
-                words,
-                workloads=slo.SPECULATION_WORKLOADS,
-            )
-            if proposer is not None:
-                stats = speculation_stats(server.base_url, server.api_key)
+        rows[label], found = slo.speculation_levels(
+            model_dir, cfg.engine, proposer, work / label, cfg.slo.concurrency, cfg.slo.requests_per_client,
+            cfg.slo.max_tokens, words,
+        )  # fmt: skip
+        stats = found or stats
     slower = slower_levels(rows["off"], rows[spec.method], spec.tolerance)
     accepted = f"acceptance {stats.get('acceptance_rate', float('nan')):.2f}, mean accepted length " + (
         f"{stats.get('mean_accepted_length', float('nan')):.2f}"
