@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
     .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serve.py --model DIR --speculative [--draft DRAFT_DIR]
+    .venv/bin/python benchmarks/serve.py --workspace WS --adapters [--concurrency 8,32]
 
 Rows, for the `shared-prefix` workload (a long system prompt shared by every request, then a
 short question) and the `distinct` one (prompts of the same length with nothing shared):
@@ -16,6 +17,11 @@ With `--speculative`: vLLM without speculation, with its n-gram proposer and wit
 on a `repetition` workload (a phrase said over and over: the continuation is in the context, the
 case speculation is for) and the `distinct` one, each level's output tokens/s and TPOT against
 no speculation, and the proposers' acceptance rate and mean accepted length (vLLM's counters).
+
+With `--adapters` (a workspace whose release serves LoRA adapters, `serve.adapters.enabled`): one
+vLLM server with the N adapters against N vLLM servers of the merged models, all running at once:
+resident memory (RSS of each server's process tree, summed) and output tokens/s at each level, the
+clients spread round-robin over the N served names (or servers).
 
 TTFT/TPOT/latency p50/p90/p99 and output tokens/s, then the ratios the README quotes: vLLM's
 throughput at the highest level over HF's (sequential and batched), and TTFT p50 of the
@@ -156,7 +162,14 @@ def main() -> None:
         "--speculative", action="store_true", help="compare speculative decoding (off / ngram / --draft) instead"
     )
     parser.add_argument("--draft", help="--speculative: a draft model directory with the served model's tokenizer")
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="one server with the workspace's LoRA adapters vs one merged server each",
+    )
     args = parser.parse_args()
+    if args.adapters:
+        return adapters_report(args)
     model_dir = _model_dir(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     words = slo.fit_prefix_words(model_dir, args.max_tokens, args.prefix_words)
@@ -214,6 +227,62 @@ def speculative_report(model_dir: Path, args: argparse.Namespace, shape: tuple) 
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "stats": stats}, indent=1))
+
+
+def _rss_gib(pid: int) -> float:
+    """Resident memory of a process and its descendants (vLLM's engine core runs in a child)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in (root, *root.children(recursive=True))) / 2**30
+
+
+def adapters_report(args: argparse.Namespace) -> None:
+    """One vLLM server with the release's N LoRA adapters vs N servers of the merged models."""
+    import contextlib
+
+    from lmforge.vllm_server import EngineConfig, LoraModules, TemporaryServer
+
+    releases = sorted(Path(args.workspace).glob("serve/release/*/release.json"), key=lambda p: p.stat().st_mtime)
+    release = next((json.loads(p.read_text()) for p in reversed(releases) if "adapters" in p.read_text()), None)
+    if release is None:
+        sys.exit(f"no release with LoRA adapters under {args.workspace} (serve.adapters.enabled: true)")
+    workspace = Path(args.workspace)
+    roles = release["lineage"]["adapters"]
+    folder = Path(release["model_dir"]).parent  # <release>/adapters/{base,<role>}
+    merged = {role: workspace / a["step"] / a["key"] / "hf" for role, a in roles.items()}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    words = slo.fit_prefix_words(Path(release["model_dir"]), args.max_tokens, args.prefix_words)
+    shape = (levels, args.requests_per_client, args.max_tokens, words, ("distinct",))
+    rank = max(a["rank"] for a in roles.values())
+    lora = LoraModules({role: str(folder / role) for role in roles}, max_lora_rank=max(8, 1 << (rank - 1).bit_length()),
+                       max_loras=len(roles))  # fmt: skip
+    print(f"{len(roles)} fine-tunes ({', '.join(roles)}) of {release['model_dir']}; levels {levels}\n", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as work:
+        with TemporaryServer(Path(release["model_dir"]), EngineConfig(), Path(work) / "lora", "base", lora=lora) as one:
+            memory = _rss_gib(one.service.process.pid)
+            rows = slo.run_mixed([(one.base_url, one.api_key, role) for role in roles], *shape)
+            results["1 server, LoRA adapters"] = (memory, rows)
+        with contextlib.ExitStack() as stack:
+            servers = [
+                stack.enter_context(TemporaryServer(path, EngineConfig(), Path(work) / role, role))
+                for role, path in merged.items()
+            ]
+            memory = sum(_rss_gib(s.service.process.pid) for s in servers)
+            rows = slo.run_mixed([(s.base_url, s.api_key, s.served_name) for s in servers], *shape)
+            results[f"{len(servers)} servers, merged"] = (memory, rows)
+    table = [{"engine": name, **r} for name, (_, rows) in results.items() for r in rows]
+    print(slo.table(table))
+    (lora_mem, lora_rows), (merged_mem, merged_rows) = results.values()
+    print(f"\nresident memory: {lora_mem:.2f} GiB (one server, {len(roles)} adapters) vs {merged_mem:.2f} GiB "
+          f"({len(roles)} merged servers): {merged_mem / lora_mem:.2f}x")  # fmt: skip
+    for a, b in zip(lora_rows, merged_rows, strict=True):
+        ours, theirs = a["output_tokens_per_s"], b["output_tokens_per_s"]
+        print(f"output tok/s at {a['clients']} clients: {ours:.0f} (adapters) vs {theirs:.0f} (merged servers): "
+              f"{ours / theirs:.2f}x")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"memory_gib": {k: m for k, (m, _) in results.items()}, "rows": table}))
 
 
 if __name__ == "__main__":

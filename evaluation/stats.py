@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-RATIO_METRICS = {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+RATIO_METRICS = {"word_perplexity", "byte_perplexity", "bits_per_byte", "token_perplexity"}
 LOWER_IS_BETTER = RATIO_METRICS
 PRIMARY = {
     "lmforge_continuation": "acc_norm",

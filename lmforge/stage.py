@@ -59,6 +59,7 @@ KINDS = {
     "eval-results": "lm-eval results of one model on a task group, with per-sample logs",
     "eval-verdict": "the evaluation stage's verdict: metrics, contamination and gates per model",
     "quantized-model": "a quantized Hugging Face model directory in compressed-tensors format",
+    "gguf-model": "GGUF files for llama.cpp (bf16 and quantized), their gate's verdict and an Ollama Modelfile",
     "quant-verdict": "the quantization gate's verdict: which checkpoint may ship",
     "endpoint": "a served model: URL, served name and the lineage behind it",
 }

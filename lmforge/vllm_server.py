@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,6 +118,30 @@ class SpeculativeConfig(StrictModel):
         return self
 
 
+@dataclass(frozen=True)
+class LoraModules:
+    """LoRA adapters served on the base model (`--enable-lora`), one served name each. The server
+    also takes new ones while it runs (`/v1/load_lora_adapter`, behind the API key like every path)."""
+
+    adapters: dict[str, str]  # served name -> adapter directory
+    max_lora_rank: int  # one of vLLM's choices (serving.adapters.vllm_rank)
+    max_loras: int = 4  # adapters in one batch
+    max_cpu_loras: int = 8  # adapters kept loaded (a superseded one stays until evicted)
+
+    def args(self) -> list[str]:
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loras",
+            str(self.max_loras),
+            "--max-cpu-loras",
+            str(max(self.max_cpu_loras, self.max_loras)),
+            "--lora-modules",
+            *(f"{name}={path}" for name, path in self.adapters.items()),
+        ]
+
+
 def same_tokenizer(model_dir: Path, other: Path) -> str | None:
     """None when `other` tokenizes as `model_dir` does (same vocabulary, same ids); else why not."""
     from transformers import AutoTokenizer
@@ -179,6 +204,7 @@ def server_command(
     served_name: str = "model",
     chat_template: Path | None = None,
     speculative: SpeculativeConfig | None = None,
+    lora: LoraModules | None = None,
 ) -> list[str]:
     """The server's command line. The API key is not on it (it would show in `ps`): see `server_env`."""
     import torch
@@ -226,6 +252,8 @@ def server_command(
         ]
     if chat_template is not None:
         command += ["--chat-template", str(chat_template)]
+    if lora is not None:
+        command += lora.args()
     spec = speculative_args(speculative, model_dir)
     # stats feed /metrics (keyed by the guard); with speculation on they hold its acceptance figures
     return [*command, *spec] if spec else [*command, "--disable-log-stats"]
@@ -243,8 +271,9 @@ def check_key(key: str, where: str) -> str:
     return key.strip()
 
 
-def server_env(cfg: EngineConfig, api_key: str) -> dict[str, str]:
-    """The server's environment: the key (never on the command line) and the guard's limits."""
+def server_env(cfg: EngineConfig, api_key: str, lora: bool = False) -> dict[str, str]:
+    """The server's environment: the key (never on the command line) and the guard's limits; with
+    LoRA adapters, vLLM's runtime loading (its endpoints are behind the key, as every path)."""
     from lmforge.vllm_guard import guard_env
 
     if api_key:
@@ -257,6 +286,7 @@ def server_env(cfg: EngineConfig, api_key: str) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": "WARNING",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
     }
 
 
@@ -370,6 +400,7 @@ class TemporaryServer:
         work_dir: Path,
         served_name: str = "model",
         speculative: SpeculativeConfig | None = None,
+        lora: LoraModules | None = None,
     ) -> None:
         import secrets
 
@@ -380,11 +411,19 @@ class TemporaryServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         template = plain_chat_template(model_dir, work_dir / "chat_template.plain.jinja")
         command = server_command(
-            model_dir, cfg, port=self.port, served_name=served_name, chat_template=template, speculative=speculative
+            model_dir,
+            cfg,
+            port=self.port,
+            served_name=served_name,
+            chat_template=template,
+            speculative=speculative,
+            lora=lora,
         )
         from lmforge.devices import launch_env
 
-        env, placement = launch_env(server_env(cfg, self.api_key))  # not on the GPUs a served model holds
+        env, placement = launch_env(
+            server_env(cfg, self.api_key, lora=lora is not None)
+        )  # not on the GPUs a served model holds
         if placement:
             log.info("%s", placement)
         self.service = Service(command, log, env=env, noise=NOISE, tail_lines=200)

@@ -13,6 +13,9 @@
 # And .venv-mlflow from requirements/mlflow.lock: full mlflow for `mlflow server` / `mlflow ui`
 # (lmforge logs with mlflow-skinny from .venv; full mlflow needs a pyarrow .venv cannot have). The
 # tracking tests start a real server from it. LMFORGE_SKIP_MLFLOW_ENV=1 skips it.
+# With LMFORGE_LLAMACPP_ENV=1 (scripts/test.sh sets it), also .venv-llamacpp from
+# requirements/llamacpp.lock: llama.cpp built from source (about 4 minutes) for GGUF export and
+# `serve.engine.name: llamacpp`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,6 +77,37 @@ setup_mlflow_env() {
     "import mlflow.server; print('mlflow', mlflow.__version__, 'environment OK')" --no-deps -r requirements/mlflow.lock
 }
 
+setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_LLAMACPP_ENV=1; scripts/test.sh sets it)
+  [ "${LMFORGE_LLAMACPP_ENV:-0}" = 1 ] || return 0
+  local venv=.venv-llamacpp req=requirements/llamacpp.lock want stamp version sdist
+  want=$(sha256sum "$req" | cut -d' ' -f1)
+  stamp="$venv/.lmforge-installed"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  echo "building llama.cpp into $venv (llama-cpp-python from source: about 4 minutes on 2 cores)"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' "$req")"
+  version=$(grep -E '^llama-cpp-python==' "$req" | cut -d= -f3)
+  rm -rf "$venv/sdist" && mkdir -p "$venv/sdist"
+  "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$version" -d "$venv/sdist"
+  sdist=$(ls "$venv"/sdist/llama_cpp_python-*.tar.gz)
+  # the library (ctypes) and its OpenAI-compatible server; tests and examples are not built
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+    $(grep -vE '^(#|pip==|llama-cpp-python==)' "$req" | tr '\n' ' ') "$sdist"
+  # llama.cpp's own converter, vendored in the same sdist: convert_hf_to_gguf.py with its conversion/ and gguf-py/
+  rm -rf "$venv/llama.cpp" && mkdir -p "$venv/llama.cpp"
+  tar -xzf "$sdist" -C "$venv/llama.cpp" --strip-components=3 \
+    "llama_cpp_python-$version/vendor/llama.cpp/convert_hf_to_gguf.py" \
+    "llama_cpp_python-$version/vendor/llama.cpp/conversion" "llama_cpp_python-$version/vendor/llama.cpp/gguf-py" \
+    "llama_cpp_python-$version/vendor/llama.cpp/LICENSE"
+  rm -rf "$venv/sdist"
+  "$venv/bin/python" -c "import llama_cpp, llama_cpp.server.app; print('llama.cpp', llama_cpp.__version__, 'environment OK')"
+  echo "$want" > "$stamp"
+}
+
 if [ "$mode" = "--relock-quant" ]; then
   { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
     .venv-quant/bin/pip freeze --all | grep -iE '^(pip|setuptools)==' ;
@@ -88,6 +122,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "
   echo "lmforge environment is up to date ($VENV)"
   setup_quant_env
   setup_mlflow_env
+  setup_llamacpp_env
   exit 0
 fi
 
@@ -121,4 +156,5 @@ PY
 echo "$want" > "$stamp"
 setup_quant_env
 setup_mlflow_env
+setup_llamacpp_env
 exit 0

@@ -4,6 +4,6 @@
 # tiny-cpu pipeline end to end through the CLI. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+LMFORGE_LLAMACPP_ENV=${LMFORGE_LLAMACPP_ENV:-1} bash scripts/setup.sh  # the GGUF tests need llama.cpp
 bash scripts/lint.sh
 exec .venv/bin/python -m pytest -q "$@"

@@ -40,6 +40,40 @@ class SloConfig(StrictModel):
     )
 
 
+class AdaptersConfig(StrictModel):
+    """Several fine-tunes on one base (`serve.adapters`): the lineage's LoRA-trained models as adapters
+    on one vLLM server instead of one merged server each (serving/adapters.py)."""
+
+    enabled: bool = Field(
+        False,
+        description="Serve the base once with every LoRA-trained aligned model (SFT, DPO, RL) as an adapter, one "
+        "served name each; a later run's new adapter is loaded into the running server without a restart. Needs "
+        "align.method lora/qlora (and align.dpo.lora for DPO).",
+    )
+    max_loras: int = runtime_field(4, description="Adapters vLLM batches together at once.", ge=1)
+    max_cpu_loras: int = runtime_field(
+        8,
+        description="Adapters kept loaded; a superseded one stays until evicted, so requests in flight on it finish.",
+        ge=1,
+    )
+    parity_tolerance: float = runtime_field(
+        1e-3,
+        description="Max |logit difference| between base + an adapter (stacked when it chains) and the role's merged "
+        "model; beyond it the adapter is not served.",
+        gt=0,
+    )
+
+
+class LlamaCppConfig(StrictModel):
+    """llama.cpp's OpenAI-compatible server (`serve.backend: llamacpp`), serving the GGUF file quantize/gguf shipped."""
+
+    python: str | None = runtime_field(
+        None, description="Python of the llama.cpp environment; default: .venv-llamacpp/bin/python beside the project."
+    )
+    n_ctx: int | None = Field(None, ge=16, description="Context length served (default: the model's).")
+    n_threads: int | None = runtime_field(None, description="CPU threads (default: llama.cpp's).", ge=1)
+
+
 class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
     model: Literal["auto", "quantized", "rl", "dpo", "sft", "pretrained", "base"] = Field(
@@ -78,8 +112,16 @@ class ServeConfig(StrictModel):
         "(locale, paths, CUDA/ROCm, Hugging Face cache and offline settings, vLLM, torch, threads). "
         "Nothing else reaches it: cloud credentials and tokens in the starting shell stay out.",
     )
+    backend: Literal["vllm", "llamacpp"] = Field(
+        "vllm",
+        description="The server: vllm (serve.engine), or llamacpp: llama.cpp's OpenAI-compatible server on the GGUF "
+        "file quantize/gguf shipped (needs quantize.gguf.enabled and the llama.cpp environment), behind the same "
+        "key, smoke test and SLO benchmark.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    adapters: AdaptersConfig = Field(default_factory=AdaptersConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")
     smoke_max_tokens: int = Field(
         48, ge=1, description="The smoke test's answer must end (at <|im_end|>) within this many tokens."
@@ -92,5 +134,23 @@ class ServeConfig(StrictModel):
             raise ValueError(
                 f"serve.host={self.host} exposes the server beyond this machine: "
                 "set serve.require_api_key=true (it is refused without a key)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _backend_supports(self) -> ServeConfig:
+        if self.backend == "llamacpp" and (self.adapters.enabled or self.speculative.method != "off"):
+            raise ValueError(
+                "serve.backend: llamacpp serves one GGUF file; serve.adapters and serve.speculative are vLLM's "
+                "(turn them off, or use backend: vllm)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_without_speculation(self) -> ServeConfig:
+        if self.adapters.enabled and self.speculative.method != "off":
+            raise ValueError(
+                "serve.adapters.enabled: LoRA adapters are served without speculative decoding here; "
+                "set serve.speculative.method: off (or serve the models merged)"
             )
         return self

@@ -23,6 +23,7 @@ from the config is replaced the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,6 +44,7 @@ from lmforge.launch import free_port
 from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
 from lmforge.vllm_server import (
     NOISE,
+    LoraModules,
     ServerFailed,
     plain_chat_template,
     request,
@@ -162,6 +164,8 @@ def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
         "inherit_env": sorted(cfg.inherit_env),
         "front": cfg.front,
         "speculative": cfg.speculative.model_dump(mode="json"),
+        "backend": cfg.backend,
+        "llamacpp": cfg.llamacpp.model_dump(mode="json") if cfg.backend == "llamacpp" else None,
     }
     if not cfg.front:  # the server itself is the endpoint: its address is a server setting
         wanted |= {"host": cfg.host, "port": cfg.port}
@@ -210,8 +214,10 @@ def start(
     port: int | None = None,
     lineage: dict[str, Any] | None = None,
     gpus: list[str] | None = None,
+    lora: LoraModules | None = None,
 ) -> dict[str, Any]:
     """Start a detached server for `model_dir` on `gpus` and wait until it is ready; returns its record.
+    With `lora`, the model is a base and its adapters are served too, one name each.
 
     With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
@@ -220,16 +226,21 @@ def start(
     port = free_port() if cfg.front else _port(port, cfg.host)
     directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
     directory.mkdir(parents=True, exist_ok=True)
-    template = plain_chat_template(model_dir, directory / "chat_template.jinja")
-    command = server_command(
-        model_dir,
-        cfg.engine,
-        port=port,
-        host=bind,
-        served_name=served_name,
-        chat_template=template,
-        speculative=cfg.speculative,
-    )
+    if cfg.backend == "llamacpp":  # a GGUF file on llama.cpp's server, behind the same guard
+        from serving.gguf import server_command as llamacpp_command
+
+        command = llamacpp_command(model_dir, cfg.llamacpp, port=port, host=bind, served_name=served_name)
+    else:
+        command = server_command(
+            model_dir,
+            cfg.engine,
+            port=port,
+            host=bind,
+            served_name=served_name,
+            chat_template=plain_chat_template(model_dir, directory / "chat_template.jinja"),
+            speculative=cfg.speculative,
+            lora=lora,
+        )
     host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     record: dict[str, Any] = {
         "served_name": served_name,
@@ -244,8 +255,13 @@ def start(
         "gpus": list(gpus or []),
         "settings": settings(cfg, workspace),
         "lineage": lineage or {},
+        "lora": dataclasses.asdict(lora) if lora is not None else None,
     }
-    env = server_env(cfg.engine, required)
+    env = server_env(cfg.engine, required, lora=lora is not None)
+    if cfg.backend == "llamacpp":
+        from serving.gguf import REPO_ROOT
+
+        env["PYTHONPATH"] = str(REPO_ROOT)  # serving.llamacpp_server and lmforge.vllm_guard, from this checkout
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     pid = start_detached(
@@ -351,6 +367,70 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
     }
 
 
+def smoke_each(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
+    """The smoke test of what a server serves: its model, or (a LoRA base) each adapter by its name,
+    the base itself being no chat model."""
+    names = list((record.get("lora") or {}).get("adapters", {}))
+    if not names:
+        return smoke_test(record, cfg, workspace)
+    return {name: smoke_test({**record, "served_name": name}, cfg, workspace) for name in names}
+
+
+def lora_of(record: dict[str, Any] | None) -> LoraModules | None:
+    """The adapters a server record (or a release) serves, to start it again with them."""
+    spec = (record or {}).get("lora")
+    return LoraModules(**spec) if spec else None
+
+
+def load_adapters(
+    workspace: str | Path,
+    cfg: ServeConfig,
+    record: dict[str, Any],
+    adapters: dict[str, str],
+    retire: list[str],
+    check: Any = None,
+) -> dict[str, Any]:
+    """Load `adapters` (served name -> directory) into the running LoRA server `record` through vLLM's
+    runtime loading, smoke-test each by name, then make them current and unload `retire` (the names
+    they supersede). No restart: requests in flight finish, on the old names too (a retired adapter
+    stays in vLLM's cache until evicted; unloading removes only its name). A new adapter that fails
+    its smoke test (or `check(record)`, the SLO benchmark) is unloaded again and the served names
+    stay as they were."""
+    key, _ = api_key(workspace)
+    loaded: list[str] = []
+    try:
+        for name, path in adapters.items():
+            status, body = request(
+                f"{record['url']}/v1/load_lora_adapter", key, {"lora_name": name, "lora_path": path}, timeout=120
+            )
+            if status != 200:
+                raise SmokeFailed(f"{name}: the running server did not load {path} (HTTP {status}: {str(body)[:200]})")
+            loaded.append(name)
+            log.info("loaded adapter %s into the running server %s (no restart)", name, record["served_name"])
+        smoke = {name: smoke_test({**record, "served_name": name}, cfg, workspace) for name in adapters}
+        if check is not None:
+            check(record)
+    except BaseException as exc:
+        for name in loaded:
+            request(f"{record['url']}/v1/unload_lora_adapter", key, {"lora_name": name})
+        if isinstance(exc, SmokeFailed):
+            raise SmokeFailed(f"{exc}; the server keeps serving {', '.join(record['lora']['adapters'])}") from None
+        raise
+    lora = dict(record["lora"])
+    lora["adapters"] = {n: p for n, p in lora["adapters"].items() if n not in retire} | adapters
+    record = {**record, "lora": lora, "smoke": {**(record.get("smoke") or {}), **smoke}}
+    for name in retire:
+        record["smoke"].pop(name, None)
+    directory = serving_dir(workspace)
+    atomic_write_json(directory / "current.json", record)
+    with open(directory / "history.jsonl", "a") as out:
+        out.write(json.dumps({"promoted_at": time.time(), "loaded": adapters, "retired": retire, **record}) + "\n")
+    for name in retire:
+        status, _ = request(f"{record['url']}/v1/unload_lora_adapter", key, {"lora_name": name})
+        log.info("retired adapter %s (HTTP %d)", name, status)
+    return record
+
+
 def promote(workspace: str | Path, record: dict[str, Any], cfg: ServeConfig | None = None) -> dict[str, Any] | None:
     """Make `record` the current server (the front forwards new connections to it), then stop the one
     it replaces; returns the old record."""
@@ -377,13 +457,14 @@ def start_and_promote(
     *,
     lineage: dict[str, Any] | None = None,
     check: Any = None,
+    lora: LoraModules | None = None,
 ) -> dict[str, Any]:
     """Start a candidate beside whatever is serving, smoke-test it (and run `check(record)`), promote it.
 
     On any failure the candidate is stopped and the current server is left as it was.
     """
     with promotion_lock(workspace):
-        return _start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
+        return _start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check, lora=lora)
 
 
 def placement(usable: list[str], current: list[str], needed: int) -> tuple[str, list[str]]:
@@ -415,6 +496,7 @@ def _start_and_promote(
     *,
     lineage: dict[str, Any] | None,
     check: Any,
+    lora: LoraModules | None = None,
 ) -> dict[str, Any]:
     old = current(workspace)
     running = bool(old) and alive(old)
@@ -437,13 +519,13 @@ def _start_and_promote(
         devices.release(old["pid_file"])
     port = cfg.port if not running else None
     try:
-        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage, gpus=gpus)
+        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage, gpus=gpus, lora=lora)
     except ServerFailed as exc:
         raise SmokeFailed(
             f"{served_name} not promoted: {exc}{_fallback(old, running, strategy, cfg, workspace)}"
         ) from None
     try:
-        record["smoke"] = smoke_test(record, cfg, workspace)
+        record["smoke"] = smoke_each(record, cfg, workspace)
         if check is not None:
             check(record)
     except BaseException as exc:
@@ -470,9 +552,15 @@ def _fallback(
         return f"; {old['served_name']} keeps serving at {old.get('endpoint', old['url'])}" if alive(old) else ""
     try:
         again = start(
-            Path(old["model_dir"]), old["served_name"], cfg, workspace, lineage=old.get("lineage"), gpus=old.get("gpus")
+            Path(old["model_dir"]),
+            old["served_name"],
+            cfg,
+            workspace,
+            lineage=old.get("lineage"),
+            gpus=old.get("gpus"),
+            lora=lora_of(old),
         )
-        again["smoke"] = smoke_test(again, cfg, workspace)
+        again["smoke"] = smoke_each(again, cfg, workspace)
     except Exception as exc:  # noqa: BLE001 - reported in the one line, with the candidate's failure
         return f"; {old['served_name']}, stopped to make room, did not start again either ({str(exc)[:200]})"
     promote(workspace, again, cfg)
@@ -630,6 +718,9 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
         if record and record["served_name"] == want["served_name"] and alive(record):
             wanted = settings(cfg, workspace)
             changed = [name for name, value in wanted.items() if record.get("settings", {}).get(name) != value]
+            wanted_lora, running_lora = want.get("lora") or {}, record.get("lora") or {}
+            if not changed and wanted_lora.get("adapters", {}).keys() - running_lora.get("adapters", {}).keys():
+                record = _sync_adapters(workspace, cfg, record, wanted_lora)
             if not changed:
                 if cfg.front:  # the front may have died, or serve.host/port changed: the server stays
                     endpoint = point_front(workspace, cfg, record)
@@ -645,5 +736,19 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
         elif record and record["served_name"] == want["served_name"]:
             log.warning("the promoted server %s is not running; starting it again", record["served_name"])
         return "started", start_and_promote(
-            Path(want["model_dir"]), want["served_name"], cfg, workspace, lineage=want.get("lineage")
+            Path(want["model_dir"]),
+            want["served_name"],
+            cfg,
+            workspace,
+            lineage=want.get("lineage"),
+            lora=lora_of(want),
         )
+
+
+def _sync_adapters(
+    workspace: str | Path, cfg: ServeConfig, record: dict[str, Any], wanted: dict[str, Any]
+) -> dict[str, Any]:
+    """Load the adapters `wanted` names that the running server lacks, retiring those it does not name."""
+    have = record["lora"]["adapters"]
+    new = {n: p for n, p in wanted["adapters"].items() if n not in have}
+    return load_adapters(workspace, cfg, record, new, [n for n in have if n not in wanted["adapters"]])

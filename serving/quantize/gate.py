@@ -88,23 +88,31 @@ def evaluate_all(
         rows = []
         for task, (metric, value, items) in results.items():
             _, base_value, base_items = reference[task]
-            paired = stats.paired(metric, base_items, items)
-            row = {
-                "task": task,
-                "metric": metric,
-                "unquantized": base_value,
-                "quantized": value,
-                "delta": paired["delta"],
-                "ci_low": paired["low"],
-                "ci_high": paired["high"],
-                "verdict": paired.get("verdict", ""),
-                "items": paired["items"],
-            }
-            if metric in stats.RATIO_METRICS:
-                row["ratio"] = value / base_value if base_value else math.inf
-            rows.append(row)
+            rows.append(comparison_row(task, metric, base_value, value, base_items, items))
         comparisons[scheme] = rows
     return comparisons
+
+
+def comparison_row(
+    task: str, metric: str, base_value: float, value: float, base_items: dict[str, Any], items: dict[str, Any]
+) -> dict[str, Any]:
+    """One metric of one checkpoint against the unquantized model: the delta on the shared items with its
+    paired bootstrap interval (and the ratio, for a perplexity); what `failures` judges."""
+    paired = stats.paired(metric, base_items, items)
+    row = {
+        "task": task,
+        "metric": metric,
+        "unquantized": base_value,
+        "quantized": value,
+        "delta": paired["delta"],
+        "ci_low": paired["low"],
+        "ci_high": paired["high"],
+        "verdict": paired.get("verdict", ""),
+        "items": paired["items"],
+    }
+    if metric in stats.RATIO_METRICS:
+        row["ratio"] = value / base_value if base_value else math.inf
+    return row
 
 
 def failures(gate: Any, rows: list[dict[str, Any]]) -> list[str]:

@@ -419,6 +419,124 @@ def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
     return progress(ctx.out_dir)
 
 
+# -- GGUF for llama.cpp (serving/gguf.py) --------------------------------------------------------------
+
+GGUF = "quantize/gguf"
+GGUF_MODEL = Product("gguf-model")
+CHAT_PROBE = "What is 2 + 3?"  # the chat completion each file must end at <|im_end|>
+
+
+def _gguf_upstream(config: PipelineBase) -> tuple[Any, ...]:
+    return (EVAL_TASKS, hf_model(model_role(config)))
+
+
+def _gguf_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
+    """Convert (bf16), quantize each type, measure every file in llama.cpp, gate each type against bf16."""
+    import shutil
+
+    from serving import gguf
+    from serving.quantize.gate import failures
+
+    cfg = ctx.config.quantize
+    role = quantized_role(ctx)
+    model_dir = ctx.path(hf_model(role))
+    python = gguf.llamacpp_python(cfg.gguf.python, "quantize.gguf.python")
+    work = ctx.out_dir / "work"
+    files = {"bf16": ctx.out_dir / "model-bf16.gguf"}
+    conversion = gguf.convert(model_dir, files["bf16"], python, work)
+    template_file = work / "staged" / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else ""
+    shutil.rmtree(work / "staged")
+    sizes = {"bf16": conversion["bytes"]}
+    for kind in cfg.gguf.types:
+        files[kind] = ctx.out_dir / f"model-{kind}.gguf"
+        sizes[kind] = gguf.quantize(files["bf16"], files[kind], kind, python)["bytes"]
+    docs, items = gguf.read_items(ctx.path(EVAL_TASKS), cfg.gguf.max_documents, cfg.gguf.max_items)
+    spec = gguf.measure_spec(model_dir, docs, items, CHAT_PROBE)
+    measured = {kind: gguf.measure(path, python, spec, work) for kind, path in files.items()}
+    values = {kind: gguf.scored(m, docs, items) for kind, m in measured.items()}
+    reference = gguf.hf_perplexity_values(model_dir, docs, spec["n_ctx"])
+    hf_ppl = _aggregate("token_perplexity", {"token_perplexity": reference})
+    drift = _aggregate("token_perplexity", values["bf16"]) / hf_ppl - 1
+    outcomes: dict[str, Any] = {}
+    for kind, m in measured.items():
+        problems = [f"tokenization differs from transformers: {bad}" for bad in
+                    gguf.tokenization_mismatches(model_dir, spec["tokenize"], m["tokenized"])[:2]]  # fmt: skip
+        problems += gguf.template_problems(m, template)
+        if abs(drift) > cfg.gguf.max_conversion_drift:
+            problems.append(
+                f"the bf16 conversion's perplexity is {drift:+.1%} off transformers' (limit "
+                f"{cfg.gguf.max_conversion_drift:.0%}): the converter misread the model"
+            )
+        rows = [] if kind == "bf16" else gguf.compare(values["bf16"], values[kind])
+        failed = problems + (failures(cfg.gate, rows) if cfg.gate.enabled else [])
+        outcomes[kind] = {
+            "file": str(files[kind]),
+            "bytes": sizes[kind],
+            "bytes_vs_bf16": sizes[kind] / sizes["bf16"],
+            "token_perplexity": _aggregate("token_perplexity", values[kind]),
+            "exact_match": _aggregate("exact_match", values[kind]),
+            "comparisons": rows,
+            "eligible": not failed,
+            "failures": failed,
+            "chat": m.get("chat"),
+            "tensor_types": m.get("tensor_types", {}),
+            "bits_per_parameter": 8
+            * sizes[kind]
+            / max(sum(t["parameters"] for t in m.get("tensor_types", {}).values()), 1),
+        }
+    eligible = sorted((k for k in cfg.gguf.types if outcomes[k]["eligible"]), key=lambda k: sizes[k])
+    chosen = eligible[0] if eligible else ("bf16" if outcomes["bf16"]["eligible"] else None)
+    decision = (
+        f"GGUF gate: {chosen} ships ({outcomes[chosen]['bytes_vs_bf16']:.2f}x of bf16)"
+        if chosen and chosen != "bf16"
+        else "GGUF gate: no quantized type passed; the bf16 file ships"
+        if chosen
+        else f"GGUF gate: nothing ships: {'; '.join(outcomes['bf16']['failures'])}"
+    )
+    for kind, outcome in outcomes.items():
+        if not outcome["eligible"]:
+            log.warning("GGUF %s fails the gate: %s", kind, "; ".join(outcome["failures"]))
+    log.info("%s", decision)
+    if chosen:
+        stop = ["<|im_end|>"] if "<|im_end|>" in template else []
+        (ctx.out_dir / "Modelfile").write_text(gguf.modelfile(files[chosen].name, template, stop))
+    verdict = {
+        "model": role,
+        "model_dir": str(model_dir),
+        "architecture": conversion["architecture"],
+        "transformers_token_perplexity": hf_ppl,
+        "conversion_drift": drift,
+        "llama_cpp": measured["bf16"].get("llama_cpp_version"),
+        "chosen": chosen,
+        "decision": decision,
+        "types": outcomes,
+        "file": str(files[chosen]) if chosen else None,
+    }
+    atomic_write_json(ctx.out_dir / "verdict.json", verdict)
+    metrics: dict[str, Any] = {f"{k}_bytes": v for k, v in sizes.items()}
+    metrics["transformers_token_perplexity"], metrics["conversion_drift"] = hf_ppl, drift
+    for kind, outcome in outcomes.items():
+        metrics[f"{kind}_token_perplexity"] = outcome["token_perplexity"]
+        metrics[f"{kind}_exact_match"] = outcome["exact_match"]
+    return {
+        "counts": {
+            "types": len(cfg.gguf.types),
+            "eligible": len(eligible),
+            "documents": len(docs),
+            "items": len(items),
+        },
+        "metrics": metrics,
+        "extra": {"chosen": chosen, "decision": decision, "file": verdict["file"], "model": role},
+    }
+
+
+def _aggregate(metric: str, values: dict[str, Any]) -> float:
+    from evaluation import stats
+
+    return stats.aggregate(metric, list(values[metric].values()))
+
+
 QUANTIZE_STEPS = [
     Step(
         CALIBRATION,
@@ -445,5 +563,18 @@ QUANTIZE_STEPS = [
         progress=lambda ctx: _gate_progress(ctx),
         code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats"),
         libraries=("lm-eval",),
+    ),
+    Step(
+        GGUF,
+        1,
+        "GGUF for llama.cpp: converted and quantized by llama.cpp, gated in llama.cpp against bf16",
+        reads=("quantize.model", "quantize.gguf", "quantize.gate"),
+        upstream=_gguf_upstream,
+        finalize=_gguf_finalize,
+        when=lambda c: c.quantize.gguf.enabled,
+        provides={GGUF_MODEL: ""},
+        retries=1,
+        code=("serving.gguf", "serving.gguf_convert", "serving.gguf_tool", "serving.quantize.gate", "lmforge.verify"),
+        libraries=("transformers",),  # llama.cpp's version is in verdict.json (its environment is not this one)
     ),
 ]

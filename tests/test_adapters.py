@@ -1,0 +1,169 @@
+"""Several fine-tunes on one base: the small lineage's SFT and DPO LoRA adapters on one vLLM server.
+
+DPO's adapter is trained on the merged SFT model, so it is served stacked on SFT's (checked against
+the merged DPO model's logits). A later run's new DPO adapter is loaded into the running server:
+same process, requests in flight all complete, the superseded name retired after the switch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+
+LORA = [
+    "align.method=lora",
+    "align.dpo.lora=true",
+    "align.sft.lr=5e-3",
+    "align.dpo.lr=1e-3",
+    "serve.adapters.enabled=true",
+    "serve.require_evaluation=false",
+]
+
+
+def _run(workspace: Path, *extra: str) -> dict:
+    from lmforge.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    return run_pipeline_locally(small_config(workspace, *LORA, *extra), ["align", "serve"])
+
+
+@pytest.fixture(scope="module")
+def served(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    from serving import release
+
+    workspace = tmp_path_factory.mktemp("adapters")
+    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
+    try:
+        yield workspace, _run(workspace)
+    finally:
+        release.stop(workspace)
+
+
+@pytest.mark.slow
+def test_one_server_answers_as_sft_and_as_dpo(served: tuple[Path, dict]) -> None:
+    from openai import OpenAI
+
+    from lmforge.vllm_server import request
+    from serving import release
+
+    workspace, manifests = served
+    extra = manifests["serve/release"]["extra"]
+    adapters = extra["lineage"]["adapters"]
+    assert set(adapters) == {"sft", "dpo"}
+    # DPO's adapter sat on the merged SFT model: served as the two stacked, equal to the merged DPO model
+    assert adapters["dpo"]["stacked"] == 2 and adapters["dpo"]["rank"] == 32 and adapters["sft"]["stacked"] == 1
+    assert all(a["parity_max_abs_logit_diff"] < 1e-3 for a in adapters.values())
+    assert adapters["dpo"]["key"] == manifests["align/dpo"]["key"]
+    record = release.current(workspace)
+    assert record is not None and record["served_name"] == extra["served_name"]
+    key, _ = release.api_key(workspace)
+    client = OpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0)
+    listed = {m.id for m in client.models.list().data}
+    assert set(extra["adapters"].values()) <= listed and extra["served_name"] in listed
+    for name in extra["adapters"].values():
+        reply = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=24, temperature=0
+        )
+        assert reply.model == name and reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content
+    assert set(record["smoke"]) == set(extra["adapters"].values())  # each adapter passed the smoke test by name
+    # loading an adapter is behind the key like every path
+    status, _ = request(
+        f"{record['endpoint']}/v1/load_lora_adapter", None, {"lora_name": "x", "lora_path": str(workspace)}
+    )
+    assert status == 401
+    assert json.loads(next(workspace.glob("serve/release/*/slo.json")).read_text())  # the SLO ran on DPO's name
+
+
+@pytest.mark.slow
+def test_a_new_adapter_is_loaded_into_the_running_server_while_requests_are_in_flight(
+    served: tuple[Path, dict],
+) -> None:
+    from openai import OpenAI
+
+    from serving import release
+
+    workspace, first = served
+    before = release.current(workspace)
+    assert before is not None
+    key, _ = release.api_key(workspace)
+    client = OpenAI(base_url=f"{before['endpoint']}/v1", api_key=key, max_retries=0, timeout=120)
+    old = first["serve/release"]["extra"]["adapters"]
+    results: list[tuple[str, float | None, int, str]] = []  # name, first token's time, tokens, outcome
+    stop = threading.Event()
+
+    def user(name: str) -> None:
+        while not stop.is_set():
+            first, tokens = None, 0
+            try:
+                stream = client.completions.create(
+                    model=name, prompt="Copy: a b c", max_tokens=16, stream=True, extra_body={"ignore_eos": True}
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        first, tokens = first or time.time(), tokens + 1
+                results.append((name, first, tokens, "ok" if tokens else "empty"))
+            except Exception as exc:  # noqa: BLE001 - counted below
+                results.append((name, first, tokens, f"{type(exc).__name__}: {exc}"[:160]))
+
+    users = [threading.Thread(target=user, args=(name,)) for name in old.values() for _ in range(2)]
+    for t in users:
+        t.start()
+    try:
+        # the SLO targets are for an idle server; this one serves the four users above meanwhile
+        second = _run(workspace, "align.dpo.beta=0.2", "serve.slo.ttft_p90_ms=null", "serve.slo.tpot_p90_ms=null")
+    finally:
+        stop.set()
+        for t in users:
+            t.join()
+    after = release.current(workspace)
+    assert after is not None
+    new = second["serve/release"]["extra"]["adapters"]
+    assert new["sft"] == old["sft"] and new["dpo"] != old["dpo"]
+    assert after["pid"] == before["pid"] and after["served_name"] == before["served_name"]  # no restart
+    assert set(after["lora"]["adapters"]) == set(new.values())
+    switch = [json.loads(line) for line in (workspace / "serving" / "history.jsonl").read_text().splitlines()][-1]
+    assert list(switch["loaded"]) == [new["dpo"]] and switch["retired"] == [old["dpo"]]
+    # every request the server had started answering completed, on both names, the superseded one too;
+    # after the switch a new request for the retired name is refused before its first token (404)
+    started = [r for r in results if r[2]]
+    assert all(r[3] == "ok" for r in started), [r for r in started if r[3] != "ok"][:3]
+    during = [r for r in started if r[0] == old["dpo"] and r[1] is not None and r[1] < switch["promoted_at"]]
+    assert len(during) >= 5
+    assert all(r[3] == "ok" for r in results if r[0] == old["sft"])
+    assert all(r[3] == "ok" or (r[0] == old["dpo"] and r[2] == 0 and "404" in r[3]) for r in results)
+    reply = client.chat.completions.create(
+        model=new["dpo"], messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=24, temperature=0
+    )
+    assert reply.choices[0].message.content
+    assert old["dpo"] not in {m.id for m in client.models.list().data}
+
+
+def test_adapters_that_are_not_plain_lora_or_not_on_one_base_are_refused_in_one_line(tmp_path: Path) -> None:
+    from serving import adapters
+
+    step = tmp_path / "align" / "dpo" / "k"
+    (step / "adapter").mkdir(parents=True)
+    (step / "hf").mkdir()
+    config = {"base_model_name_or_path": str(tmp_path / "base"), "r": 8, "lora_alpha": 16, "use_dora": True}
+    (step / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"adapter_config.json: use_dora=True is not a plain LoRA") as info:
+        adapters.chain_of("dpo", step / "hf")
+    assert "\n" not in str(info.value)
+    config.update(use_dora=False, modules_to_save=["lm_head"])
+    (step / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="modules_to_save"):
+        adapters.chain_of("dpo", step / "hf")
+    assert adapters.chain_of("sft", tmp_path / "base") is None  # a fully fine-tuned model has no chain
+    assert adapters.vllm_rank(24) == 32 and adapters.vllm_rank(16) == 16
+    from lmforge.config import load_config
+
+    with pytest.raises(Exception, match="serve.adapters.enabled: LoRA adapters are served without speculative"):
+        load_config("tiny-cpu", ["serve.adapters.enabled=true", "serve.speculative.method=ngram"], str(tmp_path))
