@@ -82,11 +82,14 @@ def tool_env() -> dict[str, str]:
 
 def staged(model_dir: Path, out: Path) -> Path:
     """The model as the converter should see it: its files (linked) and a chat template any jinja renders."""
+    import shutil
+
     from lmforge.vllm_server import plain_chat_template
 
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a retry's or another model's leftovers never mix in
+    out.mkdir(parents=True)
     for item in model_dir.iterdir():
-        if item.name != "chat_template.jinja" and not (out / item.name).exists():
+        if item.name != "chat_template.jinja":
             os.symlink(item.resolve(), out / item.name)
     plain_chat_template(model_dir, out / "chat_template.jinja")
     return out
@@ -110,7 +113,7 @@ def convert(model_dir: Path, out_file: Path, python: Path, work: Path) -> dict[s
     try:
         _run(command, f"llama.cpp's converter on {architecture}", env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     except GgufFailed as exc:
-        if "is not supported" in str(exc) or "not supported!" in str(exc):
+        if f"Model {architecture} is not supported" in str(exc) or f"{architecture!r} not supported" in str(exc):
             raise ConfigError(
                 f"quantize.gguf: llama.cpp's converter (llama-cpp-python's vendored convert_hf_to_gguf.py) does not "
                 f"know the architecture {architecture} of {model_dir}; set quantize.gguf.enabled: false for this model"

@@ -87,7 +87,7 @@ def main() -> None:
 
     base.TextModel.get_vocab_base_pre = pre_tokenizer
     load_hparams = base.ModelBase.load_hparams
-    base.ModelBase.load_hparams = staticmethod(lambda *args: with_legacy_names(load_hparams(*args)))
+    base.ModelBase.load_hparams = staticmethod(lambda *a, **k: with_legacy_names(load_hparams(*a, **k)))
     runpy.run_path(str(script), run_name="__main__")
 
 
