@@ -50,7 +50,7 @@ def llamacpp_python(configured: str | None, field: str) -> Path:
     if not path.exists():
         raise ConfigError(
             f"{field}: the llama.cpp environment is missing ({path} does not exist); build it with "
-            "`LMFORGE_LLAMACPP_ENV=1 bash scripts/setup.sh` (about 4 minutes)"
+            "`LMFORGE_LLAMACPP_ENV=1 bash scripts/setup.sh` (about 3 minutes)"
             + ("" if configured else " or point quantize.gguf.python at a Python with llama-cpp-python")
         )
     return path
