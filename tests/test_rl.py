@@ -68,7 +68,12 @@ def test_grpo_trains_from_dpo_on_two_ranks_with_its_metrics_watch_and_export(rl_
     # the KL to the start is reported as a distribution, from the exported model
     assert 0 <= m["kl_p50"] <= m["kl_p90"] <= m["kl_max"] and m["kl_mean"] > 0
     assert m["exact_match_delta_ci"][0] <= m["exact_match_delta"] <= m["exact_match_delta_ci"][1]
-    assert m["heldout_items"] > 30 and m["reward_hacking"] == bool(manifest["extra"]["warnings"])
+    hacking = [w for w in manifest["extra"]["warnings"] if w.startswith("reward hacking")]
+    assert m["heldout_items"] > 30 and m["reward_hacking"] == bool(hacking)
+    # beside the held-out figures, the same on RL's own prompts: whether it learnt the skill or its prompts
+    assert m["rl_prompts_items"] == m["heldout_items"] and 0 <= m["rl_prompts_exact_match_after"] <= 1
+    low, high = m["rl_prompts_exact_match_delta_ci"]
+    assert low <= m["rl_prompts_exact_match_delta"] <= high
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (out / "hf" / "tokenizer_config.json").exists() and (out / "tensorboard").exists()
@@ -115,7 +120,7 @@ def test_a_reward_that_pays_for_length_trips_the_hacking_watch_and_stop_on_hacki
     manifest = run_pipeline_locally(small_config(workspace, *gamed), ["align"])["align/rl"]
     m = manifest["metrics"]
     assert m["reward_hacking"], m
-    (warning,) = manifest["extra"]["warnings"]
+    (warning,) = [w for w in manifest["extra"]["warnings"] if not w.startswith("RL raised exact match")]
     assert warning.startswith("reward hacking: held-out reward rose") and "\n" not in warning
     assert m["heldout_length_after"] > m["heldout_length_before"]
     shutil.rmtree(Path(manifest["dir"]))
@@ -217,3 +222,16 @@ def test_evaluation_compares_the_whole_road_and_quantization_takes_the_rl_model(
     rl_exact = manifests["evaluate/rl-hf"]["metrics"]["lmforge_chat_exact/exact_match"]
     assert 0 <= rl_exact <= 1
     assert model_role(config) == "rl" and graph().has(hf_model("rl"), config)
+
+
+def test_a_gain_on_rl_prompts_that_misses_held_out_ones_is_one_warning_line() -> None:
+    from training.align.entry import generalisation
+
+    own = {"rl_prompts_exact_match_delta": 0.063, "rl_prompts_exact_match_delta_ci": [0.007, 0.12]}
+    held = {"exact_match_delta": -0.007, "exact_match_delta_ci": [-0.026, 0.012]}
+    warning = generalisation(own, held)  # tiny-cpu-rl's figures (README): the policy memorised its prompts
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("RL raised exact match on its own prompts by +0.063 [+0.007, +0.120]")
+    assert "(-0.007 [-0.026, +0.012])" in warning
+    assert generalisation(own, {"exact_match_delta": 0.03, "exact_match_delta_ci": [0.01, 0.05]}) is None
+    assert generalisation({**own, "rl_prompts_exact_match_delta_ci": [-0.01, 0.12]}, held) is None

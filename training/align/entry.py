@@ -473,7 +473,8 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
         summary.update(measure_rl(spec, tokenizer, hf))
         hacked = out_dir / "hacking.json"
         summary["warnings"] = [json.loads(hacked.read_text())["message"]] if hacked.exists() else []
-        summary["reward_hacking"] = bool(summary["warnings"])
+        summary["warnings"] += [summary.pop("generalisation_warning")] if "generalisation_warning" in summary else []
+        summary["reward_hacking"] = hacked.exists()
     else:
         summary.update(measure(spec, tokenizer, hf))
         summary["warnings"] = overoptimisation(spec, summary)
@@ -614,7 +615,51 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
             by_task.setdefault(name, {}).setdefault(record["task"], []).append(hit)
         out[f"exact_match_{name}_by_task"] = {t: round(sum(v) / len(v), 4) for t, v in sorted(by_task[name].items())}
     out["heldout_items"] = out["heldout_generation_items"] = len(spec["heldout_all"])
+    out.update(rl_prompts_exact_match(spec, tokenizer, hf, out))
     return out
+
+
+def rl_prompts_exact_match(spec: dict[str, Any], tokenizer: Any, hf: Path, heldout: dict[str, Any]) -> dict[str, Any]:
+    """Exact match on a sample of RL's own training prompts, before and after, beside the held-out
+    figures: whether RL taught the skill or its prompts. A gain on its prompts that does not reach
+    held-out ones is memorisation (measured on tiny-cpu-rl: a 4M model), logged as one warning."""
+    import random
+
+    from training.align.heldout import exact_match, paired_bootstrap
+    from training.align.rl import prompt_records
+
+    verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
+    if not verifiable:
+        return {}
+    sample = random.Random(0).sample(verifiable, min(len(verifiable), max(heldout["heldout_items"], 1)))
+    hits = {}
+    for name, path in (("before", spec["base_dir"]), ("after", str(hf))):
+        hits[name] = exact_match(_load_model(path, "fp32").eval(), tokenizer, sample)["hits"]
+    delta, low, high = paired_bootstrap(hits["before"], hits["after"])
+    out: dict[str, Any] = {
+        "rl_prompts_exact_match_before": sum(hits["before"]) / len(sample),
+        "rl_prompts_exact_match_after": sum(hits["after"]) / len(sample),
+        "rl_prompts_exact_match_delta": delta,
+        "rl_prompts_exact_match_delta_ci": [low, high],
+        "rl_prompts_items": len(sample),
+    }
+    warning = generalisation(out, heldout)
+    if warning:
+        out["generalisation_warning"] = warning
+    return out
+
+
+def generalisation(own: dict[str, Any], heldout: dict[str, Any]) -> str | None:
+    """One line when RL's gain on its own prompts is real (interval above 0) and on held-out ones is not."""
+    (low, high), (held_low, held_high) = own["rl_prompts_exact_match_delta_ci"], heldout["exact_match_delta_ci"]
+    if low <= 0 or held_low > 0:
+        return None
+    return (
+        f"RL raised exact match on its own prompts by {own['rl_prompts_exact_match_delta']:+.3f} [{low:+.3f}, "
+        f"{high:+.3f}] but not on held-out ones ({heldout['exact_match_delta']:+.3f} [{held_low:+.3f}, "
+        f"{held_high:+.3f}]): the policy learnt its prompts, not the skill; more varied prompts "
+        "(align.builtin.per_skill) or a larger model"
+    )
 
 
 def overoptimisation(spec: dict[str, Any], summary: dict[str, Any]) -> list[str]:
