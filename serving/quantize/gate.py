@@ -50,38 +50,26 @@ def evaluate_all(
     from evaluation.runs import evaluate_model
 
     role, base_dir, base_digest = base
-    reference = _per_task(
-        evaluate_model(
-            config, workspace, tasks, identity, base_dir, base_digest, "vllm", role, work_dir / "unquantized"
-        )
-    )
 
-    def measure(scheme: str, model_dir: Path, model_digest: str) -> dict[str, tuple[str, float, dict[str, Any]]]:
+    def measure(role_: str, model_dir: Path, model_digest: str, where: Path) -> dict[str, tuple[str, float, Any]]:
         return _per_task(
-            evaluate_model(
-                config,
-                workspace,
-                tasks,
-                identity,
-                model_dir,
-                model_digest,
-                "vllm",
-                f"{role}-{scheme}",
-                work_dir / scheme,
-            )
+            evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, "vllm", role_, where)
         )
 
-    def measure_in(
-        context: contextvars.Context, scheme: str, where: tuple[Path, str]
-    ) -> dict[str, tuple[str, float, dict[str, Any]]]:
-        return context.run(measure, scheme, *where)
-
-    # the checkpoints are measured side by side (a server each), in this step's context: its lock and deadline
-    with ThreadPoolExecutor(max_workers=max(len(checkpoints), 1)) as pool:
+    # on CPU the unquantized model and the checkpoints are measured side by side (a server each; a vLLM
+    # start is mostly single-threaded); on GPUs one at a time, as each server claims
+    # engine.gpu_memory_utilization of the same free GPUs. In this step's context: its lock and deadline.
+    with ThreadPoolExecutor(max_workers=1 if _cuda() else len(checkpoints) + 1) as pool:
+        unquantized = pool.submit(
+            contextvars.copy_context().run, measure, role, base_dir, base_digest, work_dir / "unquantized"
+        )
         futures = {
-            scheme: pool.submit(measure_in, contextvars.copy_context(), scheme, where)
-            for scheme, where in checkpoints.items()
+            scheme: pool.submit(
+                contextvars.copy_context().run, measure, f"{role}-{scheme}", model_dir, digest, work_dir / scheme
+            )
+            for scheme, (model_dir, digest) in checkpoints.items()
         }
+        reference = unquantized.result()
         measured = {scheme: future.result() for scheme, future in futures.items()}
     comparisons = {}
     for scheme, results in measured.items():
@@ -91,6 +79,12 @@ def evaluate_all(
             rows.append(comparison_row(task, metric, base_value, value, base_items, items))
         comparisons[scheme] = rows
     return comparisons
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def comparison_row(
