@@ -591,15 +591,18 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
     """Held-out figures of the policy RL started from and the one it made, on held-out prompts no RL
     step saw: exact match (the verifier) with a paired interval on the change, the configured and the
     reward model's reward, the SFT loss, and the KL distribution of the result to the start."""
-    from training.align.heldout import paired_bootstrap
+    from training.align.heldout import exact_match, paired_bootstrap
     from training.align.rl import Probe, summarize
 
     probe = Probe({**spec, "heldout_generation": spec["heldout_all"]}, tokenizer)
+    own = rl_prompts_sample(spec)
     out: dict[str, Any] = {}
     raw: dict[str, dict[str, Any]] = {}
+    own_hits: dict[str, list[float]] = {}
     for name, path in (("before", spec["base_dir"]), ("after", str(hf))):
         model = _load_model(path, "fp32").eval()
         raw[name] = probe.measure(model, with_kl=name == "after")
+        own_hits[name] = exact_match(model, tokenizer, own)["hits"] if own else []
         for key, value in summarize(raw[name]).items():
             out[f"{key}_{name}" if not key.startswith("kl_") else key] = value
         out[f"examples_{name}"] = raw[name]["examples"]
@@ -615,38 +618,31 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
             by_task.setdefault(name, {}).setdefault(record["task"], []).append(hit)
         out[f"exact_match_{name}_by_task"] = {t: round(sum(v) / len(v), 4) for t, v in sorted(by_task[name].items())}
     out["heldout_items"] = out["heldout_generation_items"] = len(spec["heldout_all"])
-    out.update(rl_prompts_exact_match(spec, tokenizer, hf, out))
+    if own:  # the same on RL's own prompts: whether RL taught the skill or its prompts
+        delta, low, high = paired_bootstrap(own_hits["before"], own_hits["after"])
+        out["rl_prompts_exact_match_before"] = sum(own_hits["before"]) / len(own)
+        out["rl_prompts_exact_match_after"] = sum(own_hits["after"]) / len(own)
+        out["rl_prompts_exact_match_delta"], out["rl_prompts_exact_match_delta_ci"] = delta, [low, high]
+        out["rl_prompts_items"] = len(own)
+        warning = generalisation(out, out)
+        if warning:
+            out["generalisation_warning"] = warning
     return out
 
 
-def rl_prompts_exact_match(spec: dict[str, Any], tokenizer: Any, hf: Path, heldout: dict[str, Any]) -> dict[str, Any]:
-    """Exact match on a sample of RL's own training prompts, before and after, beside the held-out
-    figures: whether RL taught the skill or its prompts. A gain on its prompts that does not reach
-    held-out ones is memorisation (measured on tiny-cpu-rl: a 4M model), logged as one warning."""
+def rl_prompts_sample(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fixed sample of RL's own training prompts with a verified answer, as many as the held-out items:
+    a gain there that does not reach held-out ones is memorisation (measured on tiny-cpu-rl, a 4M model)."""
     import random
 
-    from training.align.heldout import exact_match, paired_bootstrap
+    from lmforge.errors import ConfigError
     from training.align.rl import prompt_records
 
-    verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
-    if not verifiable:
-        return {}
-    sample = random.Random(0).sample(verifiable, min(len(verifiable), max(heldout["heldout_items"], 1)))
-    hits = {}
-    for name, path in (("before", spec["base_dir"]), ("after", str(hf))):
-        hits[name] = exact_match(_load_model(path, "fp32").eval(), tokenizer, sample)["hits"]
-    delta, low, high = paired_bootstrap(hits["before"], hits["after"])
-    out: dict[str, Any] = {
-        "rl_prompts_exact_match_before": sum(hits["before"]) / len(sample),
-        "rl_prompts_exact_match_after": sum(hits["after"]) / len(sample),
-        "rl_prompts_exact_match_delta": delta,
-        "rl_prompts_exact_match_delta_ci": [low, high],
-        "rl_prompts_items": len(sample),
-    }
-    warning = generalisation(out, heldout)
-    if warning:
-        out["generalisation_warning"] = warning
-    return out
+    try:
+        verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
+    except ConfigError:  # RL on chats without a verified answer (align.rl.prompts: all): nothing to score
+        return []
+    return random.Random(0).sample(verifiable, min(len(verifiable), len(spec["heldout_all"])))
 
 
 def generalisation(own: dict[str, Any], heldout: dict[str, Any]) -> str | None:
