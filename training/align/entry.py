@@ -473,7 +473,8 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
         summary.update(measure_rl(spec, tokenizer, hf))
         hacked = out_dir / "hacking.json"
         summary["warnings"] = [json.loads(hacked.read_text())["message"]] if hacked.exists() else []
-        summary["warnings"] += [summary.pop("generalisation_warning")] if "generalisation_warning" in summary else []
+        learnt_prompts = generalisation(summary, summary) if "rl_prompts_exact_match_delta_ci" in summary else None
+        summary["warnings"] += [learnt_prompts] if learnt_prompts else []
         summary["reward_hacking"] = hacked.exists()
     else:
         summary.update(measure(spec, tokenizer, hf))
@@ -624,9 +625,6 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
         out["rl_prompts_exact_match_after"] = sum(own_hits["after"]) / len(own)
         out["rl_prompts_exact_match_delta"], out["rl_prompts_exact_match_delta_ci"] = delta, [low, high]
         out["rl_prompts_items"] = len(own)
-        warning = generalisation(out, out)
-        if warning:
-            out["generalisation_warning"] = warning
     return out
 
 
