@@ -107,6 +107,8 @@ def spec_for(kind: str, workspace: Path, steps: int, out: Path) -> dict:
     spec = json.loads((Path(manifest["dir"]) / "run_spec.json").read_text())
     spec["config"]["max_steps"] = steps
     spec["config"]["save_steps"] = max(steps // 2, 1)  # lmforge checkpoints as it always does
+    if "prompt_filter" in spec["config"]:  # both paths train on every prompt: this measures the training loop
+        spec["config"]["prompt_filter"]["samples"] = 0
     spec.update(
         out_dir=str(out),
         eval_every=10**9,

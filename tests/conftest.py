@@ -83,6 +83,9 @@ SMALL_RL = [
     "align.rl.num_generations=8",
     "align.rl.max_completion_length=16",
     "align.rl.heldout_prompts=24",
+    # DAPO-style prompt filtering over both ranks; a retried attempt reads the kept prompts back
+    "align.rl.prompt_filter.samples=4",
+    "align.rl.prompt_filter.pool=96",
 ]
 
 # Evaluation on few items (the metric runs; contamination still checks every item).

@@ -71,9 +71,19 @@ def test_grpo_trains_from_dpo_on_two_ranks_with_its_metrics_watch_and_export(rl_
     hacking = [w for w in manifest["extra"]["warnings"] if w.startswith("reward hacking")]
     assert m["heldout_items"] > 30 and m["reward_hacking"] == bool(hacking)
     # beside the held-out figures, the same on RL's own prompts: whether it learnt the skill or its prompts
-    assert m["rl_prompts_items"] == m["heldout_items"] and 0 <= m["rl_prompts_exact_match_after"] <= 1
+    assert m["rl_prompts_items"] == min(m["heldout_items"], m["prompt_filter"]["kept"])
+    assert 0 <= m["rl_prompts_exact_match_after"] <= 1
     low, high = m["rl_prompts_exact_match_delta_ci"]
     assert low <= m["rl_prompts_exact_match_delta"] <= high
+    # the prompt filter scored 96 training prompts with 4 samples each on both ranks and kept the
+    # ones answered right sometimes, not never or always; RL trained on those alone
+    scored = [json.loads(line) for line in (out / "prompt_filter.jsonl").read_text().splitlines()]
+    assert len(scored) == 96 and all(r["samples"] == 4 and 0 <= r["passes"] <= 4 for r in scored)
+    assert all(r["kept"] == (0 < r["passes"] < 4) for r in scored)
+    pf = m["prompt_filter"]
+    assert pf["scored"] == 96 and pf["kept"] == sum(r["kept"] for r in scored) > 0
+    assert pf["never_right"] + pf["always_right"] + pf["kept"] == 96
+    assert f"prompt filter: kept {pf['kept']} of 96 prompts" in (out / "logs" / "rank-0.log").read_text()
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (out / "hf" / "tokenizer_config.json").exists() and (out / "tensorboard").exists()
@@ -190,7 +200,12 @@ def test_a_killed_rank_mid_rl_is_retried_and_resumes_to_the_same_held_out_reward
     manifest, reference = result["manifests"]["align/rl"], rl_aligned["align/rl"]
     assert manifest["key"] == reference["key"]
     assert manifest["counts"]["attempts"] == 2, "the kill should have cost exactly one retry"
-    assert "resuming from checkpoint-10" in (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+    rank0 = (Path(manifest["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resuming from checkpoint-10" in rank0
+    # the retry trained on the prompts the first attempt kept, read back rather than sampled again
+    assert rank0.count("prompt filter: kept") == 1
+    kept = (Path(reference["dir"]) / "prompt_filter.jsonl").read_text()
+    assert (Path(manifest["dir"]) / "prompt_filter.jsonl").read_text() == kept
     for metric in ("heldout_configured_reward_after", "heldout_rm_score_after", "exact_match_after"):
         assert manifest["metrics"][metric] == pytest.approx(reference["metrics"][metric], abs=1e-4), metric
 
@@ -235,3 +250,60 @@ def test_a_gain_on_rl_prompts_that_misses_held_out_ones_is_one_warning_line() ->
     assert "(-0.007 [-0.026, +0.012])" in warning
     assert generalisation(own, {"exact_match_delta": 0.03, "exact_match_delta_ci": [0.01, 0.05]}) is None
     assert generalisation({**own, "rl_prompts_exact_match_delta_ci": [-0.01, 0.12]}, held) is None
+
+
+@pytest.mark.slow
+def test_the_prompt_filter_keeps_the_pass_rates_asked_for_and_fails_in_one_line_when_none_qualify(
+    aligned: dict, tmp_path: Path
+) -> None:
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmforge.errors import ConfigError
+    from training.align.rl import filter_prompts, prompt_records
+
+    hf = Path(aligned["align/sft"]["dir"]) / "hf"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
+    records = prompt_records(str(Path(aligned["align/data"]["dir"]) / "sft" / "train.jsonl"), "verifiable")
+    rl = {"seed": 0, "temperature": 1.0, "max_completion_length": 8}
+
+    def spec(out: Path, low: float, high: float) -> dict:
+        out.mkdir()
+        limits = {"samples": 4, "min_pass_rate": low, "max_pass_rate": high, "pool": 24}
+        return {"out_dir": str(out), "config": {**rl, "prompt_filter": limits}}
+
+    try:
+        everything = spec(tmp_path / "all", 0.0, 1.0)
+        kept = filter_prompts(everything, model, tokenizer, records)
+        rows = [json.loads(line) for line in (tmp_path / "all" / "prompt_filter.jsonl").read_text().splitlines()]
+        assert len(rows) == 24 and sorted(map(json.dumps, kept)) == sorted(
+            json.dumps({k: r[k] for k in ("prompt", "answer", "task")}) for r in rows if 0 < r["passes"] < 4
+        )
+        # pass rates come in quarters: none lies strictly between 0.8 and 1
+        with pytest.raises(
+            ConfigError, match=r"^align.rl.prompt_filter: none of 24 prompts has a pass rate in"
+        ) as info:
+            filter_prompts(spec(tmp_path / "none", 0.8, 1.0), model, tokenizer, records)
+        assert "\n" not in str(info.value) and "prompt_filter.jsonl" in str(info.value)
+    finally:
+        PartialState._reset_state()  # the in-process state filter_prompts made; launched ranks make their own
+
+
+def test_the_watch_fires_on_a_drop_beyond_noise_not_on_three_answers_of_64() -> None:
+    from training.align.rl import hacking
+
+    spec = {"config": {"hacking": {"min_reward_gain": 0.05, "max_accuracy_drop": 0.02, "max_loss_rise": 0.05}}}
+
+    def figures(right: list[int], rm: float) -> dict:
+        hits = [float(i in right) for i in range(64)]
+        return {"heldout_rm_score": rm, "heldout_verified": sum(hits) / 64, "heldout_verified_items": hits}
+
+    start = figures(list(range(14)), 0.896)  # tiny-cpu-rl's watch at step 0: 0.219
+    noise = figures(list(range(3, 14)), 1.189)  # 0.172: 3 answers lost, as at its step 100
+    assert hacking(spec, start, noise) is None
+    gamed = figures([0, 1], 1.189)  # 14 right answers -> 2: the reward-model score rose, accuracy fell
+    verdict = hacking(spec, start, gamed)
+    assert verdict is not None and "verified accuracy 0.219 -> 0.031" in verdict
+    # a start recorded without per-item answers (an older attempt's rl_start.json): the margin alone
+    old = {k: v for k, v in start.items() if k != "heldout_verified_items"}
+    assert hacking(spec, old, noise) is not None

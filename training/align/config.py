@@ -178,6 +178,35 @@ class RewardFunction(StrictModel):
         return self
 
 
+class PromptFilterConfig(StrictModel):
+    """Which training prompts RL keeps: those the starting model answers right sometimes, not never or always.
+
+    A group of completions that all earn the same reward has no advantage and no gradient (GRPO and
+    RLOO); DAPO's dynamic sampling drops such groups. Here every candidate prompt is sampled `samples`
+    times once, before training, at the rollout temperature, and scored by the verifier."""
+
+    samples: int = Field(
+        0,
+        ge=0,
+        description="Completions per prompt the starting model samples to estimate its pass rate; 0 = keep all.",
+    )
+    min_pass_rate: float = Field(
+        0.0, ge=0, lt=1, description="Keep prompts answered right in more than this share of the samples."
+    )
+    max_pass_rate: float = Field(
+        1.0, gt=0, le=1, description="Keep prompts answered right in less than this share of the samples."
+    )
+    pool: int | None = Field(
+        None, ge=1, description="Score a seeded sample of this many training prompts (None: all of them)."
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> PromptFilterConfig:
+        if self.min_pass_rate >= self.max_pass_rate:
+            raise ValueError(f"min_pass_rate {self.min_pass_rate} is not below max_pass_rate {self.max_pass_rate}")
+        return self
+
+
 class HackingWatchConfig(StrictModel):
     """Reward hacking: the reward model's score rising while what it should stand for gets worse."""
 
@@ -209,6 +238,7 @@ class RlConfig(TrainConfig):
         description="Training prompts: the SFT train split's items with a verified answer, or every SFT prompt "
         "(the turns before the last assistant turn).",
     )
+    prompt_filter: PromptFilterConfig = PromptFilterConfig()
     beta: float = Field(0.04, ge=0, description="KL strength to the reference (the starting model); 0 = no KL term.")
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group).")
     max_completion_length: int = Field(32, ge=1, description="Tokens generated per completion.")
@@ -243,6 +273,8 @@ class RlConfig(TrainConfig):
                 f"global_batch_size {self.global_batch_size} is not a multiple of num_generations "
                 f"{self.num_generations} (each prompt's group of completions)"
             )
+        if self.prompt_filter.samples and self.prompts != "verifiable":
+            raise ValueError("prompt_filter: pass rates need verified answers (prompts: verifiable)")
         return self
 
 

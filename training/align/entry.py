@@ -167,7 +167,8 @@ def hacking_watch(spec: dict[str, Any], holder: dict[str, Any]) -> Any:
             figures = summarize(self.probe.measure(model))
             model.train(was_training)
             with open(out_dir / METRICS, "a") as handle:
-                handle.write(json.dumps({"step": step, **{f"watch/{k}": v for k, v in figures.items()}}) + "\n")
+                rows = {f"watch/{k}": v for k, v in figures.items() if k != "heldout_verified_items"}
+                handle.write(json.dumps({"step": step, **rows}) + "\n")
             return figures
 
         def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -476,6 +477,9 @@ def finish(spec: dict[str, Any], trainer: Any, tokenizer: Any, result: Any, seco
         learnt_prompts = generalisation(summary, summary) if "rl_prompts_exact_match_delta_ci" in summary else None
         summary["warnings"] += [learnt_prompts] if learnt_prompts else []
         summary["reward_hacking"] = hacked.exists()
+        from training.align.rl import filter_summary
+
+        summary["prompt_filter"] = filter_summary(out_dir)
     else:
         summary.update(measure(spec, tokenizer, hf))
         summary["warnings"] = overoptimisation(spec, summary)
@@ -605,6 +609,8 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
         raw[name] = probe.measure(model, with_kl=name == "after")
         own_hits[name] = exact_match(model, tokenizer, own)["hits"] if own else []
         for key, value in summarize(raw[name]).items():
+            if key == "heldout_verified_items":  # the watch's; the paired figures below use raw
+                continue
             out[f"{key}_{name}" if not key.startswith("kl_") else key] = value
         out[f"examples_{name}"] = raw[name]["examples"]
         if name == "before":
@@ -629,17 +635,23 @@ def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]
 
 
 def rl_prompts_sample(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """A fixed sample of RL's own training prompts with a verified answer, as many as the held-out items:
-    a gain there that does not reach held-out ones is memorisation (measured on tiny-cpu-rl, a 4M model)."""
+    """A fixed sample of RL's own training prompts with a verified answer (those the prompt filter
+    kept, when it ran), as many as the held-out items: a gain there that does not reach held-out
+    ones is memorisation (measured on tiny-cpu-rl, a 4M model)."""
     import random
 
     from lmforge.errors import ConfigError
     from training.align.rl import prompt_records
 
-    try:
-        verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
-    except ConfigError:  # RL on chats without a verified answer (align.rl.prompts: all): nothing to score
-        return []
+    filtered = Path(spec["out_dir"]) / "prompt_filter.jsonl"
+    if filtered.exists():
+        rows = [json.loads(line) for line in filtered.read_text().splitlines() if line.strip()]
+        verifiable = [r for r in rows if r["kept"]]
+    else:
+        try:
+            verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
+        except ConfigError:  # RL on chats without a verified answer (align.rl.prompts: all): nothing to score
+            return []
     return random.Random(0).sample(verifiable, min(len(verifiable), len(spec["heldout_all"])))
 
 

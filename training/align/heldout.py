@@ -85,11 +85,28 @@ def generate_answers(
     model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int = 24, batch_size: int = 32
 ) -> list[str]:
     """Greedy answers to each record's prompt (every message before the last assistant turn)."""
+    return [group[0] for group in sample_answers(model, tokenizer, records, max_new_tokens, batch_size)]
+
+
+def sample_answers(
+    model: Any,
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    samples: int = 1,
+    temperature: float | None = None,
+) -> list[list[str]]:
+    """`samples` answers to each record's prompt: greedy without a temperature, else sampled from the
+    full distribution at that temperature (no top-k or top-p, as the RL rollouts sample)."""
     import torch
 
     device = next(model.parameters()).device
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    answers: list[str] = []
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature is not None:
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    answers: list[list[str]] = []
     tokenizer.padding_side = "left"
     model.eval()
     for start in range(0, len(records), batch_size):
@@ -100,12 +117,15 @@ def generate_answers(
             out = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
+                num_return_sequences=samples,
                 eos_token_id=stop,
                 pad_token_id=tokenizer.pad_token_id,
+                **sampling,
             )
-        for row in out[:, batch["input_ids"].shape[1] :]:
-            answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        rows = [
+            tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, batch["input_ids"].shape[1] :]
+        ]
+        answers.extend(rows[i : i + samples] for i in range(0, len(rows), samples))
     return answers
 
 

@@ -124,6 +124,130 @@ def prompt_records(path: str, which: str) -> list[dict[str, Any]]:
     return out
 
 
+def filter_prompts(
+    spec: dict[str, Any], model: Any, tokenizer: Any, records: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The prompts RL trains on under `align.rl.prompt_filter` (all of them when it is off).
+
+    DAPO's dynamic sampling, done once before training: a prompt the starting model answers right
+    in all or none of its samples gives a group with one reward and so no advantage, only cost.
+    TRL's trainers have no such option. Each rank samples its share of the prompts (accelerate's
+    `split_between_processes`), the pass counts are gathered, and `prompt_filter.jsonl` in the step
+    directory keeps every scored prompt with its count: a retried or resumed attempt reads it back
+    instead of sampling again, so it trains on the same prompts."""
+    import random
+
+    cfg = spec["config"]["prompt_filter"]
+    if not cfg["samples"]:
+        return records
+    path = Path(spec["out_dir"]) / "prompt_filter.jsonl"
+    scored_before = path.exists()
+    if not scored_before:
+        _score_pass_rates(spec, model, tokenizer, records, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [{k: r[k] for k in ("prompt", "answer", "task")} for r in rows if r["kept"]]
+    if scored_before:
+        log.info("prompt filter: %d of %d prompts kept by an earlier attempt (%s)", len(kept), len(rows), path.name)
+    if not kept:
+        raise ConfigError(
+            f"align.rl.prompt_filter: none of {len(rows)} prompts has a pass rate in "
+            f"({cfg['min_pass_rate']}, {cfg['max_pass_rate']}) over {cfg['samples']} samples ({path})"
+        )
+    random.Random(spec["config"]["seed"]).shuffle(kept)
+    return kept
+
+
+def _score_pass_rates(
+    spec: dict[str, Any], model: Any, tokenizer: Any, records: list[dict[str, Any]], path: Path
+) -> None:
+    import random
+    import time
+
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from lmforge.hashing import atomic_write_text
+    from training.align.heldout import sample_answers
+
+    rl = spec["config"]
+    cfg = rl["prompt_filter"]
+    if cfg["pool"] and len(records) > cfg["pool"]:
+        records = random.Random(rl["seed"]).sample(records, cfg["pool"])
+    state = PartialState()
+    started = time.time()
+    torch.manual_seed(rl["seed"] + state.process_index)
+    model.generation_config.max_length = None
+    model.to(state.device)  # where the Trainer puts it next: sample on the rank's GPU, not the CPU it loaded on
+    with state.split_between_processes(list(range(len(records)))) as mine:
+        groups = sample_answers(
+            model,
+            tokenizer,
+            [records[i] for i in mine],
+            rl["max_completion_length"],
+            batch_size=16,
+            samples=cfg["samples"],
+            temperature=rl["temperature"],
+        )
+        local = [(i, sum(is_correct(a, records[i]["answer"]) for a in g)) for i, g in zip(mine, groups)]
+    passes = dict(gather_object(local))
+    low, high, n = cfg["min_pass_rate"], cfg["max_pass_rate"], cfg["samples"]
+    rows = [{**r, "passes": passes[i], "samples": n, "kept": low < passes[i] / n < high} for i, r in enumerate(records)]
+    if state.is_main_process:
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        never, always = sum(r["passes"] == 0 for r in rows), sum(r["passes"] == n for r in rows)
+        log.info(
+            "prompt filter: kept %d of %d prompts (%d never answered right, %d always, in %d samples each) in %.0fs",
+            sum(r["kept"] for r in rows),
+            len(rows),
+            never,
+            always,
+            n,
+            time.time() - started,
+        )
+    state.wait_for_everyone()
+
+
+def one_epoch(records: list[dict[str, Any]], draws: int, seed: int) -> list[dict[str, Any]]:
+    """The prompts, repeated in seeded shuffles until they cover every prompt the run draws.
+
+    TRL's `RepeatSampler` takes each epoch's order from one generator that a resumed run starts
+    afresh (it has no `set_epoch`), so a run over several epochs of its prompts resumed onto
+    another order (measured: held-out reward-model score 0.4201 against 0.4194 uninterrupted,
+    with 6 filtered prompts). In one epoch the Trainer's resume skips exactly the batches done."""
+    import random
+
+    if len(records) >= draws:
+        return records
+    rng, out = random.Random(seed), list[dict[str, Any]]()
+    while len(out) < draws:
+        shuffled = list(records)
+        rng.shuffle(shuffled)
+        out.extend(shuffled)
+    return out
+
+
+def filter_summary(out_dir: Path) -> dict[str, Any] | None:
+    """What the prompt filter kept, for the step's summary (None when it was off)."""
+    path = out_dir / "prompt_filter.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in rows if r["kept"]]
+    by_task: dict[str, list[int]] = {}
+    for r in rows:
+        by_task.setdefault(r["task"], [0, 0])[0] += 1
+        by_task[r["task"]][1] += r["kept"]
+    return {
+        "scored": len(rows),
+        "kept": len(kept),
+        "never_right": sum(r["passes"] == 0 for r in rows),
+        "always_right": sum(r["passes"] == r["samples"] for r in rows),
+        "mean_pass_rate_kept": round(sum(r["passes"] / r["samples"] for r in kept) / max(len(kept), 1), 4),
+        "kept_by_task": {t: f"{k}/{n}" for t, (n, k) in sorted(by_task.items())},
+    }
+
+
 def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, callbacks: list[Any]) -> Any:
     """TRL's GRPOTrainer (or RLOOTrainer) for the spec."""
     from datasets import Dataset
@@ -154,7 +278,9 @@ def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, 
     args = args_for(spec, RLConfig, **common)
     left_padding_positions(model)
     model.generation_config.max_length = None  # max_completion_length bounds generation (else a warning per batch)
-    data = Dataset.from_list(prompt_records(spec["train"], cfg["prompts"]))
+    prompts = filter_prompts(spec, model, tokenizer, prompt_records(spec["train"], cfg["prompts"]))
+    draws = cfg["max_steps"] * cfg["global_batch_size"] // cfg["num_generations"]
+    data = Dataset.from_list(one_epoch(prompts, draws, cfg["seed"]))
     reward_tokenizers: Any = None
     if any(isinstance(f, str) for f in functions):
         from transformers import AutoTokenizer
@@ -375,6 +501,8 @@ def summarize(figures: dict[str, Any]) -> dict[str, Any]:
             out[name], out[f"{name}_ci"] = mean, [low, high]
     if "heldout_sft_loss" in figures:
         out["heldout_sft_loss"] = figures["heldout_sft_loss"]
+    if figures.get("heldout_verified"):  # per item, for the watch's paired test (not a metric)
+        out["heldout_verified_items"] = list(figures["heldout_verified"])
     if figures.get("kl"):
         kl = np.asarray(figures["kl"])
         out.update(
@@ -384,6 +512,20 @@ def summarize(figures: dict[str, Any]) -> dict[str, Any]:
             kl_max=float(kl.max()),
         )
     return out
+
+
+def _significant_drop(start: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether verified accuracy fell on the watched prompts beyond their noise: the paired 95%
+    interval of the change lies below 0. On 64 prompts one answer is 0.016: tiny-cpu-rl's watch
+    fired on 0.219 -> 0.172 (3 answers) at step 100 of a run that raised held-out exact match on
+    1,678 items by +0.023 [+0.008, +0.038]. Without per-item records (a start measured by an
+    older version) the margin alone decides, as it did."""
+    from training.align.heldout import paired_bootstrap
+
+    before, after = start.get("heldout_verified_items"), now.get("heldout_verified_items")
+    if not before or not after or len(before) != len(after):
+        return True
+    return paired_bootstrap(before, after)[2] < 0
 
 
 def hacking(spec: dict[str, Any], start: dict[str, Any], now: dict[str, Any]) -> str | None:
@@ -398,7 +540,7 @@ def hacking(spec: dict[str, Any], start: dict[str, Any], now: dict[str, Any]) ->
     worse = []
     if "heldout_verified" in now and "heldout_verified" in start:
         drop = start["heldout_verified"] - now["heldout_verified"]
-        if drop > watch["max_accuracy_drop"]:
+        if drop > watch["max_accuracy_drop"] and _significant_drop(start, now):
             worse.append(f"verified accuracy {start['heldout_verified']:.3f} -> {now['heldout_verified']:.3f}")
     if "heldout_sft_loss" in now and "heldout_sft_loss" in start:
         rise = now["heldout_sft_loss"] / max(start["heldout_sft_loss"], 1e-9) - 1
