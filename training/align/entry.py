@@ -645,8 +645,9 @@ def rl_prompts_sample(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     filtered = Path(spec["out_dir"]) / "prompt_filter.jsonl"
     if filtered.exists():
-        rows = [json.loads(line) for line in filtered.read_text().splitlines() if line.strip()]
-        verifiable = [r for r in rows if r["kept"]]
+        from lmforge.jsonl import read_jsonl
+
+        verifiable = [r for r in read_jsonl(filtered) if r["kept"]]
     else:
         try:
             verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import ConfigError, DeterministicError
+from lmforge.jsonl import read_jsonl
 from lmforge.verify import is_correct, partial_credit
 
 log = logging.getLogger("training.align")
@@ -144,7 +145,7 @@ def filter_prompts(
     scored_before = path.exists()
     if not scored_before:
         _score_pass_rates(spec, model, tokenizer, records, path)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = list(read_jsonl(path))
     kept = [{k: r[k] for k in ("prompt", "answer", "task")} for r in rows if r["kept"]]
     if scored_before:
         log.info("prompt filter: %d of %d prompts kept by an earlier attempt (%s)", len(kept), len(rows), path.name)
@@ -167,7 +168,7 @@ def _score_pass_rates(
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from lmforge.hashing import atomic_write_text
+    from lmforge.jsonl import write_jsonl
     from training.align.heldout import sample_answers
 
     rl = spec["config"]
@@ -194,7 +195,7 @@ def _score_pass_rates(
     low, high, n = cfg["min_pass_rate"], cfg["max_pass_rate"], cfg["samples"]
     rows = [{**r, "passes": passes[i], "samples": n, "kept": low < passes[i] / n < high} for i, r in enumerate(records)]
     if state.is_main_process:
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(path, rows)
         never, always = sum(r["passes"] == 0 for r in rows), sum(r["passes"] == n for r in rows)
         log.info(
             "prompt filter: kept %d of %d prompts (%d never answered right, %d always, in %d samples each) in %.0fs",
@@ -232,7 +233,7 @@ def filter_summary(out_dir: Path) -> dict[str, Any] | None:
     path = out_dir / "prompt_filter.jsonl"
     if not path.exists():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = list(read_jsonl(path))
     kept = [r for r in rows if r["kept"]]
     by_task: dict[str, list[int]] = {}
     for r in rows:
@@ -376,8 +377,6 @@ def finish_reward(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, A
     """Rank 0 after training: the exported classifier (LoRA merged) with its tokenizer, held-out accuracy."""
     import torch
     from transformers import AutoModelForSequenceClassification
-
-    from lmforge.jsonl import read_jsonl
 
     out_dir = Path(spec["out_dir"])
     if spec.get("lora") is not None:
