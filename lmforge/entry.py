@@ -17,6 +17,7 @@ other environments (the quantizer's).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from typing import Any
 EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4, "deterministic": 5}
 EXIT_RECORD = "exit-rank{rank}.json"
 STARTED_MARK = "started-rank{rank}"
+FAULT_RECORD = "fault-rank{rank}.txt"
 DOMAIN_LOGGERS = ("lmforge", "training", "data_prep", "evaluation", "serving")
 
 Work = Callable[[dict[str, Any], int], Any]
@@ -81,7 +83,17 @@ def run_recorded(work: Work, spec_path: str, quiet: Sequence[str] = ()) -> int:
     attempt_dir.mkdir(parents=True, exist_ok=True)
     (attempt_dir / STARTED_MARK.format(rank=rank)).touch()  # the launcher did its part; what follows is ours
     setup_logging(out_dir, rank, quiet)
-    status, message = _outcome(work, spec, rank)
+    fault = attempt_dir / FAULT_RECORD.format(rank=rank)
+    with open(fault, "w") as fault_file:
+        # a process killed by a fatal signal (SIGABRT from a C++ library, SIGSEGV, SIGBUS) records no
+        # outcome; faulthandler leaves where every thread was, which the launching step names (lmforge.launch)
+        faulthandler.enable(file=fault_file, all_threads=True)
+        try:
+            status, message = _outcome(work, spec, rank)
+        finally:
+            faulthandler.disable()
+    if not fault.stat().st_size:
+        fault.unlink()
     record = {"rank": rank, "status": status, "message": message, "attempt": spec.get("attempt"), "at": time.time()}
     path = attempt_dir / EXIT_RECORD.format(rank=rank)
     tmp = path.with_name(f".{path.name}.tmp")

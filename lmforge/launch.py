@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lmforge import devices, launcher
-from lmforge.entry import EXIT_RECORD, STARTED_MARK
+from lmforge.entry import EXIT_RECORD, FAULT_RECORD, STARTED_MARK
 from lmforge.errors import (
     PROGRAMMING_ERRORS,
     ConfigError,
@@ -172,6 +172,38 @@ def processes_started(directory: Path) -> int:
     return len(list(directory.glob(STARTED_MARK.format(rank="*"))))
 
 
+def fatal_signals(directory: Path) -> list[str]:
+    """One line per process that died of a fatal signal: faulthandler's verdict and where the process
+    was ("rank 0: Fatal Python error: Aborted in measure at training/align/entry.py:560, see ...")."""
+    lines = []
+    for path in sorted(directory.glob(FAULT_RECORD.format(rank="*"))):
+        text = path.read_text(errors="replace").splitlines()
+        if not text:
+            continue
+        verdict = text[0].strip()
+        where = ""
+        current = [i for i, line in enumerate(text) if line.startswith("Current thread")]
+        frames = text[current[0] + 1 :] if current else text[1:]
+        for frame in frames:  # '  File "/x/training/align/entry.py", line 560 in measure'
+            parts = frame.strip().split('"')
+            if frame.strip().startswith("File") and len(parts) >= 3:
+                line_no, _, function = parts[2].replace(", line ", "").strip().partition(" in ")
+                where = f" in {function} at {_short(parts[1])}:{line_no}"
+                break
+        rank = path.stem.rsplit("rank", 1)[-1]
+        lines.append(f"rank {rank}: {verdict}{where}, see logs/{directory.name}/{path.name}")
+    return lines
+
+
+def _short(path: str) -> str:
+    """A source path from the repository or site-packages on ('training/align/entry.py'), or as it is."""
+    source = Path(path)
+    if source.is_relative_to(launcher.REPO_ROOT):
+        return str(source.relative_to(launcher.REPO_ROOT))
+    parts = source.parts
+    return "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else path
+
+
 @dataclass(frozen=True)
 class Attempt:
     number: int
@@ -228,7 +260,8 @@ def run_entry(
         what=name,
         tail_lines=tail_lines,
     )
-    classify(policy, returncode, exit_records(directory), launch.world_size, processes_started(directory), tail, name)
+    records, started, faults = exit_records(directory), processes_started(directory), fatal_signals(directory)
+    classify(policy, returncode, records, launch.world_size, started, tail, name, faults)
     return Attempt(number, directory, spec)
 
 
@@ -247,12 +280,14 @@ def classify(
     started: int | None = None,
     output_tail: str = "",
     what: str = "",
+    faults: list[str] | None = None,
 ) -> None:
     """Raise the error that matches how the launch ended (nothing on success).
 
     `started` counts processes that got as far as running lmforge code. A launcher that exits
     before any did may have met a busy port or an unreachable node (worth a retry: it costs
-    seconds) or a bad hostfile; either way the message carries its last output.
+    seconds) or a bad hostfile; either way the message carries its last output. `faults` (from
+    `fatal_signals`) says where a process that died of a fatal signal was.
     """
     what = what or policy.what
     many = world_size > 1
@@ -282,13 +317,14 @@ def classify(
         raise policy.interrupted(
             f"{what} crashed with {records[0]['message']}; the next attempt resumes from what was completed"
         )
+    died = f" ({'; '.join(faults)})" if faults else ""
     if not many:
         raise policy.interrupted(
-            f"{what} ended with exit code {returncode} without finishing (killed?){tail}; "
+            f"{what} ended with exit code {returncode} without finishing (killed?){died}{tail}; "
             "the next attempt resumes from what was completed"
         )
     raise policy.interrupted(
-        f"{what} exited with code {returncode}; {missing} rank(s) died without a record"
+        f"{what} exited with code {returncode}; {missing} rank(s) died without a record{died}"
         + (f", others reported {sorted(statuses)}" if statuses else "")
         + "; the next attempt resumes from the latest verified checkpoint"
     )

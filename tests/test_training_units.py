@@ -18,7 +18,7 @@ from lmforge.errors import (
     TrainingInterrupted,
     is_retryable,
 )
-from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify
+from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify, run_entry
 from training import checkpoint
 from training.config import GuardrailConfig, PretrainConfig
 from training.device import DeviceInfo
@@ -319,6 +319,21 @@ def test_exit_classification_separates_retryable_from_deterministic() -> None:
     # costs seconds, and the message quotes the launcher's own last words
     with pytest.raises(TrainingInterrupted, match="before any process started; its last output: ssh: no route"):
         classify(RANKS, 1, [], 2, started=0, output_tail="ssh: no route")
+
+
+def test_a_rank_that_dies_of_a_fatal_signal_is_named_with_where_it_was(tmp_path: Path) -> None:
+    """Before: a rank killed by SIGABRT (a C++ library's std::terminate) left only the launcher's "Signal 6
+    received by PID ..." and no trace of where it was; faulthandler's record is now in the error."""
+    with pytest.raises(TrainingInterrupted) as info:
+        run_entry("tests.fault_entry", {"abort_rank": 1}, tmp_path, launch=Launch("torchrun", 2), policy=RANKS)
+    message = str(info.value)
+    assert (
+        "1 rank(s) died without a record (rank 1: Fatal Python error: Aborted in tear_down_badly at "
+        "tests/fault_entry.py:14, see logs/attempt-1/fault-rank1.txt), others reported ['ok']"
+    ) in message
+    attempt = tmp_path / "logs" / "attempt-1"
+    assert "tear_down_badly" in (attempt / "fault-rank1.txt").read_text()
+    assert not (attempt / "fault-rank0.txt").exists()  # a rank that ended normally leaves no fault record
 
 
 def test_single_process_policy() -> None:
