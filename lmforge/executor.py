@@ -370,13 +370,47 @@ def pool_unit_runner(pool: cf.Executor, store: StageStore) -> UnitRunner:
     return run_units
 
 
+def execute_with_retries(
+    step: Step,
+    config: PipelineBase,
+    store: StageStore,
+    upstream: dict[str, dict[str, Any]],
+    run_units: UnitRunner,
+    delay_s: float = 2.0,
+) -> tuple[dict[str, Any], bool]:
+    """`execute_step`, tried again as Prefect retries a step's task run: up to `step.retries` more
+    times when the error says a retry can help (a killed rank, a lost peer, an outside I/O error);
+    each retry resumes from what the failed attempt completed. Errors that would repeat fail at once."""
+    from lmforge.errors import is_retryable
+
+    attempt = 1
+    while True:
+        try:
+            return execute_step(step, config, store, upstream, run_units)
+        except Exception as exc:
+            if attempt > step.retries or not is_retryable(exc):
+                raise
+            log.warning(
+                "%s failed with %s: %s -> retry %d of %d (resumes from completed work)",
+                step.name,
+                type(exc).__name__,
+                exc,
+                attempt,
+                step.retries,
+            )
+            attempt += 1
+            time.sleep(delay_s)
+
+
 def run_pipeline_locally(config: PipelineBase, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Run the selected stages without Prefect (tests, notebooks, debugging)."""
     store = StageStore(config.workspace, config.runtime.verify)
     manifests: dict[str, dict[str, Any]] = {}
     with tracking.pipeline_run(config), make_pool(config.runtime.workers) as pool:  # one MLflow run, if any
         for step in graph().active(config, list(stages)):
-            manifests[step.name], hit = execute_step(step, config, store, manifests, pool_unit_runner(pool, store))
+            manifests[step.name], hit = execute_with_retries(
+                step, config, store, manifests, pool_unit_runner(pool, store)
+            )
             store.record_use(step.name, manifests[step.name])
             log.info("%s: %s (%s)", step.name, "cache hit" if hit else "computed", manifests[step.name]["key"])
     reconcile(config, manifests)

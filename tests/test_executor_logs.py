@@ -1,4 +1,5 @@
-"""Log records of units that run in worker processes come back to the parent, on failure too."""
+"""Log records of units that run in worker processes come back to the parent, on failure too; a step run
+without Prefect is retried as Prefect retries it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 
 import pytest
 
+from lmforge.errors import ConfigError, TrainingInterrupted
 from lmforge.executor import unit_outcome
 
 
@@ -36,3 +38,36 @@ def test_a_failed_unit_still_replays_what_it_logged() -> None:
         assert unit_outcome(done) == ({"docs": 10}, [("data_prep.x", logging.INFO, "fine")])
     finally:
         logger.removeHandler(keep)
+
+
+@pytest.mark.parametrize(
+    "errors, calls, outcome",
+    [
+        ([TrainingInterrupted("rank 1 died without a record")], 2, "done"),  # retried, resumed, finished
+        ([TrainingInterrupted("killed")] * 3, 3, TrainingInterrupted),  # step.retries (2) spent: the last error
+        ([ConfigError("align.sft.lr: must be > 0")], 1, ConfigError),  # would fail the same way: not retried
+    ],
+)
+def test_a_local_run_retries_a_step_as_prefect_does(monkeypatch, errors: list[Exception], calls: int, outcome) -> None:
+    """Before: `lmforge run --local` (and every test that runs stages without Prefect) failed on the first
+    killed or aborted rank, where the Prefect task run retries and resumes; a CI run failed on one SIGABRT."""
+    from types import SimpleNamespace
+
+    from lmforge import executor
+
+    seen: list[int] = []
+
+    def execute_step(step, config, store, upstream, run_units):  # type: ignore[no-untyped-def]
+        seen.append(1)
+        if len(seen) <= len(errors):
+            raise errors[len(seen) - 1]
+        return {"key": "k"}, False
+
+    monkeypatch.setattr(executor, "execute_step", execute_step)
+    step = SimpleNamespace(name="align/dpo", retries=2)
+    if outcome == "done":
+        assert executor.execute_with_retries(step, None, None, {}, None, delay_s=0) == ({"key": "k"}, False)  # type: ignore[arg-type]
+    else:
+        with pytest.raises(outcome):
+            executor.execute_with_retries(step, None, None, {}, None, delay_s=0)  # type: ignore[arg-type]
+    assert len(seen) == calls
