@@ -110,6 +110,24 @@ setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_L
   echo "$want" > "$stamp"
 }
 
+llamacpp_pid="" llamacpp_log=""
+start_llamacpp_env() {  # in the background: compiling (2 cores) overlaps the other installs (network, disk)
+  [ "${LMFORGE_LLAMACPP_ENV:-0}" = 1 ] || return 0
+  llamacpp_log=$(mktemp)
+  setup_llamacpp_env > "$llamacpp_log" 2>&1 &
+  llamacpp_pid=$!
+}
+finish_llamacpp_env() {  # waits for it and prints what it said; fails when it failed
+  [ -n "$llamacpp_pid" ] || return 0
+  local rc=0
+  wait "$llamacpp_pid" || rc=$?
+  llamacpp_pid=""
+  cat "$llamacpp_log"; rm -f "$llamacpp_log"
+  [ "$rc" = 0 ] || echo "building .venv-llamacpp failed (exit $rc)" >&2
+  return "$rc"
+}
+trap 'finish_llamacpp_env > /dev/null 2>&1 || true' EXIT  # a failed install leaves no build running behind it
+
 if [ "$mode" = "--relock-quant" ]; then
   { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
     .venv-quant/bin/pip freeze --all | grep -iE '^(pip|setuptools)==' ;
@@ -122,13 +140,15 @@ want=$(cat "$requirements" pyproject.toml | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
+  start_llamacpp_env
   setup_quant_env
   setup_mlflow_env
-  setup_llamacpp_env
+  finish_llamacpp_env
   exit 0
 fi
 
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
+start_llamacpp_env
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 echo "installing $requirements into $VENV (a few minutes the first time)"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/cpu.lock)"
@@ -158,5 +178,5 @@ PY
 echo "$want" > "$stamp"
 setup_quant_env
 setup_mlflow_env
-setup_llamacpp_env
+finish_llamacpp_env
 exit 0
