@@ -139,6 +139,40 @@ def test_a_reward_that_pays_for_length_trips_the_hacking_watch_and_stop_on_hacki
     assert not is_retryable(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
+def test_rl_as_a_lora_adapter_trains_only_the_adapter_and_exports_it_merged(rl_aligned: dict, tmp_path: Path) -> None:
+    """Before: align/rl trained every weight, also where SFT and DPO were LoRA adapters on a large base."""
+    from safetensors.torch import load_file
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(_workspace(rl_aligned), workspace)
+    shutil.rmtree(workspace / "align" / "rl")
+    lora = [
+        *SMALL_RL,
+        "align.rl.lora=true",
+        "align.lora.r=4",
+        "align.rl.lr=1e-3",
+        "align.rl.max_steps=4",
+        "align.rl.save_steps=2",
+        "align.rl.eval_every=2",
+        "align.rl.prompt_filter.samples=0",
+    ]
+    manifest = run_pipeline_locally(small_config(workspace, *lora), ["align"])["align/rl"]
+    out = Path(manifest["dir"])
+    assert manifest["extra"]["lora"] and manifest["counts"]["steps"] == 4
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["peft_type"] == "LORA"
+    assert manifest["metrics"]["merge_parity_max_abs_logit_diff"] < 1e-3
+    # the export is the start model with the adapter merged in: the linear layers moved, nothing else did
+    start = load_file(Path(json.loads((out / "run_spec.json").read_text())["base_dir"]) / "model.safetensors")
+    merged = load_file(out / "hf" / "model.safetensors")
+    assert merged.keys() == start.keys()
+    moved = {name for name in start if not (merged[name] == start[name]).all()}
+    assert moved and all(name.endswith("proj.weight") for name in moved), sorted(moved)
+    assert (merged["model.embed_tokens.weight"] == start["model.embed_tokens.weight"]).all()
+    assert 0 <= manifest["metrics"]["exact_match_after"] <= 1
+
+
 def test_rl_configuration_errors_are_one_line_naming_the_field(tmp_path: Path) -> None:
     from lmforge.errors import ConfigError
     from training.align.rl import import_function

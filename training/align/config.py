@@ -249,6 +249,13 @@ class RlConfig(TrainConfig):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Divide advantages by the group's (or batch's) reward std; none as in Dr. GRPO."
     )
+    lora: bool = Field(
+        False,
+        description=(
+            "Train a LoRA adapter (align.lora's rank, alpha, targets) on the starting policy, merged for export "
+            "with a parity check; the KL reference is the adapter switched off (no second model in memory)."
+        ),
+    )
     lr: float = Field(1e-6, gt=0, description="1e-6 for real models; the tiny preset sets its own.")
     max_steps: int = Field(200, ge=1)
     global_batch_size: int = Field(

@@ -369,7 +369,9 @@ def train(spec: dict[str, Any], rank: int) -> None:
     elif spec["kind"] == "rl":
         from training.align.rl import rl_trainer
 
-        trainer = rl_trainer(spec, model, tokenizer, _training_args, _callbacks(spec, holder))
+        trainer = rl_trainer(
+            spec, model, tokenizer, _training_args, _callbacks(spec, holder), _peft_config(spec) if lora else None
+        )
     elif spec["kind"] == "draft":  # `model` is the teacher; the student is built from it
         from training.align.draft import draft_trainer
 

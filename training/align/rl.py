@@ -249,8 +249,11 @@ def filter_summary(out_dir: Path) -> dict[str, Any] | None:
     }
 
 
-def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, callbacks: list[Any]) -> Any:
-    """TRL's GRPOTrainer (or RLOOTrainer) for the spec."""
+def rl_trainer(
+    spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, callbacks: list[Any], peft: Any = None
+) -> Any:
+    """TRL's GRPOTrainer (or RLOOTrainer) for the spec; with `peft` (a LoRA config) it trains an adapter,
+    and TRL takes the reference's log-probabilities with the adapter switched off."""
     from datasets import Dataset
 
     cfg = spec["config"]
@@ -296,6 +299,7 @@ def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, 
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizers,
         callbacks=callbacks,
+        peft_config=peft,
     )
 
 

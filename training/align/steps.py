@@ -177,7 +177,7 @@ def _lora(config: ConfigView | PipelineBase, kind: str) -> bool:
     a = config.align
     if kind == "sft":
         return a.method in ("lora", "qlora")
-    return kind not in ("rl", "draft") and getattr(a, kind).lora  # RL and the draft train every weight
+    return kind != "draft" and getattr(a, kind).lora  # the draft is a new, smaller model: every weight trains
 
 
 def draft_teacher(config: ConfigView | PipelineBase) -> Product:
