@@ -29,10 +29,16 @@ from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 # the SFT model evaluated on the hf backend: every tracked kind of step, without DPO or vLLM's minutes
-SCOPE = ["evaluate.models=[sft]", "evaluate.backends=[hf]", "align.dpo.enabled=false"]
+# fewer steps than the session's lineage: what is logged is the point here, not how well it trained
+SFT_STEPS, SMALL_PRETRAIN_STEPS = 30, "40"
+SCOPE = [
+    "evaluate.models=[sft]",
+    "evaluate.backends=[hf]",
+    "align.dpo.enabled=false",
+    f"pretrain.max_steps={SMALL_PRETRAIN_STEPS}",
+    f"align.sft.max_steps={SFT_STEPS}",
+]
 LOGGED = {"pretrain/train", "align/sft", "evaluate/sft-hf", "evaluate/report"}
-SFT_STEPS = int(next(o.split("=")[1] for o in SMALL_ALIGN if o.startswith("align.sft.max_steps=")))
-SMALL_PRETRAIN_STEPS = next(o.split("=")[1] for o in SMALL_PRETRAIN if o.startswith("pretrain.max_steps="))
 
 
 def _mlflow_command() -> str:
