@@ -18,6 +18,14 @@ def _workspace(rl_aligned: dict) -> Path:
     return Path(rl_aligned["align/rl"]["dir"]).parents[2]
 
 
+def _without_rl(rl_aligned: dict, tmp_path: Path) -> Path:
+    """A copy of the session's RL lineage whose RL step is to train again (from the same DPO and reward models)."""
+    workspace = tmp_path / "ws"
+    shutil.copytree(_workspace(rl_aligned), workspace)
+    shutil.rmtree(workspace / "align" / "rl")
+    return workspace
+
+
 @pytest.mark.slow
 def test_reward_model_ranks_held_out_pairs_and_is_exported_as_a_sequence_classifier(rl_aligned: dict) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -115,9 +123,7 @@ def test_a_reward_that_pays_for_length_trips_the_hacking_watch_and_stop_on_hacki
 ) -> None:
     from lmforge.errors import DeterministicError, is_retryable
 
-    workspace = tmp_path / "ws"
-    shutil.copytree(_workspace(rl_aligned), workspace)
-    shutil.rmtree(workspace / "align" / "rl")
+    workspace = _without_rl(rl_aligned, tmp_path)
     gamed = [
         *SMALL_RL,
         "align.recipe=[sft, dpo, rl]",
@@ -144,9 +150,7 @@ def test_rl_as_a_lora_adapter_trains_only_the_adapter_and_exports_it_merged(rl_a
     """Before: align/rl trained every weight, also where SFT and DPO were LoRA adapters on a large base."""
     from safetensors.torch import load_file
 
-    workspace = tmp_path / "ws"
-    shutil.copytree(_workspace(rl_aligned), workspace)
-    shutil.rmtree(workspace / "align" / "rl")
+    workspace = _without_rl(rl_aligned, tmp_path)
     lora = [
         *SMALL_RL,
         "align.rl.lora=true",
@@ -218,9 +222,7 @@ def test_a_killed_rank_mid_rl_is_retried_and_resumes_to_the_same_held_out_reward
     from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_PRETRAIN
     from tests.test_align import _kill_rank_when
 
-    workspace = tmp_path / "ws"
-    shutil.copytree(_workspace(rl_aligned), workspace)
-    shutil.rmtree(workspace / "align" / "rl")  # train it again, from the same DPO model and reward model
+    workspace = _without_rl(rl_aligned, tmp_path)
     done = threading.Event()
     killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 15, done, "rl"), daemon=True)
     killer.start()
