@@ -30,12 +30,12 @@ from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN
 ROOT = Path(__file__).resolve().parent.parent
 # the SFT model evaluated on the hf backend: every tracked kind of step, without DPO or vLLM's minutes
 # fewer steps than the session's lineage: what is logged is the point here, not how well it trained
-SFT_STEPS, SMALL_PRETRAIN_STEPS = 30, "40"
+PRETRAIN_STEPS, SFT_STEPS = 40, 30
 SCOPE = [
     "evaluate.models=[sft]",
     "evaluate.backends=[hf]",
     "align.dpo.enabled=false",
-    f"pretrain.max_steps={SMALL_PRETRAIN_STEPS}",
+    f"pretrain.max_steps={PRETRAIN_STEPS}",
     f"align.sft.max_steps={SFT_STEPS}",
 ]
 LOGGED = {"pretrain/train", "align/sft", "evaluate/sft-hf", "evaluate/report"}
@@ -233,10 +233,10 @@ def test_the_pipeline_run_and_its_steps_are_read_back_from_mlflow(tracked: dict,
     rows = [json.loads(line) for line in (Path(manifests["pretrain/train"]["dir"]) / "metrics.jsonl").open()]
     history = sorted(client.get_metric_history(train.info.run_id, "loss"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
-    assert len(history) == int(SMALL_PRETRAIN_STEPS)
+    assert len(history) == PRETRAIN_STEPS
     for series in ("val_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
         assert client.get_metric_history(train.info.run_id, series), series
-    assert train.data.params["pretrain.max_steps"] == SMALL_PRETRAIN_STEPS
+    assert train.data.params["pretrain.max_steps"] == str(PRETRAIN_STEPS)
     assert train.data.params["pretrain.model.hidden_size"] == "64"
     assert train.data.tags["lmforge.lineage_key"] == manifests["pretrain/train"]["key"]
     assert {f.path for f in client.list_artifacts(train.info.run_id, "curves")} == {"curves/pretrain-train-curves.png"}
