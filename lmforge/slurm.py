@@ -7,6 +7,13 @@ starts the other nodes' ranks with `srun`), and `exec`s it, so SLURM's SIGTERM b
 limit or on preemption reaches lmforge, which stops the ranks and keeps the last verified
 checkpoint. With `--requeue`, the requeued job runs the same command and resumes from it. The
 flow run is tagged `slurm-job-<id>` and every manifest it writes records the job id.
+
+What the config puts into the script is checked here, where it is written, not only where the
+config loads (a workspace comes from `--workspace` too, and a config object can be changed in
+code): a newline in a `#SBATCH` value would start a shell line, and sbatch stops reading options
+at the first line that is not one, so a value with a control character is refused in one line
+naming its field. `#SBATCH` values are escaped the way sbatch reads them (a backslash before
+whitespace, quotes, `#` and backslashes); shell lines quote with `shlex.quote`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,22 @@ def hostfile_function() -> str:
     )
 
 
+def checked(field: str, value: str) -> str:
+    """`value` if it holds no newline or other control character; else a ConfigError naming `field`."""
+    bad = next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        raise ConfigError(
+            f"slurm: {field}: {value!r} holds the control character {bad!r}; it would inject a line into the job script"
+        )
+    return value
+
+
+def sbatch_word(field: str, value: str) -> str:
+    """`value` as one word of a `#SBATCH` line: sbatch splits on whitespace, takes quotes and drops what
+    follows a `#`, unless a backslash escapes the character."""
+    return "".join("\\" + ch if ch.isspace() or ch in "\\\"'#" else ch for ch in checked(field, value))
+
+
 def render(config: PipelineBase, stage: str, preset: str, overrides: list[str], workspace: str | None) -> str:
     """The sbatch script for `stage` under the `cluster` section of `config`."""
     c = config.cluster
@@ -43,26 +66,27 @@ def render(config: PipelineBase, stage: str, preset: str, overrides: list[str], 
         raise ConfigError(f"slurm: no stage named {stage!r} (stages: {', '.join(_stage_names())})")
     if c.nodes > 1 and stage not in MULTINODE:
         raise ConfigError(f"slurm: {stage} runs on one node; cluster.nodes={c.nodes} is for {' and '.join(MULTINODE)}")
-    ws = str(Path(workspace or config.workspace).resolve())
+    ws = str(Path(checked("workspace", workspace or config.workspace)).resolve())
     logs = f"{ws}/slurm"
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name=lmforge-{stage}-{config.name}",
+        f"#SBATCH --job-name={sbatch_word('name', f'lmforge-{stage}-{config.name}')}",
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={c.cpus_per_task}",
-        f"#SBATCH --time={c.time}",
-        f"#SBATCH --output={logs}/%x-%j.out",
+        f"#SBATCH --time={sbatch_word('cluster.time', c.time)}",
+        f"#SBATCH --output={sbatch_word('workspace', logs)}/%x-%j.out",
         "#SBATCH --signal=B:TERM@180",
     ]
     if c.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
     if c.partition:
-        lines.append(f"#SBATCH --partition={c.partition}")
+        lines.append(f"#SBATCH --partition={sbatch_word('cluster.partition', c.partition)}")
     if c.account:
-        lines.append(f"#SBATCH --account={c.account}")
+        lines.append(f"#SBATCH --account={sbatch_word('cluster.account', c.account)}")
     lines.append("#SBATCH --requeue" if c.requeue else "#SBATCH --no-requeue")
-    lines += [f"#SBATCH {option}" for option in c.extra_sbatch]
+    # whole options the user writes as sbatch reads them (their own quoting): only their lines are checked
+    lines += [f"#SBATCH {checked('cluster.extra_sbatch', option)}" for option in c.extra_sbatch]
     lines += [
         "",
         "# Rendered by `lmforge slurm render`. SIGTERM (3 minutes before the time limit, or on preemption)",
