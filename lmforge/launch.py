@@ -15,6 +15,10 @@ hands this module the entry's name and a JSON spec; `run_entry` then
 
 A new training method or evaluator adds an entry module and calls `run_entry`; it writes no
 launch code of its own.
+
+Ports: `free_port` finds one for a rendezvous or a server; `owns_port` tells whether the socket
+listening on it belongs to the process tree we started (from /proc/net/tcp{,6} and the tree's
+open sockets), so a client checks that before it sends a server its key.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import os
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -54,10 +59,89 @@ NON_RETRYABLE = {
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a rendezvous or a temporary server)."""
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous or a temporary server).
+
+    Only right now: the socket is closed before the server binds its own, so on a shared host
+    another process can take the port meanwhile. A client that sends a secret there first checks
+    `owns_port` (vLLM binds its socket itself: a port cannot be handed over open)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _proc_address(hex_address: str) -> str:
+    """An address of /proc/net/tcp{,6}: hex of 32-bit words, each in the host's byte order."""
+    raw = bytes.fromhex(hex_address)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def listening_sockets(port: int, host: str = "127.0.0.1") -> set[int] | None:
+    """Inodes of the TCP sockets listening where a connection to `host:port` can land: on that
+    address, or on a wildcard one (IPv4's, IPv6's, or IPv4 mapped into IPv6). None without
+    /proc/net/tcp (not Linux): who listens cannot be told there."""
+    accepts = {host, "0.0.0.0", "::", f"::ffff:{host}"}
+    found: set[int] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            fields = row.split()
+            address, _, hex_port = fields[1].partition(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port and _proc_address(address) in accepts:  # 0A: LISTEN
+                found.add(int(fields[9]))
+    return found if readable else None
+
+
+def socket_inodes(pids: set[int]) -> dict[int, int]:
+    """The sockets the processes `pids` hold open: inode -> pid (those this user may look into)."""
+    held: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+                continue
+            if link.startswith("socket:["):
+                held[int(link[8:-1])] = pid
+    return held
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and its descendants (a supervisor's server, the server's workers)."""
+    import psutil
+
+    try:
+        return {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def owns_port(pid: int, port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a socket listens for `host:port` and every one that does belongs to `pid` or its
+    descendants. True where /proc cannot tell (not Linux)."""
+    listening = listening_sockets(port, host)
+    if listening is None:
+        return True
+    return bool(listening) and listening <= socket_inodes(process_tree(pid)).keys()
+
+
+def listening_pids(port: int, host: str = "127.0.0.1") -> set[int]:
+    """The processes listening for `host:port`, of those this user may look into (all, as root)."""
+    listening = listening_sockets(port, host) or set()
+    if not listening:
+        return set()
+    every = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    return {pid for inode, pid in socket_inodes(every).items() if inode in listening}
 
 
 @dataclass(frozen=True)

@@ -356,8 +356,20 @@ def request(
         return status, body
 
 
-def wait_ready(base_url: str, api_key: str, served_name: str, timeout_s: float, alive: Any, tail: Any) -> float:
-    """Wait for /health and one real completion; returns the seconds it took, or raises ServerFailed."""
+def wait_ready(
+    base_url: str, api_key: str, served_name: str, timeout_s: float, alive: Any, tail: Any, *, pid: int
+) -> float:
+    """Wait for /health and one real completion; returns the seconds it took, or raises ServerFailed.
+
+    The key goes only to a server that `pid` (the process started for it) or its descendants
+    listen for: the port was free when chosen, not reserved, and whoever took it meanwhile would
+    answer /health and be sent the key (`lmforge.launch.owns_port`)."""
+    from urllib.parse import urlsplit
+
+    from lmforge.launch import listening_pids, owns_port, process_tree
+
+    where = urlsplit(base_url)
+    host, port = where.hostname or "127.0.0.1", int(where.port or 80)
     started = time.time()
     while time.time() - started < timeout_s:
         if not alive():
@@ -370,6 +382,13 @@ def wait_ready(base_url: str, api_key: str, served_name: str, timeout_s: float, 
             healthy = request(f"{base_url}/health", None, timeout=5)[0] == 200
         except OSError:
             healthy = False
+        if healthy and not owns_port(pid, port, host):
+            others = sorted(listening_pids(port, host) - process_tree(pid))
+            raise ServerFailed(
+                f"port {port} of {host} was taken by another process "
+                f"({'pid ' + ', '.join(map(str, others)) if others else 'its pid is not visible to this user'}) "
+                "before the vLLM server listened on it; the API key was not sent"
+            )
         if healthy:
             status, body = request(
                 f"{base_url}/v1/completions",
@@ -435,6 +454,7 @@ class TemporaryServer:
                 cfg.startup_timeout_s,
                 self.service.alive,
                 lambda: self.service.tail,
+                pid=self.service.process.pid,
             )
         except BaseException:
             self.service.stop()

@@ -291,6 +291,7 @@ def start(
                 cfg.engine.startup_timeout_s,
                 lambda: alive(record),
                 lambda: _tail(Path(record["log_file"])),
+                pid=pid,  # the supervisor: vLLM, its child, must be the one listening
             ),
             1,
         )
