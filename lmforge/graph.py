@@ -8,7 +8,8 @@ digest of these things, and nothing else:
   in a library that must be taken),
 - `identity(config)`: the config fields it declares it reads (`Step.reads`), the only ones it
   can read, plus values derived from them,
-- its code: a digest per project module of its import closure (`lmforge.codeprint`),
+- its code: a digest per project module of its import closure, and per project file it
+  declares it reads by path (`Step.files`: task YAML, scripts it copies) (`lmforge.codeprint`),
 - the output digests of its upstream steps (content, not keys, so an upstream rerun that
   produces identical bytes does not invalidate anything downstream).
 
@@ -123,12 +124,21 @@ class Step:
     # beside the key: code drift)
     code: tuple[str, ...] = ()
     libraries: tuple[str, ...] = ()
+    # project files it reads by path at run time, not by import (task YAML it renders, scripts it copies
+    # for another program to run): repo-relative paths or globs, each counted by its bytes in its code
+    # identity; a pattern matching no file fails here, when the step is created
+    files: tuple[str, ...] = ()
     timeout_s: float | None = None  # default wall-clock limit (runtime.step_timeout_s overrides)
     # (done, total) of a running computation, read off its output folder (training steps, tasks
     # evaluated); shown as a progress artifact. Sharded steps report units without it.
     progress: Callable[[StepContext], tuple[float, float] | None] | None = None
     # what a completed output found, as lines `lmforge explain` prints under the step (from its manifest)
     findings: Callable[[dict[str, Any]], list[str]] | None = None
+
+    def __post_init__(self) -> None:
+        from lmforge.codeprint import project_files
+
+        project_files(self.files, self.name)
 
     def declared_reads(self, config: PipelineBase) -> tuple[str, ...]:
         return tuple(self.reads(config)) if callable(self.reads) else tuple(self.reads)
