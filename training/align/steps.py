@@ -209,6 +209,36 @@ def _resolved_precision(config: ConfigView) -> dict[str, Any]:
     return {"precision": _precision(config)}
 
 
+def _reward_source_digest(path: str) -> str:
+    """SHA-256 of the source file of the module of a reward `module:function`, found without running it
+    (`training.align.rl.import_function` imports it when the step runs).
+
+    Only that file counts: modules it imports in turn are the user's to version. Finding a dotted
+    module imports its parent packages, as importing it will."""
+    import importlib.util
+
+    from lmforge.hashing import file_sha256
+
+    module = path.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a parent package missing, or broken
+        raise ConfigError(f"align.rl.rewards: cannot import {path} ({type(exc).__name__}: {exc})") from None
+    if spec is None:
+        raise ConfigError(f"align.rl.rewards: cannot import {path} (ModuleNotFoundError: no module named {module!r})")
+    if not spec.origin or not Path(spec.origin).is_file():
+        raise ConfigError(f"align.rl.rewards: {path}: its module has no source file to fingerprint ({spec.origin})")
+    return file_sha256(spec.origin)
+
+
+def _rl_identity(config: ConfigView) -> dict[str, Any]:
+    """RL's computed identity: its precision, and the source of each user reward `module:function`
+    (the function runs inside the step, so its code shapes the policy; the config only names it)."""
+    functions = sorted({r.function for r in config.align.rl.rewards if r.kind == "function" and r.function})
+    sources = {f: {"content": _reward_source_digest(f)} for f in functions}
+    return {**_resolved_precision(config), **({"reward_functions": sources} if sources else {})}
+
+
 def _ranks(config: ConfigView) -> int:
     from training.device import detect_device
 
@@ -451,7 +481,7 @@ ALIGN_STEPS = [
         "Online RL with TRL's GRPOTrainer/RLOOTrainer: verifiable, learned or user rewards, KL to the start, "
         "reward-hacking watch",
         reads=_train_reads("rl"),
-        derive=_resolved_precision,
+        derive=_rl_identity,
         upstream=lambda c: (
             rl_start(c),
             CHAT_DATA,
