@@ -2,12 +2,14 @@
 
 It reads the base the user brings (`base_model.path`), and hands every later stage a
 prepared copy as `hf-model:base` (see `training.base.prepare`). Its key is the base's
-content (or hub commit), not its path; its output digest covers the prepared directory, so a
+content (or hub commit), not its path, and with `trust_remote_code` the base's own Python files
+too (they run when it is loaded); its output digest covers the prepared directory, so a
 changed byte of the weights reruns what reads the base and nothing upstream of it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
@@ -26,13 +28,33 @@ def starts_from_base(config: PipelineBase) -> bool:
     return has_base(config) and "pretrain" not in config.stages
 
 
+def remote_code(directory: Path) -> dict[str, dict[str, str]]:
+    """{file: {"content": SHA-256}} of the base folder's Python files (hidden ones aside): the
+    `modeling_*.py`, `configuration_*.py` and `tokenization_*.py` transformers runs with
+    `trust_remote_code`, and any module those import from beside them."""
+    from lmforge.hashing import file_sha256
+
+    files = sorted(
+        p
+        for p in directory.rglob("*.py")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+    return {str(p.relative_to(directory)): {"content": file_sha256(p)} for p in files}
+
+
 def _content(config: ConfigView) -> dict[str, Any]:
-    from training.base.prepare import fingerprint
+    """The base by content: its weights, config and tokenizer (`prepare.fingerprint`), and with
+    `trust_remote_code` its own Python code, which then runs (without it, it never does). A hub
+    base is named by its commit, which covers its code."""
+    from training.base.prepare import fingerprint, is_hub, resolve
 
     b = config.base_model
     if not b.path:  # no base model: the step is off, its identity empty
         return {}
-    return {"base_model": {"content": fingerprint(b.path, b.revision, config.workspace)}}
+    identity: dict[str, Any] = {"content": fingerprint(b.path, b.revision, config.workspace)}
+    if b.trust_remote_code and not is_hub(b.path):
+        identity["remote_code"] = remote_code(resolve(b.path, b.revision))
+    return {"base_model": identity}
 
 
 def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
