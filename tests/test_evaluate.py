@@ -123,6 +123,11 @@ HOSTILE = {
     "fork_bomb": "    import os\n    while True:\n        os.fork()\n",
     "infinite_loop": "    while True:\n        pass\n",
     "early_exit": "    import sys\n    sys.exit(0)\n",
+    # prints the marker the tests' program once held in its own source, then exits 0 before any test ran
+    "forge_marker": "    import os, re\n"
+    "    for t in set(re.findall(r'PASSED-[0-9a-f]+', open(globals().get('__file__') or 'prog.py').read())):\n"
+    "        print(t, flush=True)\n"
+    "    os._exit(0)\n",
 }
 
 
@@ -165,8 +170,9 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
     verdicts = [json.loads(s["filtered_resps"][0]) for s in result["samples"]["lmforge_humaneval"]]
     assert [v["passed"] for v in verdicts] == [True, True] + [False] * len(HOSTILE)
     statuses = dict(zip(HOSTILE, (v["status"] for v in verdicts[2:])))
-    assert statuses["early_exit"] == "passed"  # it exited 0 before the tests ran: the marker is missing, so 0
-    assert {s for k, s in statuses.items() if k != "early_exit"} <= {
+    # exiting 0 ends only the candidate's process (or is a raise there): the tests' process fails the call
+    assert statuses["early_exit"] == statuses["forge_marker"] == "failed"
+    assert set(statuses.values()) <= {
         "failed",
         "timeout",
         "killed:SIGXCPU",

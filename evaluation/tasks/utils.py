@@ -2,16 +2,17 @@
 chat tasks' exact match (`verify.py`, lmforge's one answer check, the one RL rewards with).
 
 lm-eval imports this file by path (its module name is the path), so `sandbox.py` beside it is
-loaded explicitly. Each completion runs as `prompt + completion + tests + check(entry_point)`
-in the sandbox; it passes only if the tests ran to the end: a random marker printed after
-`check()` must appear, so code that exits early with status 0 does not pass. The verdict of
-every sample (status, isolation, stderr tail) lands in lm-eval's per-sample log.
+loaded explicitly. Each completion is judged by `sandbox.run_tests`: the tests run in their own
+process and call the candidate (`prompt + completion`) in another over a pipe, and the sample
+passes only if that test process exits 0 after `check()` returned. Nothing the completion prints
+or how it exits counts: it has no channel to the verdict (a marker printed after `check()` had
+one, since the completion could read the marker from its own source). The verdict of every
+sample (status, isolation, stderr tail) lands in lm-eval's per-sample log.
 """
 
 import importlib.util
 import json
 import os
-import secrets
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,21 +34,14 @@ LIMITS = json.loads(os.environ.get("LMFORGE_SANDBOX_LIMITS", "{}"))  # timeout, 
 WORKERS = int(os.environ.get("LMFORGE_SANDBOX_WORKERS", "2"))
 
 
-def program(doc, completion, marker):
-    return (
-        doc["prompt"] + completion + "\n\n" + doc["test"] + "\n" + f"check({doc['entry_point']})\nprint({marker!r})\n"
-    )
-
-
 def verdict(doc, completion):
-    marker = "PASSED-" + secrets.token_hex(8)
     try:
-        result = sandbox.run_program(program(doc, completion, marker), **LIMITS)
+        result = sandbox.run_tests(doc["prompt"], completion, doc["test"], doc["entry_point"], **LIMITS)
     except Exception as exc:  # noqa: BLE001 - a sandbox failure is a score of 0, never a crash
         return json.dumps({"passed": False, "status": f"sandbox_error: {type(exc).__name__}: {exc}"})
     return json.dumps(
         {
-            "passed": result.passed and marker in result.stdout,
+            "passed": result.passed,
             "status": result.status,
             "isolation": result.isolation,
             "seconds": result.seconds,
