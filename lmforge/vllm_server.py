@@ -73,6 +73,15 @@ class EngineConfig(StrictModel):
         240.0, description="Seconds to wait for /health and a first completion.", gt=0
     )
     max_n: int = runtime_field(4, description="Largest `n`/`best_of` a request may ask for (400 beyond).", ge=1)
+    max_prompts_per_request: int = runtime_field(
+        64, description="Most prompts one completions/embeddings request may carry in a list (400 beyond).", ge=1
+    )
+    max_request_tokens: int = runtime_field(
+        1 << 17,
+        description="Most tokens one request may ask to generate: choices x prompts x max_tokens, a missing "
+        "max_tokens counted as the served context (400 beyond).",
+        ge=16,
+    )
     max_request_bytes: int = runtime_field(1 << 20, description="Largest request body in bytes (413 beyond).", ge=1024)
     max_concurrent_per_key: int = runtime_field(64, description="Requests in flight per API key (429 beyond).", ge=1)
     seed: int = 0
@@ -120,8 +129,9 @@ class SpeculativeConfig(StrictModel):
 
 @dataclass(frozen=True)
 class LoraModules:
-    """LoRA adapters served on the base model (`--enable-lora`), one served name each. The server
-    also takes new ones while it runs (`/v1/load_lora_adapter`, behind the API key like every path)."""
+    """LoRA adapters served on the base model (`--enable-lora`), one served name each. A released
+    server also takes new ones while it runs (`/v1/load_lora_adapter`, open to the management key
+    only: `lmforge.vllm_guard`)."""
 
     adapters: dict[str, str]  # served name -> adapter directory
     max_lora_rank: int  # one of vLLM's choices (serving.adapters.vllm_rank)
@@ -271,22 +281,51 @@ def check_key(key: str, where: str) -> str:
     return key.strip()
 
 
-def server_env(cfg: EngineConfig, api_key: str, lora: bool = False) -> dict[str, str]:
-    """The server's environment: the key (never on the command line) and the guard's limits; with
-    LoRA adapters, vLLM's runtime loading (its endpoints are behind the key, as every path)."""
-    from lmforge.vllm_guard import guard_env
+def served_context(model_dir: Path, cfg: EngineConfig) -> int:
+    """The context length the server serves: `max_model_len`, else the model's own."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096  # a GGUF file or an unreadable config: the guard's default
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)
+
+
+def server_env(
+    cfg: EngineConfig,
+    api_key: str,
+    *,
+    context: int,
+    admin_key: str = "",
+    adapter_roots: tuple[Path, ...] = (),
+) -> dict[str, str]:
+    """The server's environment: the key (never on the command line) and the guard's limits. With a
+    management key, vLLM's runtime adapter loading, which the guard opens to that key alone and to
+    adapters inside `adapter_roots` (the client key gets 403 there)."""
+    from lmforge.vllm_guard import Limits, guard_env
 
     if api_key:
         check_key(api_key, "vLLM server")
+    if admin_key:
+        check_key(admin_key, "vLLM server management key")
+    limits = Limits(
+        max_body=cfg.max_request_bytes,
+        max_n=cfg.max_n,
+        max_prompts=cfg.max_prompts_per_request,
+        max_tokens=cfg.max_request_tokens,
+        context=context,
+        max_concurrent=cfg.max_concurrent_per_key,
+    )
     return {
-        **guard_env(api_key, cfg.max_request_bytes, cfg.max_n, cfg.max_concurrent_per_key),
+        **guard_env(api_key, limits, admin_key, adapter_roots),
         "VLLM_API_KEY": api_key,
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
         "VLLM_MAX_STOP_STRINGS": str(cfg.max_stop_strings),
         "VLLM_LOGGING_LEVEL": "WARNING",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if admin_key else {}),
     }
 
 
@@ -440,8 +479,9 @@ class TemporaryServer:
         )
         from lmforge.devices import launch_env
 
+        # no management key: a temporary server's adapters are fixed at start
         env, placement = launch_env(
-            server_env(cfg, self.api_key, lora=lora is not None)
+            server_env(cfg, self.api_key, context=served_context(model_dir, cfg))
         )  # not on the GPUs a served model holds
         if placement:
             log.info("%s", placement)

@@ -106,6 +106,12 @@ class ServeConfig(StrictModel):
         "from LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600). "
         "false: the served model takes requests without a key (loopback only).",
     )
+    gpu_wait_s: float = runtime_field(
+        600.0,
+        description="How long a release waits for GPUs that another workspace's or user's served model holds "
+        "(the host-wide registry, lmforge.devices) before it fails; 0: fail at once.",
+        ge=0,
+    )
     inherit_env: list[str] = runtime_field(
         [],
         description="More environment variables the served model inherits, beyond the allow-list "

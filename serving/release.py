@@ -48,6 +48,7 @@ from lmforge.vllm_server import (
     ServerFailed,
     plain_chat_template,
     request,
+    served_context,
     server_command,
     server_env,
     wait_ready,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KEY_ENV = "LMFORGE_API_KEY"
+ADMIN_KEY_ENV = "LMFORGE_ADMIN_KEY"
 
 
 class SmokeFailed(DeterministicError):
@@ -74,16 +76,26 @@ def serving_dir(workspace: str | Path) -> Path:
 
 def api_key(workspace: str | Path) -> tuple[str, str]:
     """(key, where it came from). LMFORGE_API_KEY wins; else one generated once, stored 0600."""
+    return _key(workspace, "api_key", KEY_ENV)
+
+
+def admin_key(workspace: str | Path) -> tuple[str, str]:
+    """The management key (adapter loading into a running server): the release's alone, never given to
+    clients; LMFORGE_ADMIN_KEY wins, else one generated once, stored 0600 beside the client key."""
+    return _key(workspace, "admin_key", ADMIN_KEY_ENV)
+
+
+def _key(workspace: str | Path, name: str, env: str) -> tuple[str, str]:
     from lmforge.vllm_server import check_key
 
-    if KEY_ENV in os.environ:  # set, even to "": an empty key is refused, never taken as "no key"
-        return check_key(os.environ[KEY_ENV], KEY_ENV), KEY_ENV
-    path = serving_dir(workspace) / "api_key"
+    if env in os.environ:  # set, even to "": an empty key is refused, never taken as "no key"
+        return check_key(os.environ[env], env), env
+    path = serving_dir(workspace) / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # written whole beside it, then linked into place: never a half-written (empty) key file, and
         # link() fails when another process made one first
-        tmp = path.with_name(f".api_key.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp = path.with_name(f".{name}.{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(f"sk-lmforge-{secrets.token_urlsafe(24)}\n")
@@ -99,6 +111,11 @@ def api_key(workspace: str | Path) -> tuple[str, str]:
         os.chmod(path, 0o600)
         log.warning("%s was readable by others; its permissions are now 0600", path)
     return check_key(path.read_text(), str(path)), str(path)
+
+
+def adapter_roots(workspace: str | Path) -> tuple[Path, ...]:
+    """Where a running server may load adapters from: the release steps' outputs of this workspace."""
+    return (Path(workspace).resolve() / "serve" / "release",)
 
 
 def fingerprint(key: str) -> str:
@@ -215,9 +232,11 @@ def start(
     lineage: dict[str, Any] | None = None,
     gpus: list[str] | None = None,
     lora: LoraModules | None = None,
+    reservation: str | None = None,
 ) -> dict[str, Any]:
     """Start a detached server for `model_dir` on `gpus` and wait until it is ready; returns its record.
-    With `lora`, the model is a base and its adapters are served too, one name each.
+    With `lora`, the model is a base and its adapters are served too, one name each. `reservation`:
+    the `lmforge.devices` entry holding `gpus` for it, handed to the server once it runs.
 
     With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
@@ -257,7 +276,14 @@ def start(
         "lineage": lineage or {},
         "lora": dataclasses.asdict(lora) if lora is not None else None,
     }
-    env = server_env(cfg.engine, required, lora=lora is not None)
+    env = server_env(
+        cfg.engine,
+        required,
+        context=served_context(model_dir, cfg.engine),
+        # adapters can be loaded into it later: through the management key alone, from this workspace's releases
+        admin_key=admin_key(workspace)[0] if lora is not None else "",
+        adapter_roots=adapter_roots(workspace) if lora is not None else (),
+    )
     if cfg.backend == "llamacpp":
         from serving.gguf import REPO_ROOT
 
@@ -273,7 +299,10 @@ def start(
         inherit=cfg.inherit_env,
     )
     # held until it stops (or dies): launches and other servers are placed on the other GPUs
-    devices.hold(record["pid_file"], list(gpus or []), pid, f"served model {served_name}")
+    if reservation is not None:
+        devices.transfer(reservation, record["pid_file"], pid, f"served model {served_name}")
+    else:
+        devices.hold(record["pid_file"], list(gpus or []), pid, f"served model {served_name}")
     log.info(
         "starting vLLM for %s as %s on %s (pid %d, log %s)",
         model_dir,
@@ -397,7 +426,7 @@ def load_adapters(
     stays in vLLM's cache until evicted; unloading removes only its name). A new adapter that fails
     its smoke test (or `check(record)`, the SLO benchmark) is unloaded again and the served names
     stay as they were."""
-    key, _ = api_key(workspace)
+    key, _ = admin_key(workspace)  # management: the client key gets 403 on these paths
     loaded: list[str] = []
     try:
         for name, path in adapters.items():
@@ -502,10 +531,30 @@ def _start_and_promote(
     old = current(workspace)
     running = bool(old) and alive(old)
     mine = old.get("gpus", []) if old and running else []
-    usable = devices.free(exclude=old["pid_file"] if old else None)
-    try:
-        strategy, gpus = placement(usable, mine, cfg.engine.tensor_parallel_size)
-    except ServerFailed as exc:
+    strategy, reservation = "cpu", f"reservation:{os.getpid()}:{secrets.token_hex(4)}"
+
+    def choose(usable: list[str]) -> list[str] | None:
+        """Where it goes, from the GPUs no other holder has; None (wait) while another service holds them."""
+        nonlocal strategy
+        if not devices.visible_gpus():
+            return []
+        if not usable and not mine:  # a GPU host whose GPUs other services hold (placement reads it as CPU)
+            return None
+        try:
+            strategy, chosen = placement(usable, mine, cfg.engine.tensor_parallel_size)
+        except ServerFailed:
+            return None
+        return chosen
+
+    try:  # chosen and held in one step under the host-wide lock, before the server starts
+        gpus = devices.reserve(
+            reservation,
+            choose,
+            f"served model {served_name}",
+            exclude=old["pid_file"] if old else None,
+            wait_s=cfg.gpu_wait_s,
+        )
+    except devices.NoFreeGpu as exc:
         raise SmokeFailed(f"{served_name} not promoted: {exc}") from None
     if strategy == "replace" and running:
         assert old is not None
@@ -520,8 +569,21 @@ def _start_and_promote(
         devices.release(old["pid_file"])
     port = cfg.port if not running else None
     try:
-        record = start(model_dir, served_name, cfg, workspace, port=port, lineage=lineage, gpus=gpus, lora=lora)
-    except ServerFailed as exc:
+        record = start(
+            model_dir,
+            served_name,
+            cfg,
+            workspace,
+            port=port,
+            lineage=lineage,
+            gpus=gpus,
+            lora=lora,
+            reservation=reservation,
+        )
+    except BaseException as exc:
+        devices.release(reservation)  # a server that started holds its GPUs under its own pid file now
+        if not isinstance(exc, ServerFailed):
+            raise
         raise SmokeFailed(
             f"{served_name} not promoted: {exc}{_fallback(old, running, strategy, cfg, workspace)}"
         ) from None

@@ -74,11 +74,17 @@ def test_one_server_answers_as_sft_and_as_dpo(served: tuple[Path, dict]) -> None
         )
         assert reply.model == name and reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content
     assert set(record["smoke"]) == set(extra["adapters"].values())  # each adapter passed the smoke test by name
-    # loading an adapter is behind the key like every path
-    status, _ = request(
-        f"{record['endpoint']}/v1/load_lora_adapter", None, {"lora_name": "x", "lora_path": str(workspace)}
-    )
-    assert status == 401
+    # managing adapters needs the management key the release holds: not the clients' key, and only
+    # adapters of this workspace's releases (the real vLLM server behind the guard)
+    adapter_dir = next(iter(record["lora"]["adapters"].values()))
+    load = {"lora_name": "x", "lora_path": adapter_dir}
+    assert request(f"{record['endpoint']}/v1/load_lora_adapter", None, load)[0] == 401
+    for path, body in (("/v1/load_lora_adapter", load), ("/v1/unload_lora_adapter", {"lora_name": "x"})):
+        assert request(f"{record['endpoint']}{path}", key, body)[0] == 403, path
+    admin, _ = release.admin_key(workspace)
+    assert admin != key
+    status, body = request(f"{record['endpoint']}/v1/load_lora_adapter", admin, {**load, "lora_path": "/etc"})
+    assert status == 403 and "outside the adapter folders" in str(body)
     assert json.loads(next(workspace.glob("serve/release/*/slo.json")).read_text())  # the SLO ran on DPO's name
 
 

@@ -236,6 +236,9 @@ ROWS = [
     ("serve.engine.max_stop_strings=8", set()),
     ("serve.engine.startup_timeout_s=60", set()),
     ("serve.engine.max_n=2", set()),
+    ("serve.engine.max_prompts_per_request=8", set()),
+    ("serve.gpu_wait_s=5", set()),
+    ("serve.engine.max_request_tokens=4096", set()),
     ("serve.engine.max_request_bytes=2048", set()),
     ("serve.engine.max_concurrent_per_key=8", set()),
     # orchestration: where stages and units run, never what they produce

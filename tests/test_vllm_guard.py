@@ -6,30 +6,50 @@ from __future__ import annotations
 
 import pytest
 
-from lmforge.vllm_guard import Guard, guard_env
+from lmforge.vllm_guard import Guard, Limits, guard_env
 
 KEY = "sk-test-0123456789abcdef"
+ADMIN = "sk-admin-0123456789abcdef"
+LIMITS = Limits(max_body=4096, max_n=4, max_prompts=8, max_tokens=1000, context=256, max_concurrent=2)
+PATHS = [
+    "/health",
+    "/v1/models",
+    "/invocations",
+    "/tokenize",
+    "/metrics",
+    "/version",
+    "/docs",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/adapters",
+    "/adapters/sft",
+]
 
 
-@pytest.fixture
-def client(monkeypatch):  # type: ignore[no-untyped-def]
+def _client(monkeypatch, env: dict[str, str]):  # type: ignore[no-untyped-def]
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    for name, value in guard_env(KEY, max_body=4096, max_n=4, max_concurrent=2).items():
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
 
     async def echo(request: Request) -> JSONResponse:
         body = await request.body()
         return JSONResponse({"path": request.url.path, "bytes": len(body)})
 
-    paths = ["/health", "/v1/models", "/invocations", "/tokenize", "/metrics", "/version", "/docs"]
-    app = Starlette(routes=[Route(p, echo, methods=["GET", "POST"]) for p in paths])
+    app = Starlette(routes=[Route(p, echo, methods=["GET", "POST", "DELETE"]) for p in PATHS])
     app.add_middleware(Guard)
     return TestClient(app)
+
+
+@pytest.fixture
+def client(monkeypatch):  # type: ignore[no-untyped-def]
+    return _client(monkeypatch, guard_env(KEY, LIMITS))
 
 
 def auth(key: str = KEY) -> dict[str, str]:
@@ -49,7 +69,7 @@ def test_every_path_but_health_needs_the_key(client) -> None:  # type: ignore[no
 
 
 def test_requests_are_bounded(client) -> None:  # type: ignore[no-untyped-def]
-    ok = client.post("/invocations", json={"prompt": "hi", "n": 4}, headers=auth())
+    ok = client.post("/invocations", json={"prompt": "hi", "n": 4, "max_tokens": 16}, headers=auth())
     assert ok.status_code == 200 and ok.json()["bytes"] == len(ok.request.content)  # replayed whole
     for field in ("n", "best_of"):
         refused = client.post("/invocations", json={"prompt": "hi", field: 10000}, headers=auth())
@@ -64,6 +84,78 @@ def test_requests_are_bounded(client) -> None:  # type: ignore[no-untyped-def]
     streamed = client.post("/invocations", content=chunks(), headers=auth())  # no content-length: counted as read
     assert streamed.status_code == 413
     assert client.post("/invocations", content=b"{not json", headers=auth()).status_code == 200  # vLLM's to answer
+
+
+def test_bounds_hold_whatever_the_json_types(client) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's request models read numbers laxly ("64" and 64.0 are 64): so does the guard. Before, only
+    a JSON int was checked, and one `prompt` list could carry about 250,000 prompts."""
+    for value in ("64", 64.0, " 64 ", "6.4e1"):
+        for field in ("n", "best_of"):
+            refused = client.post("/v1/completions", json={"prompt": "hi", field: value}, headers=auth())
+            assert refused.status_code == 400 and f"{field}=64 " in refused.text, (field, value)
+    many = client.post("/v1/completions", json={"prompt": ["a"] * 9, "max_tokens": 1}, headers=auth())
+    assert many.status_code == 400 and "9 prompts" in many.text
+    ids = client.post("/v1/completions", json={"prompt": list(range(40)), "max_tokens": 4}, headers=auth())
+    assert ids.status_code == 200  # one prompt given as token ids
+    batch = client.post("/v1/completions", json={"prompt": [[1, 2]] * 8, "max_tokens": 4}, headers=auth())
+    assert batch.status_code == 200  # 8 prompts x 4 tokens
+    # choices x prompts x max tokens: 4 x 8 x 32 = 1024 > 1000, whatever types carry it
+    costly = {"prompt": ["a"] * 8, "n": "4", "max_tokens": "32"}
+    refused = client.post("/v1/completions", json=costly, headers=auth())
+    assert refused.status_code == 400 and "1024 tokens" in refused.text
+    assert client.post("/v1/completions", json={**costly, "max_tokens": 31.0}, headers=auth()).status_code == 200
+    # a missing max_tokens is the served context: 4 choices x 256
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 4}
+    assert client.post("/v1/chat/completions", json=chat, headers=auth()).status_code == 400
+    assert client.post("/v1/chat/completions", json={**chat, "n": 3}, headers=auth()).status_code == 200
+    assert (
+        client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 250}, headers=auth()).status_code
+        == 200
+    )
+    # the content type does not decide: a JSON body sent as text/plain is checked too
+    plain = client.post(
+        "/v1/completions", content=b'{"prompt": "hi", "n": 64}', headers={**auth(), "content-type": "text/plain"}
+    )
+    assert plain.status_code == 400
+
+
+def test_adapter_management_needs_the_management_key_and_stays_in_the_adapter_folders(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Before, the client key could load any folder on the server as an adapter, replace a served
+    name's weights in place (`load_inplace`) or unload production adapters."""
+    root = tmp_path / "serve" / "release"
+    (root / "key1" / "adapters" / "sft").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "key1" / "escape").symlink_to(tmp_path / "elsewhere")
+    client = _client(monkeypatch, guard_env(KEY, LIMITS, admin_key=ADMIN, adapter_roots=(root,)))
+    inside = {"lora_name": "sft2", "lora_path": str(root / "key1" / "adapters" / "sft")}
+    load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+    for path, body in ((load, inside), (unload, {"lora_name": "sft"})):
+        assert client.post(path, json=body).status_code == 401
+        refused = client.post(path, json=body, headers=auth())  # the client key: known, but not allowed here
+        assert refused.status_code == 403 and "client key cannot manage" in refused.text
+        assert client.post(path, json=body, headers=auth(ADMIN)).status_code == 200
+    for outside in ("/etc", str(tmp_path / "elsewhere"), str(root / "key1" / "escape"), str(root / ".." / "x")):
+        refused = client.post(load, json={**inside, "lora_path": outside}, headers=auth(ADMIN))
+        assert refused.status_code == 403 and "outside the adapter folders" in refused.text, outside
+    inplace = client.post(load, json={**inside, "load_inplace": True}, headers=auth(ADMIN))
+    assert inplace.status_code == 403 and "load_inplace" in inplace.text
+    for method, path in (("POST", "/adapters"), ("DELETE", "/adapters/sft")):  # SageMaker's routes: nobody
+        for key in (KEY, ADMIN):
+            assert (
+                client.request(method, path, json={"name": "x", "src": str(root)}, headers=auth(key)).status_code == 403
+            )
+    # the management key is for management only
+    assert client.get("/v1/models", headers=auth(ADMIN)).status_code == 401
+
+
+def test_without_a_management_key_adapter_management_is_off(client) -> None:  # type: ignore[no-untyped-def]
+    from lmforge.vllm_server import EngineConfig, server_env
+
+    refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}, headers=auth())
+    assert refused.status_code == 403 and "off on this server" in refused.text
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(EngineConfig(), KEY, context=256)
+    managed = server_env(EngineConfig(), KEY, context=256, admin_key=ADMIN)
+    assert managed["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and ADMIN not in str(managed)  # only its digest
 
 
 def test_concurrent_requests_per_key_are_bounded(client) -> None:  # type: ignore[no-untyped-def]
