@@ -267,11 +267,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
+        if mark is None and isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow
+            line = text.count("\n", 0, exc.position) + 1
+            raise ConfigError(
+                f"{path}: line {line}: invalid YAML (character {exc.character!r} is not allowed)"
+            ) from None
         where = f"line {mark.line + 1}" if mark else "?"
-        raise ConfigError(f"{path}: {where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line, whatever PyYAML wrote
+        raise ConfigError(f"{path}: {where}: invalid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
@@ -297,10 +307,15 @@ def _load_layers(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _deep_merge(_load_layers(resolve_preset(str(parent)), (*seen, path.resolve())), data)
 
 
+def _shown(assignment: str) -> str:
+    """An assignment as an error line shows it: escaped when it holds line breaks or control characters."""
+    return assignment if assignment.isprintable() else repr(assignment)
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one `dotted.key=value` to nested dicts (value parsed as YAML)."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment}: expected KEY=VALUE, e.g. pretrain.optim.lr=1e-3")
+        raise ConfigError(f"--set {_shown(assignment)}: expected KEY=VALUE, e.g. pretrain.optim.lr=1e-3")
     dotted, raw = assignment.split("=", 1)
     keys = dotted.strip().split(".")
     try:
@@ -311,7 +326,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment}: {key} is not a section")
+            raise ConfigError(f"--set {_shown(assignment)}: {key} is not a section")
         node = child
     node[keys[-1]] = value
 
@@ -353,7 +368,7 @@ def _describe(error: ErrorDetails, source: str, overrides: list[str]) -> str:
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
         if dotted.startswith(key) or key.startswith(dotted + "."):
-            source = f"--set {assignment}"
+            source = f"--set {_shown(assignment)}"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown field"
@@ -375,6 +390,17 @@ def load_config(
     check_paths: bool = True,
 ) -> PipelineBase:
     """Load a preset or YAML path, apply overrides, validate; raise ConfigError with one line."""
+    try:
+        return _load_config(preset, overrides, workspace, check_paths)
+    except ConfigError as exc:
+        message = str(exc)
+        if message.isprintable():
+            raise
+        # a key, value or file name carried a line break or a control character: escaped, still one line
+        raise ConfigError("".join(c if c.isprintable() else repr(c)[1:-1] for c in message)) from None
+
+
+def _load_config(preset: str, overrides: list[str] | None, workspace: str | None, check_paths: bool) -> PipelineBase:
     overrides = list(overrides or [])
     path = resolve_preset(preset)
     data = _load_layers(path)
