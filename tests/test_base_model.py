@@ -55,15 +55,21 @@ def _bad_dirs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     not_causal = tmp_path / "encoder"
     not_causal.mkdir()
     (not_causal / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    no_weights = tmp_path / "training-leftovers"  # a .bin that is not a model's weights
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    (no_weights / "tokenizer.json").write_text("{}")
+    (no_weights / "training_args.bin").write_bytes(b"\0" * 16)
     return {
         "missing": (missing, "base_model.path"),
         "no-tokenizer": (no_tokenizer, "base_model.path"),
         "remote-code": (remote, "base_model.trust_remote_code"),
         "not-causal": (not_causal, "base_model.path"),
+        "no-weights": (no_weights, "base_model.path"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "remote-code", "not-causal"])
+@pytest.mark.parametrize("case", ["missing", "no-tokenizer", "remote-code", "not-causal", "no-weights"])
 def test_a_base_model_that_cannot_be_used_exits_2_with_one_line_naming_field_and_file(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -121,6 +127,67 @@ def test_a_base_without_spare_rows_gets_resized_embeddings(tmp_path: Path) -> No
     assert (
         model.get_input_embeddings().weight.shape[0] == 2003 and model.get_output_embeddings().weight.shape[0] == 2003
     )
+
+
+@pytest.mark.parametrize("layout", ["one-file-tied-head", "two-shards"])
+def test_a_base_with_only_bin_weights_is_prepared_as_safetensors_that_load_equal(tmp_path: Path, layout: str) -> None:
+    """PyTorch-pickle weights (`pytorch_model*.bin`, what `safe_serialization=False` wrote) are converted
+    once, loaded with weights_only=True: every later stage reads safetensors only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.base.prepare import check_base, prepare_base
+
+    tied = layout == "one-file-tied-head"
+    base = build_neox_base(tmp_path / "base", demo_texts(), steps=5, tie_word_embeddings=tied)
+    original = AutoModelForCausalLM.from_pretrained(str(base))
+    state = original.state_dict()  # tied: the head and the embedding share storage, as torch.save keeps them
+    (base / "model.safetensors").unlink()
+    if tied:
+        torch.save(state, base / "pytorch_model.bin")
+    else:
+        names = sorted(state)
+        shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, keys in shards.items():
+            torch.save({k: state[k] for k in keys}, base / file)
+        (base / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}})
+        )
+    check_base(str(base), trust_remote_code=False, source="test")
+
+    out = tmp_path / "prepared" / "hf"
+    info = prepare_base(base, out, trust_remote_code=False)
+    assert list(out.glob("*.safetensors")) and not list(out.glob("*.bin*"))
+    assert info["params"] == sum(p.numel() for p in original.parameters())  # a tied head counted once
+    prepared = AutoModelForCausalLM.from_pretrained(str(out), use_safetensors=True)
+    got = prepared.state_dict()
+    assert got.keys() == state.keys()
+    for name, tensor in state.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_pickled_weights_that_hold_more_than_tensors_are_refused_in_one_line_and_never_run(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from lmforge.errors import ConfigError
+    from training.base.prepare import prepare_base
+
+    ran = tmp_path / "the-pickle-ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (open, (str(ran), "w"))  # what unpickling would call: it creates the file
+
+    base = build_neox_base(tmp_path / "base", demo_texts(), steps=5)
+    state: dict = dict(load_file(base / "model.safetensors"))
+    state["extra"] = Payload()
+    (base / "model.safetensors").unlink()
+    torch.save(state, base / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"pytorch_model\*\.bin holds more than tensors \(io\.open\)") as refused:
+        prepare_base(base, tmp_path / "prepared" / "hf", trust_remote_code=False)
+    assert "\n" not in str(refused.value) and str(base) in str(refused.value)
+    assert not ran.exists()
 
 
 def test_the_base_fingerprint_follows_content_and_is_hashed_once(

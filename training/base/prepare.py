@@ -12,7 +12,15 @@ chat template, a pad token and the stop tokens of a chat turn:
   its `<|im_start|>` / `<|im_end|>` tokens are added (recorded in `base.json`);
 - a tokenizer without a pad token gets `<|pad|>`;
 - the embeddings grow (mean-initialised, transformers' `resize_token_embeddings`) only where
-  the added tokens do not fit the rows the base already has (Qwen-style bases have spare rows).
+  the added tokens do not fit the rows the base already has (Qwen-style bases have spare rows);
+- weights that come only as PyTorch pickles (`pytorch_model.bin`, or its shards with
+  `pytorch_model.bin.index.json`: what `save_pretrained(safe_serialization=False)` wrote) are
+  converted to safetensors here, loaded once with `weights_only=True` (a pickle that holds more
+  than tensors is refused in one line). Why convert rather than link or refuse: lmforge's rule is
+  that weights are read with safetensors or `weights_only=True`, and every later stage (training
+  from the base, export, vLLM, the quantizer, `count_weights`) reads the prepared folder; with
+  safetensors there, none of them ever unpickles the user's file, and older models with only
+  `.bin` weights still work. The original files stay part of the base's fingerprint.
 
 Written here because no library turns an arbitrary causal LM into a chat-ready one with a
 record of what changed; the pieces (AutoTokenizer, resize_token_embeddings) are transformers'.
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.t
 # files that make up the model: weights, its config and generation config, its tokenizer
 IDENTITY_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken", ".bin")
 WEIGHT_SUFFIXES = (".safetensors",)
+PICKLED_WEIGHTS = "pytorch_model*.bin"  # transformers' names for weights saved with torch.save
 PREPARED = "base.json"
 
 
@@ -105,8 +115,10 @@ def check_base(path: str, trust_remote_code: bool, source: str) -> None:
         raise ConfigError(
             f"{source}: base_model.path: {directory} has no tokenizer (none of {', '.join(TOKENIZER_MARKERS)})"
         )
-    if not any(p.suffix in (".safetensors", ".bin") for p in directory.iterdir()):
-        raise ConfigError(f"{source}: base_model.path: {directory} has no weights (*.safetensors)")
+    if not any(directory.glob("*.safetensors")) and not any(directory.glob(PICKLED_WEIGHTS)):
+        raise ConfigError(
+            f"{source}: base_model.path: {directory} has no weights (*.safetensors, or {PICKLED_WEIGHTS})"
+        )
 
 
 def identity_files(directory: Path) -> list[Path]:
@@ -170,8 +182,8 @@ def prepare_base(source: Path, out_dir: Path, trust_remote_code: bool) -> dict[s
     out_dir.mkdir(parents=True, exist_ok=True)
     context = int(config.get("max_position_embeddings") or config.get("n_positions") or tokenizer.model_max_length)
     tokenizer.model_max_length = min(context, int(tokenizer.model_max_length or context))
-    if resized:
-        _save_resized(source, out_dir, len(tokenizer), trust_remote_code)
+    if resized or not any(source.glob("*.safetensors")):  # grown rows, or pickled weights only
+        _save_safetensors(source, out_dir, len(tokenizer) if resized else None, trust_remote_code)
     else:
         for file in source.iterdir():
             if file.suffix in WEIGHT_SUFFIXES or file.name == "model.safetensors.index.json":
@@ -214,10 +226,28 @@ def _config_object(directory: Path, trust_remote_code: bool) -> Any:
     return AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
 
 
-def _save_resized(source: Path, out_dir: Path, rows: int, trust_remote_code: bool) -> None:
+def _save_safetensors(source: Path, out_dir: Path, rows: int | None, trust_remote_code: bool) -> None:
+    """The base's weights written as safetensors into `out_dir`, its embeddings grown to `rows` if given.
+
+    Through transformers rather than tensor by tensor: it knows which names a tied head shares
+    (safetensors refuses shared storage, and dropping the wrong name of the pair would lose the
+    embedding) and how the model's shards are named."""
+    import pickle
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype="auto", trust_remote_code=trust_remote_code)
-    model.resize_token_embeddings(rows, mean_resizing=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype="auto", trust_remote_code=trust_remote_code, weights_only=True
+        )
+    except pickle.UnpicklingError as exc:
+        culprit = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        raise ConfigError(
+            f"base_model.path: {source}/{PICKLED_WEIGHTS} holds more than tensors"
+            f"{f' ({culprit.group(1)})' if culprit else ''}, which torch.load(weights_only=True) refuses and "
+            "lmforge does not unpickle; convert it to safetensors where you trust the file"
+        ) from None
+    if rows is not None:
+        model.resize_token_embeddings(rows, mean_resizing=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     (out_dir / "generation_config.json").unlink(missing_ok=True)  # rewritten below with the chat stops
