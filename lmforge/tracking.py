@@ -33,6 +33,20 @@ Why after the step, from the orchestrating process, by reading the step's output
   creates no MLflow run at all: the pipeline's run is made by the first step that logs;
 - tracking is in no cache key: its section holds runtime fields only, which no step reads.
 
+The pipeline's MLflow run is never left RUNNING because the server went away. Its owner (see
+`pipeline_run`) tries to end it when the pipeline ends, even after tracking gave up mid-run (one
+more request: the server may be back). Where that fails too, the run is written to the workspace's
+record of runs to end (`.tracking/mlflow-unended.json`: the server's address without credentials,
+the run, the pipeline's outcome and when it ended), and the next pipeline run of the workspace
+ends it, when it starts and again when it ends, as soon as the server answers. A record rather
+than a watcher thread: nothing keeps running after the pipeline, and the next run is the first
+moment anything of lmforge talks to that server again. The status says how complete the record
+is: the pipeline's own status when every step was logged (`lmforge.ended_late` tags a late end),
+FAILED when steps went unlogged (`lmforge.tracking_incomplete` says from when and why); the
+pipeline's outcome is kept in `lmforge.pipeline_status` either way. A run ended meanwhile by
+someone else keeps its status. Not covered: an owner process killed outright ends nothing and
+writes no record.
+
 Under Prefect every task of one pipeline flow run (its stage subflows, or stage deployments on
 other workers) logs under the same MLflow run, found by the root flow run id
 (`lmforge.pipeline_run` tag); without Prefect, each `run_pipeline_locally` call is one pipeline run.
@@ -100,6 +114,7 @@ class _State:
     experiment_id: str | None = None
     parent_id: str | None = None
     failed: bool = False
+    lost: str | None = None  # why steps went unlogged: tracking gave up (short reason), if it did
 
 
 _current: contextvars.ContextVar[PipelineRun | None] = contextvars.ContextVar("lmforge_tracking_run", default=None)
@@ -146,6 +161,8 @@ def pipeline_run(
     if run_id is None and joined is not None:
         yield joined
         return
+    if owner and enabled(config):
+        _end_unended(config)
     run = PipelineRun(run_id or uuid.uuid4().hex, orchestrated=orchestrated, ui_url=ui_url)
     token = _current.set(run)
     status = "FINISHED"
@@ -261,6 +278,7 @@ def _client(uri: str) -> Any:
 
 def _give_up(state: _State, exc: BaseException, what: str) -> None:
     state.failed = True
+    state.lost = state.lost or short_reason(exc)
     log.warning(
         "MLflow tracking at %s unavailable (%s): %s; no more MLflow logging in this pipeline run",
         public_uri(state.uri),
@@ -339,23 +357,140 @@ def _find_pipeline(client: Any, experiment_id: str, run_id: str) -> str | None:
 
 
 def _end_pipeline(config: PipelineBase, run: PipelineRun, status: str) -> None:
+    """End the pipeline's MLflow run, then the recorded runs of earlier pipelines if the server answered."""
+    if _end_own(config, run, status):
+        _end_unended(config)
+
+
+def _end_own(config: PipelineBase, run: PipelineRun, status: str) -> bool:
+    """End the pipeline's own MLflow run (if it has one); False when the server did not answer, and the
+    run is recorded for the next pipeline run to end."""
     with _lock:
         state = _states.get(run.id)
-        if state is not None and state.failed:
-            return
         if state is None and not run.others_logged:  # nothing logged: nothing to end
-            return
+            return True
         state = state or _states.setdefault(run.id, _State(tracking_uri(config)))
-        uri = state.uri
+        if state.failed and state.parent_id is None and not run.others_logged:
+            return True  # tracking gave up before any run was made: nothing to end
+        ended_ms = int(1000 * time.time())
         try:
-            client = _client(uri)
+            client = _client(state.uri)
             if state.parent_id is None:  # made by a stage deployment's process
-                state.experiment_id = _experiment(client, config, uri)
+                state.experiment_id = _experiment(client, config, state.uri)
                 state.parent_id = _find_pipeline(client, state.experiment_id, run.id)
             if state.parent_id is not None:
-                client.set_terminated(state.parent_id, status)
-        except Exception as exc:  # noqa: BLE001
-            _give_up(state, exc, "the pipeline's run was not ended")
+                _terminate(client, state.parent_id, status, ended_ms, lost=state.lost)
+        except Exception as exc:  # noqa: BLE001 - tracking never fails a pipeline
+            record = {
+                "uri": public_uri(state.uri),
+                "experiment": experiment_name(config),
+                "pipeline_run": run.id,
+                "run_id": state.parent_id,
+                "status": status,
+                "ended_ms": ended_ms,
+                "lost": state.lost,
+                "why": short_reason(exc),
+            }
+            with _unended_records(_unended_path(config)) as records:
+                records.append(record)
+            if state.failed:  # the warning was given when tracking gave up
+                log.info("the pipeline's MLflow run is ended by the next pipeline run of this workspace")
+            else:
+                _give_up(state, exc, "the pipeline's run is ended by the next pipeline run of this workspace")
+            return False
+    return True
+
+
+def _terminate(
+    client: Any, run_id: str, status: str, ended_ms: int, *, lost: str | None, late: str | None = None
+) -> None:
+    """End a pipeline's run: FAILED if steps went unlogged (an incomplete record), else `status`."""
+    tags = {}
+    if lost:
+        tags["lmforge.tracking_incomplete"] = f"MLflow was unreachable ({lost}): steps after that are not logged"
+    if late:
+        tags["lmforge.ended_late"] = late
+    if tags:
+        for key, value in {**tags, "lmforge.pipeline_status": status}.items():
+            client.set_tag(run_id, key, value)
+    client.set_terminated(run_id, "FAILED" if lost and status == "FINISHED" else status, end_time=ended_ms)
+
+
+def unended(config: PipelineBase) -> list[dict[str, Any]]:
+    """Pipeline runs at the config's tracking server that ended while it did not answer (see the module doc)."""
+    path, uri = _unended_path(config), public_uri(tracking_uri(config))
+    if not path.exists():
+        return []
+    with _unended_records(path) as records:
+        return [dict(r) for r in records if r["uri"] == uri]
+
+
+def _end_unended(config: PipelineBase) -> None:
+    """End the recorded runs at the config's server, if it answers; the others stay recorded."""
+    path, uri = _unended_path(config), tracking_uri(config)
+    if not path.exists():
+        return
+    with _lock, _unended_records(path) as records:
+        mine = [r for r in records if r["uri"] == public_uri(uri)]
+        if not mine:
+            return
+        try:
+            client = _client(uri)
+            for record in mine:
+                _end_recorded(client, record, path)
+                records.remove(record)
+        except Exception as exc:  # noqa: BLE001 - tried again by the next pipeline run
+            log.info(
+                "%d earlier pipeline run(s) stay RUNNING in MLflow at %s until it answers (%s)",
+                len(mine),
+                public_uri(uri),
+                short_reason(exc),
+            )
+
+
+def _end_recorded(client: Any, record: dict[str, Any], path: Path) -> None:
+    from mlflow.exceptions import MlflowException
+
+    run_id = record["run_id"]
+    if run_id is None:  # made by a stage deployment's process: found by its pipeline run
+        experiment = client.get_experiment_by_name(record["experiment"])
+        run_id = experiment and _find_pipeline(client, str(experiment.experiment_id), record["pipeline_run"])
+    if not run_id:
+        return  # never made: nothing to end
+    try:
+        if client.get_run(run_id).info.status != "RUNNING":
+            return  # ended meanwhile, by whoever: its status stands
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":  # deleted from the store
+            return
+        raise
+    late = f"the server did not answer when the pipeline ended ({record['why']}); ended from {path} later"
+    _terminate(client, run_id, record["status"], record["ended_ms"], lost=record["lost"], late=late)
+
+
+def _unended_path(config: PipelineBase) -> Path:
+    return Path(config.workspace).resolve() / ".tracking" / "mlflow-unended.json"
+
+
+@contextlib.contextmanager
+def _unended_records(path: Path) -> Iterator[list[dict[str, Any]]]:
+    """The record of runs to end, read and written back under a lock: pipeline runs of one workspace
+    may end at the same time."""
+    import fcntl
+
+    from lmforge.hashing import atomic_write_json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            records = list(json.loads(path.read_text()))
+        except (FileNotFoundError, ValueError):
+            records = []
+        before = list(records)
+        yield records
+        if records != before:
+            atomic_write_json(path, records)
 
 
 def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:

@@ -3,7 +3,8 @@
 The small pipeline runs once with tracking on (pretraining, SFT, evaluation of the SFT model on the
 hf backend); what it logged is read back with `mlflow.MlflowClient`. Then: a rerun that reuses
 everything logs nothing, a pipeline flow under Prefect logs under its flow run, and with the
-server stopped the pipeline still completes, with one warning line.
+server stopped the pipeline still completes, with one warning line. A pipeline run whose server dies
+under it is not left RUNNING: it is ended once the server answers again.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ def _mlflow_command() -> str:
 
 
 class MlflowServer:
-    """`mlflow server` in its own process group, on a free loopback port, with SQLite and served artifacts."""
+    """`mlflow server` in its own process group, on a free loopback port (or `port`: the same server
+    started again on the same store), with SQLite and served artifacts."""
 
-    def __init__(self, root: Path) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        if port is None:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = int(probe.getsockname()[1])
+        self.root, self.port = root, port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / "server.log"
         command = [
@@ -139,6 +143,26 @@ def _runs(server: MlflowServer) -> list[Any]:
     return [] if experiment is None else list(client.search_runs([experiment.experiment_id], max_results=1000))
 
 
+def _measured(out: Path, step: str) -> dict[str, Any]:
+    """The manifest of a computed evaluation step that measured one number (what tracking logs)."""
+    out.mkdir(parents=True)
+    now = time.time()
+    return {
+        "stage": "evaluate",
+        "step": step,
+        "key": f"key-of-{step.replace('/', '-')}",
+        "dir": str(out),
+        "metrics": {"acc": 0.5},
+        "params": {"evaluate": {"limit": 8}},
+        "timings": {"started_at": now - 1, "finished_at": now},
+    }
+
+
+def _pipelines(server: MlflowServer) -> dict[str, Any]:
+    """The pipeline runs in the store, by their lmforge pipeline run id."""
+    return {r.data.tags["lmforge.pipeline_run"]: r for r in _runs(server) if r.data.tags["lmforge.kind"] == "pipeline"}
+
+
 # -- no server needed ------------------------------------------------------------------------------
 
 
@@ -208,6 +232,57 @@ def test_summary_artifacts_link_to_the_mlflow_runs() -> None:
 
 
 # -- against the real server -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_is_not_left_running_when_the_server_dies_under_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server dies after a step was logged: the pipeline's MLflow run ends anyway once the server
+    answers again, at the pipeline's own end or at the next pipeline run of the workspace. FAILED when
+    steps went unlogged (the record is incomplete), else the pipeline's own status; tags say why."""
+    from lmforge import tracking
+
+    root = tmp_path / "mlflow-server"
+    root.mkdir()
+    server = MlflowServer(root)
+    config = load_config(
+        "tiny-cpu",
+        ["tracking.mlflow.enabled=true", f"tracking.mlflow.tracking_uri={server.url}"],
+        str(tmp_path / "ws"),
+    )
+    try:
+        # 1. the server is back before the pipeline ends: the pipeline's end ends its run
+        with caplog.at_level(logging.WARNING), tracking.pipeline_run(config) as first:
+            assert tracking.step_computed(config, _measured(tmp_path / "a1", "evaluate/a1"))
+            server.stop()
+            assert tracking.step_computed(config, _measured(tmp_path / "a2", "evaluate/a2")) is None
+            server = MlflowServer(root, port=server.port)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "unavailable" in warnings[0], warnings  # still one line per pipeline run
+        ended = _pipelines(server)[first.id]
+        assert ended.info.status == "FAILED" and ended.info.end_time is not None
+        assert ended.data.tags["lmforge.pipeline_status"] == "FINISHED"
+        assert "Connection refused" in ended.data.tags["lmforge.tracking_incomplete"]
+
+        # 2. the server is still down when the pipeline ends: the next pipeline run ends it
+        with tracking.pipeline_run(config) as second:
+            assert tracking.step_computed(config, _measured(tmp_path / "b1", "evaluate/b1"))
+            server.stop()
+        stopped_at = time.time()
+        server = MlflowServer(root, port=server.port)
+        assert _pipelines(server)[second.id].info.status == "RUNNING"  # nothing could end it yet
+        with tracking.pipeline_run(config):  # computes nothing, logs nothing
+            pass
+        ended = _pipelines(server)[second.id]
+        assert ended.info.status == "FINISHED"  # every step was logged; only its end was late
+        assert ended.info.end_time <= 1000 * stopped_at  # when the pipeline ended, not when it was recorded
+        assert ended.data.tags["lmforge.pipeline_status"] == "FINISHED"
+        assert "Connection refused" in ended.data.tags["lmforge.ended_late"]
+        assert [r for r in _runs(server) if r.info.status == "RUNNING"] == []
+        assert tracking.unended(config) == []  # the workspace's record of runs to end is empty again
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
