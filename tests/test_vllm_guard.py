@@ -187,3 +187,20 @@ def test_an_empty_or_short_key_is_refused(tmp_path, monkeypatch) -> None:  # typ
     (tmp_path / "serving" / "api_key").write_text("\n")  # an empty key file is never "no key"
     with pytest.raises(ConfigError, match="at least 16"):
         api_key(tmp_path)
+
+
+def test_every_vllm_process_asks_for_amx_before_its_kernels_run() -> None:
+    """On an AMX host (Intel Sapphire Rapids and later) vLLM's CPU attention uses AMX without asking
+    Linux for the tile state, and its worker died of SIGILL at the first request. lmforge's vLLM
+    plugin asks in every process vLLM starts (vLLM loads `vllm.general_plugins` in each)."""
+    from importlib.metadata import entry_points
+
+    import torch
+
+    from lmforge.vllm_amx import register
+
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lmforge_amx"]
+    assert plugin.load() is register
+    register()  # no AMX here: nothing; with AMX: granted
+    if torch.cpu._is_amx_tile_supported():
+        assert torch.cpu._init_amx()
