@@ -16,7 +16,14 @@ the server (the key never appears on a command line):
   max_tokens, a missing `max_tokens` counted as the served context (LMFORGE_GUARD_CONTEXT; 400 beyond);
 - LMFORGE_GUARD_MAX_CONCURRENT: requests in flight per key (429 beyond);
 - LMFORGE_GUARD_ADMIN_KEY_SHA256: SHA-256 of the management key (empty: adapter management is off);
-- LMFORGE_GUARD_ADAPTER_ROOTS: the folders (os.pathsep-separated) adapters may be loaded from.
+- LMFORGE_GUARD_ADAPTER_ROOTS: the folders (os.pathsep-separated) adapters may be loaded from;
+- LMFORGE_GUARD_PATHS: the paths clients may use (os.pathsep-separated; 404 for the others, once the key
+  is checked). vLLM also mounts routes lmforge does not serve, some of which change the server
+  (`/scale_elastic_ep`, `/v1/responses` keeps responses for anyone with the key to read,
+  `/v1/chat/completions/batch` carries many conversations past the per-request bounds);
+- LMFORGE_GUARD_DRAIN_FILE: while this file exists the server is being replaced: every response
+  carries `Connection: close`, so a client's kept-alive connection (pinned by the front to this
+  server) ends after its current request and the next one reaches the new server.
 
 Numbers are read as vLLM's pydantic models read them (lax): `"64"` and `64.0` are 64, so a bound
 cannot be walked around with another JSON type.
@@ -55,6 +62,22 @@ REFUSED_PREFIX = "/adapters"  # SageMaker's adapter routes (vLLM adds them besid
 DRAIN_FACTOR = 64  # a refused body is read up to this many times the limit
 KEY_SHA_ENV = "LMFORGE_GUARD_KEY_SHA256"
 ADMIN_SHA_ENV = "LMFORGE_GUARD_ADMIN_KEY_SHA256"
+DRAIN_ENV = "LMFORGE_GUARD_DRAIN_FILE"
+PATHS_ENV = "LMFORGE_GUARD_PATHS"
+# what lmforge serves: OpenAI's chat and completions, the model list, and the operations paths
+CLIENT_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/metrics",
+    "/version",
+    "/openapi.json",
+    "/docs",
+    "/health",
+    "/ping",
+)
 
 
 def key_sha256(key: str) -> str:
@@ -74,10 +97,15 @@ class Limits:
 
 
 def guard_env(
-    api_key: str, limits: Limits, admin_key: str = "", adapter_roots: tuple[Path, ...] = ()
+    api_key: str,
+    limits: Limits,
+    admin_key: str = "",
+    adapter_roots: tuple[Path, ...] = (),
+    paths: tuple[str, ...] = CLIENT_PATHS,
 ) -> dict[str, str]:
     """The server's environment for the guard (see the module docstring)."""
     return {
+        PATHS_ENV: os.pathsep.join(paths),
         KEY_SHA_ENV: key_sha256(api_key) if api_key else "",
         ADMIN_SHA_ENV: key_sha256(admin_key) if admin_key else "",
         "LMFORGE_GUARD_ADAPTER_ROOTS": os.pathsep.join(str(Path(r).resolve()) for r in adapter_roots),
@@ -142,7 +170,21 @@ class Guard:
                 for name in plain.__dataclass_fields__
             }
         )
+        self.drain_file = os.environ.get(DRAIN_ENV, "")
+        self.paths = frozenset(os.environ.get(PATHS_ENV, os.pathsep.join(CLIENT_PATHS)).split(os.pathsep))
         self.in_flight = 0  # one event loop: no lock needed between awaits
+
+    def _closing(self, send: Send) -> Send:
+        """`send` that adds `Connection: close` to the response while the server is draining (uvicorn
+        then closes the connection after it: the standard way to move kept-alive clients)."""
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and os.path.exists(self.drain_file):
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return closing if self.drain_file else send
 
     @staticmethod
     def _token(scope: Scope) -> str | None:
@@ -169,12 +211,16 @@ class Guard:
             return 401, "a valid `Authorization: Bearer <key>` header is required"
         if self.key_sha and not self._matches(token, self.key_sha):
             return 401, "a valid `Authorization: Bearer <key>` header is required"
+        if path not in self.paths:
+            return 404, f"{path} is not served here (serve.engine.api_paths lists what is)"
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http":
+            send = self._closing(send)
         if scope["type"] == "http" and path in OPEN_PATHS and scope.get("method") in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         refused = self._access(scope, path)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.errors import ConfigError, LmforgeError
+from lmforge.vllm_guard import CLIENT_PATHS
 
 log = logging.getLogger(__name__)
 NOISE = ("Setting accelerator to CPU", "tcmalloc", "libiomp", "Triton", "ulimit")
@@ -73,6 +74,11 @@ class EngineConfig(StrictModel):
         240.0, description="Seconds to wait for /health and a first completion.", gt=0
     )
     max_n: int = runtime_field(4, description="Largest `n`/`best_of` a request may ask for (400 beyond).", ge=1)
+    api_paths: list[str] = runtime_field(
+        list(CLIENT_PATHS),
+        description="The paths clients may use (404 for the rest of what vLLM mounts, some of which change the "
+        "server or keep state across clients). Add e.g. /v1/embeddings to serve an embedding model.",
+    )
     max_prompts_per_request: int = runtime_field(
         64, description="Most prompts one completions/embeddings request may carry in a list (400 beyond).", ge=1
     )
@@ -215,6 +221,7 @@ def server_command(
     chat_template: Path | None = None,
     speculative: SpeculativeConfig | None = None,
     lora: LoraModules | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> list[str]:
     """The server's command line. The API key is not on it (it would show in `ps`): see `server_env`."""
     import torch
@@ -226,7 +233,8 @@ def server_command(
         "--model",
         str(model_dir),
         "--served-model-name",
-        served_name,
+        served_name,  # the first is the name responses carry
+        *aliases,
         "--host",
         host,
         "--port",
@@ -299,11 +307,12 @@ def server_env(
     context: int,
     admin_key: str = "",
     adapter_roots: tuple[Path, ...] = (),
+    drain_file: Path | None = None,
 ) -> dict[str, str]:
     """The server's environment: the key (never on the command line) and the guard's limits. With a
     management key, vLLM's runtime adapter loading, which the guard opens to that key alone and to
     adapters inside `adapter_roots` (the client key gets 403 there)."""
-    from lmforge.vllm_guard import Limits, guard_env
+    from lmforge.vllm_guard import DRAIN_ENV, Limits, guard_env
 
     if api_key:
         check_key(api_key, "vLLM server")
@@ -318,7 +327,8 @@ def server_env(
         max_concurrent=cfg.max_concurrent_per_key,
     )
     return {
-        **guard_env(api_key, limits, admin_key, adapter_roots),
+        **guard_env(api_key, limits, admin_key, adapter_roots, tuple(cfg.api_paths)),
+        **({DRAIN_ENV: str(drain_file)} if drain_file is not None else {}),
         "VLLM_API_KEY": api_key,
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
         "VLLM_MAX_STOP_STRINGS": str(cfg.max_stop_strings),

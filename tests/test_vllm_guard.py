@@ -25,6 +25,9 @@ PATHS = [
     "/v1/unload_lora_adapter",
     "/adapters",
     "/adapters/sft",
+    "/scale_elastic_ep",
+    "/v1/responses",
+    "/v1/chat/completions/batch",
 ]
 
 
@@ -64,26 +67,36 @@ def test_every_path_but_health_needs_the_key(client) -> None:  # type: ignore[no
         assert client.get(path, headers=auth()).status_code == 200, path
     for path in ("/invocations", "/tokenize"):
         assert client.post(path, json={"prompt": "hi"}).status_code == 401, path
-        assert client.post(path, json={"prompt": "hi"}, headers=auth()).json()["bytes"] > 0, path
+    assert client.post("/tokenize", json={"prompt": "hi"}, headers=auth()).json()["bytes"] > 0
     assert client.post("/health", json={}).status_code == 401  # only a GET of the health check is open
 
 
 def test_requests_are_bounded(client) -> None:  # type: ignore[no-untyped-def]
-    ok = client.post("/invocations", json={"prompt": "hi", "n": 4, "max_tokens": 16}, headers=auth())
+    ok = client.post("/v1/completions", json={"prompt": "hi", "n": 4, "max_tokens": 16}, headers=auth())
     assert ok.status_code == 200 and ok.json()["bytes"] == len(ok.request.content)  # replayed whole
     for field in ("n", "best_of"):
-        refused = client.post("/invocations", json={"prompt": "hi", field: 10000}, headers=auth())
+        refused = client.post("/v1/completions", json={"prompt": "hi", field: 10000}, headers=auth())
         assert refused.status_code == 400 and f"{field}=10000" in refused.text
-    big = client.post("/invocations", content=b"x" * 5000, headers={**auth(), "content-type": "application/json"})
+    big = client.post("/v1/completions", content=b"x" * 5000, headers={**auth(), "content-type": "application/json"})
     assert big.status_code == 413
 
     def chunks():  # type: ignore[no-untyped-def]
         for _ in range(10):
             yield b"y" * 1000
 
-    streamed = client.post("/invocations", content=chunks(), headers=auth())  # no content-length: counted as read
+    streamed = client.post("/v1/completions", content=chunks(), headers=auth())  # no content-length: counted as read
     assert streamed.status_code == 413
-    assert client.post("/invocations", content=b"{not json", headers=auth()).status_code == 200  # vLLM's to answer
+    assert client.post("/v1/completions", content=b"{not json", headers=auth()).status_code == 200  # vLLM's to answer
+
+
+def test_only_the_paths_lmforge_serves_answer(client) -> None:  # type: ignore[no-untyped-def]
+    """vLLM mounts more than lmforge serves: elastic scaling (changes the server), the Responses API
+    (keeps responses any key holder can read back), batch chat (many conversations in one request)."""
+    for path in ("/scale_elastic_ep", "/v1/responses", "/v1/chat/completions/batch", "/invocations"):
+        assert client.post(path, json={}).status_code == 401, path  # the key first: nothing is revealed
+        refused = client.post(path, json={}, headers=auth())
+        assert refused.status_code == 404 and "not served here" in refused.text, path
+    assert client.post("/v1/chat/completions", json={"max_tokens": 1}, headers=auth()).status_code == 200
 
 
 def test_bounds_hold_whatever_the_json_types(client) -> None:  # type: ignore[no-untyped-def]
