@@ -98,6 +98,19 @@ def listening_sockets(port: int, host: str = "127.0.0.1") -> set[int] | None:
     return found if readable else None
 
 
+def open_connections(port: int) -> int | None:
+    """TCP connections established to local port `port` (a server's clients); None without /proc."""
+    count, readable = 0, False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        count += sum(1 for r in rows if (f := r.split())[3] == "01" and int(f[1].rpartition(":")[2], 16) == port)
+    return count if readable else None
+
+
 def socket_inodes(pids: set[int]) -> dict[int, int]:
     """The sockets the processes `pids` hold open: inode -> pid (those this user may look into)."""
     held: dict[int, int] = {}

@@ -106,6 +106,18 @@ class ServeConfig(StrictModel):
         "from LMFORGE_API_KEY, else it is generated once into <workspace>/serving/api_key (0600). "
         "false: the served model takes requests without a key (loopback only).",
     )
+    alias: str | None = runtime_field(
+        "lmforge",
+        description="A second name the served model answers to, the same across promotions: a client that asks "
+        "for it gets whichever model is current, so a promotion needs no client change (vLLM; adapters keep "
+        "their own names). null: only the model's own name.",
+    )
+    drain_timeout_s: float = runtime_field(
+        60.0,
+        description="After a promotion, how long the replaced server may finish the requests it has (its "
+        "responses close their connections, so clients move to the new server) before it is stopped.",
+        ge=0,
+    )
     gpu_wait_s: float = runtime_field(
         600.0,
         description="How long a release waits for GPUs that another workspace's or user's served model holds "

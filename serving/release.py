@@ -182,6 +182,7 @@ def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
         "front": cfg.front,
         "speculative": cfg.speculative.model_dump(mode="json"),
         "backend": cfg.backend,
+        "alias": cfg.alias,
         "llamacpp": cfg.llamacpp.model_dump(mode="json") if cfg.backend == "llamacpp" else None,
     }
     if not cfg.front:  # the server itself is the endpoint: its address is a server setting
@@ -259,6 +260,7 @@ def start(
             chat_template=plain_chat_template(model_dir, directory / "chat_template.jinja"),
             speculative=cfg.speculative,
             lora=lora,
+            aliases=(cfg.alias,) if cfg.alias and cfg.alias != served_name else (),
         )
     host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     record: dict[str, Any] = {
@@ -270,6 +272,7 @@ def start(
         "port": port,
         "pid_file": str(directory / "server.pid"),
         "log_file": str(directory / "server.log"),
+        "drain_file": str(directory / "draining"),  # while it exists, its responses close their connection
         "key_fingerprint": fingerprint(key),
         "gpus": list(gpus or []),
         "settings": settings(cfg, workspace),
@@ -283,6 +286,7 @@ def start(
         # adapters can be loaded into it later: through the management key alone, from this workspace's releases
         admin_key=admin_key(workspace)[0] if lora is not None else "",
         adapter_roots=adapter_roots(workspace) if lora is not None else (),
+        drain_file=Path(record["drain_file"]),
     )
     if cfg.backend == "llamacpp":
         from serving.gguf import REPO_ROOT
@@ -472,11 +476,35 @@ def promote(workspace: str | Path, record: dict[str, Any], cfg: ServeConfig | No
     with open(directory / "history.jsonl", "a") as out:
         out.write(json.dumps({"promoted_at": time.time(), **record}) + "\n")
     if old and old["pid_file"] != record["pid_file"]:
+        if cfg is not None and cfg.front:
+            drain(old, cfg.drain_timeout_s)
         if stop_detached(Path(old["pid_file"])):
             log.info("stopped the previous server %s (%s)", old["served_name"], old["url"])
         devices.release(old["pid_file"])
     log.info("serving %s at %s (key %s)", record["served_name"], record["endpoint"], record["key_fingerprint"])
     return old
+
+
+def drain(record: dict[str, Any], timeout_s: float) -> float:
+    """Let the replaced server finish what it has before it is stopped: the front already sends new
+    connections to its successor, but kept-alive ones stay pinned to it. From now on each of its
+    responses closes its connection (`lmforge.vllm_guard`'s drain file), so a client's next request
+    opens a new connection, to the new server; wait until it has no connection left (idle ones end
+    at the server's keep-alive timeout), at most `timeout_s`. Returns the seconds it took."""
+    from lmforge.launch import open_connections
+
+    started = time.monotonic()
+    if not alive(record) or "drain_file" not in record:  # a server started before draining existed
+        return 0.0
+    Path(record["drain_file"]).touch()
+    while time.monotonic() - started < timeout_s:
+        left = open_connections(int(record["port"]))
+        if not left:
+            break
+        time.sleep(0.2)
+    else:
+        log.warning("%s still had connections after %.0fs; stopping it", record["served_name"], timeout_s)
+    return time.monotonic() - started
 
 
 def start_and_promote(

@@ -199,44 +199,62 @@ def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
     assert lmforge("serve", "status", "--workspace", str(workspace)).returncode == 0  # still healthy
 
 
-def test_a_broken_model_is_not_promoted_and_the_old_server_keeps_answering(
+def test_promotions_and_a_rollback_under_steady_load_drop_no_request(
     first_run: subprocess.CompletedProcess, workspace: Path, tmp_path: Path
 ) -> None:
-    import shutil
-    import threading
+    """16 clients (chat and completions, streamed and not, no client retries) ask for the stable alias
+    through the endpoint the whole time while: a new model is promoted on the same port; a broken one
+    fails its start and is rolled back; the released model is promoted again. Every request gets a
+    complete answer, from the old model or the new one.
 
-    from lmforge.vllm_server import request
+    Before: the replaced server was stopped as soon as the front pointed elsewhere, killing the
+    requests it had in flight and the kept-alive connections pinned to it; and clients had to know each
+    model's own name, which changes with every promotion."""
+    import shutil
+
+    from serving import release
+    from serving.loadgen import SteadyLoad, summary
+    from tests.conftest import small_config
 
     before, key = served(workspace)
-    broken = tmp_path / "broken"
+    candidate, broken = tmp_path / "candidate", tmp_path / "broken"
+    shutil.copytree(before["model_dir"], candidate)
     shutil.copytree(before["model_dir"], broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])  # a torn copy: the header promises more than is there
-    answers, stop = [], threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            answers.append(
-                request(
-                    f"{before['endpoint']}/v1/completions",  # through the front, as a client would
-                    key,
-                    {"model": before["served_name"], "prompt": "a", "max_tokens": 1},
-                )[0]
-            )
-            time.sleep(0.5)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
+    cfg = small_config(workspace).serve
+    load = SteadyLoad(before["endpoint"], key, str(cfg.alias), users=16).start()
+    marks = [time.time()]
     try:
-        result = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(broken), timeout=600)
+        time.sleep(15)  # the load before any switch: the baseline
+        marks.append(time.time())
+        promoted = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(candidate), timeout=600)
+        marks.append(time.time())
+        rolled_back = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(broken), timeout=600)
+        marks.append(time.time())
+        # the released model again (what the next test's run expects to find serving)
+        release.start_and_promote(
+            Path(before["model_dir"]), before["served_name"], cfg, workspace, lineage=before["lineage"]
+        )
+        marks.append(time.time())
+        time.sleep(5)
     finally:
-        stop.set()
-        prober.join()
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "not promoted" in result.stderr + result.stdout
-    assert served(workspace)[0] == before  # current.json still names the old server
-    assert answers and set(answers) == {200}  # it answered throughout
-    assert lmforge("serve", "status", "--workspace", str(workspace)).returncode == 0
+        records = load.stop()
+    marks.append(time.time())
+    assert promoted.returncode == 0, promoted.stderr[-2000:]
+    assert rolled_back.returncode != 0 and "not promoted" in rolled_back.stderr + rolled_back.stdout
+    assert "Traceback" not in rolled_back.stderr
+    phases = dict(zip(("before", "promotion", "rollback", "promotion back", "after"), zip(marks, marks[1:])))
+    figures = {name: summary(records, start, end) for name, (start, end) in phases.items()}
+    (Path(__file__).parent.parent / "runs").mkdir(exist_ok=True)
+    (Path(__file__).parent.parent / "runs" / "promotion_under_load.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
+    assert all(f["failed"] == 0 for f in figures.values()), figures
+    assert all(f["sent"] >= 16 for f in figures.values()), figures
+    new_name = f"lmforge-{candidate.name}@"
+    assert any(m.startswith(new_name) for m in figures["rollback"]["models"])  # the candidate served meanwhile
+    assert figures["after"]["models"] == [before["served_name"]]
+    assert served(workspace)[0]["served_name"] == before["served_name"]
 
 
 def test_second_run_recomputes_nothing_and_keeps_the_server_within_a_minute(
