@@ -121,15 +121,18 @@ def _run_lmeval(
     cfg = config.evaluate
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     engine = engine_config(config)
-    # lm-eval sends up to batch_size prompts a request, each asking for up to the context: the server's
-    # request bounds (lmforge.vllm_guard) are made to fit the client lmforge itself runs
     max_length = min(engine.max_model_len or context, context)
-    engine = engine.model_copy(
-        update={
-            "max_prompts_per_request": max(engine.max_prompts_per_request, cfg.batch_size),
-            "max_request_tokens": max(engine.max_request_tokens, cfg.batch_size * max_length),
-        }
-    )
+    if backend == "vllm":
+        # lm-eval sends up to batch_size prompts a request, each asking for up to the context: the server's
+        # request bounds (lmforge.vllm_guard) are made to fit the client lmforge itself runs. Only the vLLM
+        # run starts a server, and only it reads the whole `serve.engine` (the hf run's view holds
+        # max_model_len alone, and a view has no model_copy: every hf run failed on it)
+        engine = engine.model_copy(
+            update={
+                "max_prompts_per_request": max(engine.max_prompts_per_request, cfg.batch_size),
+                "max_request_tokens": max(engine.max_request_tokens, cfg.batch_size * max_length),
+            }
+        )
     spec: dict[str, Any] = {
         "model_dir": str(model_dir),
         "backend": backend,
