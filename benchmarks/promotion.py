@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--users", type=int, default=16)
-    parser.add_argument("--pause-s", type=float, default=0.5, help="each user's think time between requests")
+    parser.add_argument("--pause-s", type=float, default=2.0, help="each user's think time between requests")
     parser.add_argument("--baseline-s", type=float, default=20.0)
     parser.add_argument("--skip-smoke", action="store_true")
     parser.add_argument("--completions-only", action="store_true", help="for a model without a chat template")

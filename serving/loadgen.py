@@ -42,7 +42,7 @@ class SteadyLoad:
     model: str
     users: int = 16
     max_tokens: int = 8
-    pause_s: float = 0.5  # each user's think time between requests (0: back to back)
+    pause_s: float = 2.0  # each user's think time between requests (0: back to back)
     kinds: tuple[str, ...] = KINDS  # completions only for a model without a chat template
     records: list[Request] = field(default_factory=list)
 

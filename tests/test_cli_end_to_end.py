@@ -223,7 +223,7 @@ def test_promotions_and_a_rollback_under_steady_load_drop_no_request(
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])  # a torn copy: the header promises more than is there
     cfg = small_config(workspace).serve
-    load = SteadyLoad(before["endpoint"], key, str(cfg.alias), users=16).start()
+    load = SteadyLoad(before["endpoint"], key, str(cfg.alias), users=16, pause_s=2.0).start()
     marks = [time.time()]
     try:
         time.sleep(15)  # the load before any switch: the baseline
