@@ -230,6 +230,8 @@ class Guard:
             return await _refuse(send, *refused)
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
+        if path in MANAGEMENT_PATHS:
+            scope = self._as_client(scope)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         max_body = self.limits.max_body
         declared = headers.get(b"content-length")
@@ -266,6 +268,16 @@ class Guard:
             return await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
+
+    @staticmethod
+    def _as_client(scope: Scope) -> Scope:
+        """A management request the guard let through, carrying the server's own key: vLLM checks its
+        key (VLLM_API_KEY, the clients') on /v1 paths itself, behind the guard."""
+        upstream = os.environ.get("VLLM_API_KEY", "")
+        if not upstream:
+            return scope
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"authorization"]
+        return {**scope, "headers": [*headers, (b"authorization", f"Bearer {upstream}".encode("latin-1"))]}
 
     @staticmethod
     async def _drain(receive: Receive, limit: int) -> None:

@@ -4,6 +4,8 @@ The end-to-end test (tests/test_cli_end_to_end.py) asserts the same on a real vL
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lmforge.vllm_guard import Guard, Limits, guard_env
@@ -43,6 +45,9 @@ def _client(monkeypatch, env: dict[str, str]):  # type: ignore[no-untyped-def]
 
     async def echo(request: Request) -> JSONResponse:
         body = await request.body()
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if os.environ.get("VLLM_API_KEY") and request.url.path.startswith("/v1") and key != os.environ["VLLM_API_KEY"]:
+            return JSONResponse({"error": "vLLM's own check"}, status_code=401)  # as vLLM's middleware does
         return JSONResponse({"path": request.url.path, "bytes": len(body)})
 
     app = Starlette(routes=[Route(p, echo, methods=["GET", "POST", "DELETE"]) for p in PATHS])
@@ -139,7 +144,10 @@ def test_adapter_management_needs_the_management_key_and_stays_in_the_adapter_fo
     (root / "key1" / "adapters" / "sft").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     (root / "key1" / "escape").symlink_to(tmp_path / "elsewhere")
-    client = _client(monkeypatch, guard_env(KEY, LIMITS, admin_key=ADMIN, adapter_roots=(root,)))
+    # vLLM checks its own key (the clients') on /v1 paths behind the guard: the end-to-end run found
+    # that an admitted management request then failed there with 401
+    env = {**guard_env(KEY, LIMITS, admin_key=ADMIN, adapter_roots=(root,)), "VLLM_API_KEY": KEY}
+    client = _client(monkeypatch, env)
     inside = {"lora_name": "sft2", "lora_path": str(root / "key1" / "adapters" / "sft")}
     load, unload = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
     for path, body in ((load, inside), (unload, {"lora_name": "sft"})):
