@@ -10,6 +10,12 @@ A metric step's output is the set of per-task results of one model on one backen
 result is also kept under its own content address (`evaluate/results/<key>`: the model's digest,
 the task's definition digest, backend, limit, seeds and lm-eval's version), so adding a task
 computes only that task, and a retry after a crash resumes from the tasks already written.
+
+What reaches a step downstream of `evaluate/tasks` is its output digest, never its manifest's
+`extra`: so every task's definition is in its output bytes, `tasks.json` ({task: where it comes
+from, its definition digest}), a user's task YAML and an lm-eval registry task as much as a
+built-in one. An edited user task then changes that digest and reruns the metric runs (each runs
+every task, so each reads it), which evaluate only the edited task and reuse the others' results.
 """
 
 from __future__ import annotations
@@ -150,7 +156,27 @@ def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 "builtin": False,
                 "digest": digest([name, ctx.identity["registry_tasks"][name]]),
             }
+    atomic_write_json(ctx.out_dir / "tasks.json", task_list(tasks))
     return {"counts": {t: v.get("items") for t, v in tasks.items()}, "extra": {"tasks": tasks}}
+
+
+def task_list(tasks: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """{task: {source, digest}}: what `tasks.json` in the step's output holds.
+
+    The metric runs downstream are keyed by this step's output digest alone, and a user's or a
+    registry task lives outside the output (only the manifest's `extra` named it): without this file,
+    an edited task YAML rebuilt the same bytes and the runs were reused with the old definition. The
+    digest is the one the per-task result cache keys on (`evaluation.runs.task_key`). No path goes in
+    (the include paths stay in `extra`, where the runs find them): where the workspace or a user's
+    task folder lives is not the task. Keyed by name: the order of `evaluate.tasks` is no part of it.
+    """
+    return {
+        name: {
+            "source": "builtin" if task["builtin"] else "user" if task["include_path"] else "registry",
+            "digest": task["digest"],
+        }
+        for name, task in tasks.items()
+    }
 
 
 # -- n-gram indexes of the training sources --------------------------------------------------------

@@ -284,6 +284,98 @@ def test_adding_a_task_computes_only_that_task_and_a_rerun_is_all_cache_hits(eva
     assert all(again[n]["timings"]["finished_at"] == second[n]["timings"]["finished_at"] for n in again)
 
 
+USER_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: "{data}"
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def _user_task(folder: Path, name: str, word: str, answer) -> Path:  # type: ignore[no-untyped-def]
+    """A three-item two-way choice task in its own folder, as a user writes one; returns its YAML."""
+    folder.mkdir()
+    items = [
+        {"question": f"{a} {word} {b} is", "choices": [str(answer(a, b)), str(answer(a, b) + 3)], "label": 0}
+        for a, b in [(1, 2), (2, 5), (4, 4)]
+    ]
+    (folder / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (folder / "task.yaml").write_text(USER_TASK.format(name=name, data=folder / "items.jsonl"))
+    return folder / "task.yaml"
+
+
+@pytest.mark.slow
+def test_editing_a_user_task_reruns_its_evaluation_and_reuses_the_unchanged_tasks(
+    evaluated: dict, tmp_path: Path
+) -> None:
+    """A user task's definition was keyed in `evaluate/tasks`' identity but reached its output only as
+    manifest `extra`: after an edit to its YAML, `evaluate/tasks` was rebuilt into the same bytes, so
+    its output digest, and with it every metric run's key, stayed the same, and the runs were reused
+    with the old task's results. (A built-in task hid it: its rendered YAML holds the output's own
+    path, so any new key of `evaluate/tasks` gave new bytes; user tasks alone do not.) Its definition
+    is in the output now (`tasks.json`, no paths): the run reruns, lm-eval evaluates only the edited
+    task, and the unchanged task's result is reused inside the run."""
+    import shutil
+
+    from lmforge.executor import run_pipeline_locally
+    from lmforge.explain import explain
+    from tests.conftest import small_config
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
+    sums = _user_task(tmp_path / "sums", "lmforge_test_sums", "plus", lambda a, b: a + b)
+    products = _user_task(tmp_path / "products", "lmforge_test_products", "times", lambda a, b: a * b)
+
+    def config_with(task: Path):  # type: ignore[no-untyped-def]
+        tasks = f"evaluate.tasks=[{task}, {products}]"
+        return small_config(workspace, tasks, "evaluate.models=[dpo]", "evaluate.backends=[hf]")
+
+    run = "evaluate/dpo-hf"
+
+    def evaluated_tasks(manifests: dict) -> list[str]:
+        """The tasks lm-eval was asked to evaluate for this output of the metric run (not those reused)."""
+        spec = Path(manifests[run]["dir"]) / "lmeval_spec_hf.json"
+        return [t["name"] for t in json.loads(spec.read_text())["tasks"]]
+
+    first = run_pipeline_locally(config_with(sums), ["evaluate"])
+    assert evaluated_tasks(first) == ["lmforge_test_sums", "lmforge_test_products"]
+    # a second metric, as a user edits a task: another task, whose results must be computed anew
+    metric = "metric_list:\n  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+    sums.write_text(sums.read_text().replace("metric_list:\n", metric))
+    plans = {e.step: e for e in explain(config_with(sums), ["evaluate"])}
+    assert not plans["evaluate/tasks"].reuse and any("task_files" in r for r in plans["evaluate/tasks"].reasons)
+    second = run_pipeline_locally(config_with(sums), ["evaluate"])
+    assert second[run]["key"] != first[run]["key"], "the metric run was reused with the old task definition"
+    assert second["evaluate/tasks"]["digest"] != first["evaluate/tasks"]["digest"]
+    assert evaluated_tasks(second) == ["lmforge_test_sums"]  # the edited task only: the other one's result reused
+    result = json.loads((Path(second[run]["dir"]) / "results" / "lmforge_test_sums" / "result.json").read_text())
+    assert result["metrics"] == ["acc", "acc_norm"]  # the edited definition is what ran
+    kept = Path("results") / "lmforge_test_products" / "samples.jsonl"
+    assert (Path(second[run]["dir"]) / kept).read_bytes() == (Path(first[run]["dir"]) / kept).read_bytes()
+    listed = (Path(second["evaluate/tasks"]["dir"]) / "tasks.json").read_text()
+    assert "lmforge_test_sums" in listed and str(tmp_path) not in listed
+    # the same task folder elsewhere: `evaluate/tasks` is keyed by the path it is given, but makes the same
+    # bytes, so nothing downstream reruns
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(sums.parent, moved)
+    third = run_pipeline_locally(config_with(moved / sums.name), ["evaluate"])
+    assert third["evaluate/tasks"]["key"] != second["evaluate/tasks"]["key"]
+    assert third["evaluate/tasks"]["digest"] == second["evaluate/tasks"]["digest"]
+    downstream = [n for n in third if n.startswith("evaluate/") and n not in ("evaluate/tasks",)]
+    assert all(third[n]["timings"]["finished_at"] == second[n]["timings"]["finished_at"] for n in downstream)
+
+
 @pytest.mark.slow
 def test_the_contamination_gate_fails_naming_the_task_and_the_source(evaluated: dict, tmp_path: Path) -> None:
     import shutil
