@@ -11,7 +11,8 @@ of given texts (checked against the Hugging Face tokenizer's by the caller), the
 end-of-generation tokens the file carries, and one chat completion through the template.
 
 Why a script of its own: llama-cpp-python lives in its own environment (it is compiled there), so
-this module imports only the standard library, numpy and llama_cpp; the caller scores and gates.
+this module imports only the standard library, numpy, llama_cpp and serving.llamacpp_cpu; the caller scores
+and gates.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def measure(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     from llama_cpp import Llama
 
+    from serving.llamacpp_cpu import without_weight_repacking
+
+    without_weight_repacking()
     ctx = int(spec["n_ctx"])
     llm = Llama(model_path=model, n_ctx=ctx, logits_all=True, seed=0, verbose=False, n_threads=spec.get("threads"))
     out: dict[str, Any] = {"model": model, "n_ctx": ctx}

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from lmforge.vllm_guard import Guard
+    from serving.llamacpp_cpu import without_weight_repacking
+
+    without_weight_repacking()
 
     parser = argparse.ArgumentParser(prog="python -m serving.llamacpp_server")
     parser.add_argument("--model", required=True)
