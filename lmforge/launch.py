@@ -77,38 +77,40 @@ def _proc_address(hex_address: str) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
+def _tcp_sockets() -> list[list[str]] | None:
+    """The fields of every TCP socket of /proc/net/tcp and tcp6; None without them (not Linux)."""
+    rows: list[list[str]] | None = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        rows = (rows or []) + [line.split() for line in lines]
+    return rows
+
+
 def listening_sockets(port: int, host: str = "127.0.0.1") -> set[int] | None:
     """Inodes of the TCP sockets listening where a connection to `host:port` can land: on that
     address, or on a wildcard one (IPv4's, IPv6's, or IPv4 mapped into IPv6). None without
     /proc/net/tcp (not Linux): who listens cannot be told there."""
+    sockets = _tcp_sockets()
+    if sockets is None:
+        return None
     accepts = {host, "0.0.0.0", "::", f"::ffff:{host}"}
     found: set[int] = set()
-    readable = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        readable = True
-        for row in rows:
-            fields = row.split()
-            address, _, hex_port = fields[1].partition(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port and _proc_address(address) in accepts:  # 0A: LISTEN
-                found.add(int(fields[9]))
-    return found if readable else None
+    for fields in sockets:
+        address, _, hex_port = fields[1].partition(":")
+        if fields[3] == "0A" and int(hex_port, 16) == port and _proc_address(address) in accepts:  # 0A: LISTEN
+            found.add(int(fields[9]))
+    return found
 
 
 def open_connections(port: int) -> int | None:
     """TCP connections established to local port `port` (a server's clients); None without /proc."""
-    count, readable = 0, False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        readable = True
-        count += sum(1 for r in rows if (f := r.split())[3] == "01" and int(f[1].rpartition(":")[2], 16) == port)
-    return count if readable else None
+    sockets = _tcp_sockets()
+    if sockets is None:
+        return None
+    return sum(1 for f in sockets if f[3] == "01" and int(f[1].rpartition(":")[2], 16) == port)  # 01: ESTABLISHED
 
 
 def socket_inodes(pids: set[int]) -> dict[int, int]:
