@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -72,6 +73,21 @@ class EngineConfig(StrictModel):
     )
     startup_timeout_s: float = runtime_field(
         240.0, description="Seconds to wait for /health and a first completion.", gt=0
+    )
+    cpu_threads_bind: str = runtime_field(
+        "nobind",
+        description="CPU only (VLLM_CPU_OMP_THREADS_BIND): nobind lets the OS place the worker's threads, so two "
+        "servers on one host (a promotion, an evaluation beside the served model) share every core; auto is "
+        "vLLM's own binding, which pins every server's worker to the same cores (on 2 cores a promotion under "
+        "load then waited minutes for its worker to import); or core lists such as 0-3 (one per rank, '|' "
+        "between ranks).",
+        pattern=r"^(nobind|auto|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*(\|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)*)$",
+    )
+    cpu_threads: int | None = runtime_field(
+        None,
+        description="CPU only, with cpu_threads_bind nobind: the worker's OpenMP threads (default: the usable "
+        "cores less one for the API server and scheduler, at least 1, as vLLM's auto binding counts them).",
+        ge=1,
     )
     max_n: int = runtime_field(4, description="Largest `n`/`best_of` a request may ask for (400 beyond).", ge=1)
     api_paths: list[str] = runtime_field(
@@ -327,6 +343,7 @@ def server_env(
         max_concurrent=cfg.max_concurrent_per_key,
     )
     return {
+        **cpu_threads_env(cfg),
         **guard_env(api_key, limits, admin_key, adapter_roots, tuple(cfg.api_paths)),
         **({DRAIN_ENV: str(drain_file)} if drain_file is not None else {}),
         "VLLM_API_KEY": api_key,
@@ -337,6 +354,23 @@ def server_env(
         "DO_NOT_TRACK": "1",
         **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if admin_key else {}),
     }
+
+
+def cpu_threads_env(cfg: EngineConfig) -> dict[str, str]:
+    """Where a CPU server's worker threads run (nothing on a GPU host). vLLM's `auto` binding gives
+    each server's worker the same cores (all but one, counted from the first) and pins it there
+    for its life, so a second server on the host (a promotion, an evaluation's temporary server)
+    shares those cores with a busy one while the rest idle: on 2 cores, 1 of 3 promotions under
+    load waited 240 s and more for its new worker to import. Unbound, the OS spreads them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_threads_bind}
+    if cfg.cpu_threads_bind == "nobind":
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(cfg.cpu_threads or max(1, usable - 1))
+    return env
 
 
 def plain_chat_template(model_dir: Path, into: Path) -> Path | None:

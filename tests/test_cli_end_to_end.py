@@ -9,6 +9,7 @@ lifecycle from an empty workspace is what `scripts/demo.sh` runs (its timings ar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -135,6 +136,26 @@ def test_the_run_ends_with_a_served_model_that_answers_through_openai(
     )
     deploy = json.loads(next(workspace.glob("serve/release/*/manifest.json")).read_text())
     assert deploy["counts"]["slo_levels"] >= 4 and deploy["counts"]["slo_errors"] == 0
+
+
+def test_the_served_model_is_not_pinned_to_the_cores_every_cpu_server_gets(
+    first_run: subprocess.CompletedProcess, workspace: Path
+) -> None:
+    """Every process of the served model may run on every usable core, with the worker's OpenMP
+    threads set. Before: vLLM's auto binding pinned each server's worker to the same cores (core 0
+    of 2 here), so the next server started beside it (a promotion under load) shared that core with
+    a busy worker and, 1 time in 3, took over 240 s to import (CI's failed promotion)."""
+    from lmforge.launch import process_tree
+
+    record, _ = served(workspace)
+    pid = json.loads(Path(record["pid_file"]).read_text())["pid"]
+    tree = process_tree(pid)
+    assert len(tree) >= 4  # supervisor, API server, engine core, worker
+    usable = os.sched_getaffinity(0)
+    pinned = {p: sorted(os.sched_getaffinity(p)) for p in tree if os.sched_getaffinity(p) != usable}
+    assert not pinned, f"processes pinned to fewer than the usable cores {sorted(usable)}: {pinned}"
+    environ = {p: Path(f"/proc/{p}/environ").read_bytes().split(b"\0") for p in tree}
+    assert all(f"OMP_NUM_THREADS={max(1, len(usable) - 1)}".encode() in env for env in environ.values())
 
 
 def test_bad_requests_get_4xx_and_64_clients_get_no_5xx(
@@ -325,8 +346,8 @@ def test_promotions_and_a_rollback_under_steady_load_drop_no_request(
         marks.append(time.time())
         rolled_back = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(broken), timeout=600)
         marks.append(time.time())
-        # another new model (not the released one again: starting the model whose server was just drained
-        # and stopped hung in vLLM's worker start for the whole start-up timeout, three times; README)
+        # another new model. With vLLM's auto thread binding this start waited out the whole 240 s in CI: its
+        # worker was pinned to the busy serving worker's core (test_the_served_model_is_not_pinned_...)
         back = lmforge("serve", "start", "--workspace", str(workspace), "--model", str(second), timeout=600)
         marks.append(time.time())
         time.sleep(5)
