@@ -48,7 +48,7 @@ tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
 dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
 model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=dtype)
 if spec["kind"] == "rl":  # the same prompts, the same reward function (lmforge.verify's check)
-    from training.align.rl import prompt_records, verifier_reward
+    from training.align.methods.rl import prompt_records, verifier_reward
     from datasets import Dataset
     data = Dataset.from_list(prompt_records(spec["train"], cfg["prompts"]))
 else:

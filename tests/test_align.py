@@ -277,7 +277,7 @@ def test_fsdp2_alignment_builds_accelerates_fsdp2_plugin_and_is_refused_on_cpu(t
     from trl import SFTConfig
 
     from lmforge.errors import ConfigError
-    from training.align.entry import _training_args
+    from training.align.kit import training_args as _training_args
 
     config = {"micro_batch_size": 4, "global_batch_size": 8, "lr": 1e-3, "lr_scheduler": "cosine"}
     config.update({"warmup_ratio": 0.1, "weight_decay": 0.0, "max_steps": 4, "save_steps": 2, "seed": 0})

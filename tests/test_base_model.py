@@ -219,7 +219,7 @@ def _loss_tokens(tokenizer_dir: Path, base_dir: Path, tmp_path: Path) -> list[st
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from training.align.entry import as_prompt_completion, trainable_template
+    from training.align.methods.sft import as_prompt_completion, trainable_template
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     markers = trainable_template(tokenizer)  # as the SFT entry decides it

@@ -30,7 +30,7 @@ def _without_rl(rl_aligned: dict, tmp_path: Path) -> Path:
 def test_reward_model_ranks_held_out_pairs_and_is_exported_as_a_sequence_classifier(rl_aligned: dict) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from training.align.rl import pairwise_accuracy
+    from training.align.methods.reward import pairwise_accuracy
 
     manifest = rl_aligned["align/reward"]
     m = manifest["metrics"]
@@ -179,7 +179,7 @@ def test_rl_as_a_lora_adapter_trains_only_the_adapter_and_exports_it_merged(rl_a
 
 def test_rl_configuration_errors_are_one_line_naming_the_field(tmp_path: Path) -> None:
     from lmforge.errors import ConfigError
-    from training.align.rl import import_function
+    from training.align.methods.rl import import_function
 
     for bad, message in (
         ("align.recipe=[dpo, sft]", "recipe"),
@@ -203,7 +203,7 @@ def test_rl_configuration_errors_are_one_line_naming_the_field(tmp_path: Path) -
 
 def test_the_verifier_is_the_one_evaluation_scores_with() -> None:
     from lmforge.verify import is_correct, partial_credit
-    from training.align.rl import partial_verifier_reward, verifier_reward
+    from training.align.methods.rl import partial_verifier_reward, verifier_reward
 
     assert is_correct(" 17\n", "17") and is_correct("17\nmore text", "17") and not is_correct("17.", "17")
     assert verifier_reward([[{"role": "assistant", "content": "Paris"}], "Rome"], ["Paris", "Paris"]) == [1.0, 0.0]
@@ -276,7 +276,7 @@ def test_evaluation_compares_the_whole_road_and_quantization_takes_the_rl_model(
 
 
 def test_a_gain_on_rl_prompts_that_misses_held_out_ones_is_one_warning_line() -> None:
-    from training.align.entry import generalisation
+    from training.align.methods.rl import generalisation
 
     own = {"rl_prompts_exact_match_delta": 0.063, "rl_prompts_exact_match_delta_ci": [0.007, 0.12]}
     held = {"exact_match_delta": -0.007, "exact_match_delta_ci": [-0.026, 0.012]}
@@ -296,7 +296,7 @@ def test_the_prompt_filter_keeps_the_pass_rates_asked_for_and_fails_in_one_line_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmforge.errors import ConfigError
-    from training.align.rl import filter_prompts, prompt_records
+    from training.align.methods.rl import filter_prompts, prompt_records
 
     hf = Path(aligned["align/sft"]["dir"]) / "hf"
     model, tokenizer = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
@@ -326,7 +326,7 @@ def test_the_prompt_filter_keeps_the_pass_rates_asked_for_and_fails_in_one_line_
 
 
 def test_the_watch_fires_on_a_drop_beyond_noise_not_on_three_answers_of_64() -> None:
-    from training.align.rl import hacking
+    from training.align.methods.rl import hacking
 
     spec = {"config": {"hacking": {"min_reward_gain": 0.05, "max_accuracy_drop": 0.02, "max_loss_rise": 0.05}}}
 

@@ -131,7 +131,7 @@ class RewardModelConfig(TrainConfig):
 
 class DraftConfig(TrainConfig):
     """`align/draft`: a draft model for speculative decoding, distilled from the last model of the recipe
-    (TRL's GKDTrainer on the SFT conversations; see training/align/draft.py)."""
+    (TRL's GKDTrainer on the SFT conversations; see training/align/methods/draft.py)."""
 
     enabled: bool = runtime_field(
         False, description="Distil a draft model (serve.speculative.draft_model: distilled serves with it)."
@@ -285,9 +285,14 @@ class RlConfig(TrainConfig):
         return self
 
 
-Recipe = Literal["sft", "dpo", "reward", "rl"]
-RECIPE_ORDER: list[str] = ["sft", "dpo", "reward", "rl"]
-DEFAULT_RECIPE: list[Recipe] = ["sft", "dpo"]
+DEFAULT_RECIPE: list[str] = ["sft", "dpo"]
+
+
+def recipe_order() -> list[str]:
+    """The methods a recipe may name, in the order they run: the registry's (`training.align.methods`)."""
+    from training.align.methods import methods
+
+    return [m.name for m in methods().values() if m.in_recipe]
 
 
 class AlignDistributedConfig(StrictModel):
@@ -335,7 +340,7 @@ class AlignConfig(StrictModel):
     builtin: BuiltinDataConfig = BuiltinDataConfig()
     lora: LoraConfig = LoraConfig()
     # which steps run (like `stages`); what a step starts from reaches its key through its upstream
-    recipe: list[Recipe] = runtime_field(
+    recipe: list[str] = runtime_field(
         default_factory=lambda: list(DEFAULT_RECIPE),
         description="The alignment steps in order: [sft, dpo] (default), [sft, rl], [sft, dpo, rl], "
         "[sft, reward, rl], [sft, reward], ... The last model (dpo or rl) is what evaluation compares "
@@ -356,10 +361,13 @@ class AlignConfig(StrictModel):
 
     @model_validator(mode="after")
     def _recipe_in_order(self) -> AlignConfig:
-        r = self.recipe
-        if not r or r[0] != "sft" or len(set(r)) != len(r) or r != sorted(r, key=RECIPE_ORDER.index):
+        r, order = self.recipe, recipe_order()
+        unknown = [m for m in r if m not in order]
+        if unknown:
+            raise ValueError(f"recipe {r}: no alignment method {unknown[0]!r} (registered: {', '.join(order)})")
+        if not r or r[0] != "sft" or len(set(r)) != len(r) or r != sorted(r, key=order.index):
             raise ValueError(
-                f"recipe {r}: steps run in the order sft, dpo, reward, rl; sft first, each at most once "
+                f"recipe {r}: steps run in the order {', '.join(order)}; sft first, each at most once "
                 "(e.g. [sft, dpo], [sft, rl], [sft, dpo, rl], [sft, reward, rl])"
             )
         if "rl" in r and any(f.kind == "reward_model" for f in self.rl.rewards) and "reward" not in r:

@@ -1,11 +1,7 @@
-"""Reward models and online RL for the alignment stage, on TRL's trainers.
-
-- `align/reward`: TRL's `RewardTrainer` (Bradley-Terry on chosen/rejected) on a sequence-
-  classification head over the SFT model; exported as an `AutoModelForSequenceClassification`
-  directory with its tokenizer; held-out pairwise accuracy with a bootstrap interval.
-- `align/rl`: TRL's `GRPOTrainer` (or `RLOOTrainer`) from the SFT or DPO model with the rewards
-  of `align.rl.rewards`: the verifier (`lmforge.verify`, the check evaluation's exact match
-  uses), the reward model, a user's `module:function`, summed with their weights.
+"""`align/rl`: online RL with TRL's `GRPOTrainer` (or `RLOOTrainer`) from the SFT or DPO model with
+the rewards of `align.rl.rewards`: the verifier (`lmforge.verify`, the check evaluation's exact
+match uses), the reward model (`training.align.methods.reward`), a user's `module:function`,
+summed with their weights.
 
 What TRL does not do, and this module adds (each measured, each small):
 
@@ -27,13 +23,17 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.jsonl import read_jsonl
+from lmforge.stage import Product, hf_model
 from lmforge.verify import is_correct, partial_credit
+from training.align.methods import AlignMethod
+from training.align.methods.reward import load_reward_model, score
 
 log = logging.getLogger("training.align")
+SFT_MODEL, DPO_MODEL, REWARD_MODEL = hf_model("sft"), hf_model("dpo"), Product("reward-model")
 
 
 class RewardHacking(DeterministicError):
@@ -249,12 +249,12 @@ def filter_summary(out_dir: Path) -> dict[str, Any] | None:
     }
 
 
-def rl_trainer(
-    spec: dict[str, Any], model: Any, tokenizer: Any, args_for: Any, callbacks: list[Any], peft: Any = None
-) -> Any:
+def rl_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
     """TRL's GRPOTrainer (or RLOOTrainer) for the spec; with `peft` (a LoRA config) it trains an adapter,
     and TRL takes the reference's log-probabilities with the adapter switched off."""
     from datasets import Dataset
+
+    from training.align.kit import peft_config, training_args
 
     cfg = spec["config"]
     functions, weights = reward_functions(cfg["rewards"], spec.get("reward_model_dir"))
@@ -279,7 +279,7 @@ def rl_trainer(
     else:
         from trl import RLOOConfig as RLConfig  # type: ignore[assignment]
         from trl import RLOOTrainer as RLTrainer  # type: ignore[assignment]
-    args = args_for(spec, RLConfig, **common)
+    args = training_args(spec, RLConfig, **common)
     left_padding_positions(model)
     model.generation_config.max_length = None  # max_completion_length bounds generation (else a warning per batch)
     prompts = filter_prompts(spec, model, tokenizer, prompt_records(spec["train"], cfg["prompts"]))
@@ -290,7 +290,7 @@ def rl_trainer(
         from transformers import AutoTokenizer
 
         reward_tokenizers = [AutoTokenizer.from_pretrained(f) if isinstance(f, str) else None for f in functions]
-        functions = [_load_reward_model(f) if isinstance(f, str) else f for f in functions]
+        functions = [load_reward_model(f) if isinstance(f, str) else f for f in functions]
     return RLTrainer(
         model=model,
         reward_funcs=functions,
@@ -299,105 +299,8 @@ def rl_trainer(
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizers,
         callbacks=callbacks,
-        peft_config=peft,
+        peft_config=peft_config(spec),
     )
-
-
-def _load_reward_model(path: str) -> Any:
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32).eval()
-    model.config._name_or_path = "reward_model"  # TRL names its metrics after it: rewards/reward_model/mean
-    return model
-
-
-# -- the reward model ---------------------------------------------------------------------------------
-
-
-def reward_trainer(spec: dict[str, Any], tokenizer: Any, args_for: Any, callbacks: list[Any], peft: Any) -> Any:
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForSequenceClassification, set_seed
-    from trl import RewardConfig, RewardTrainer
-
-    cfg = spec["config"]
-    # the score head is new, initialised at random: seeded here, as the Trainer seeds only after the
-    # model exists (unseeded, held-out accuracy of the same step ranged 0.626-0.714 on tiny-cpu-rl,
-    # and 0.5 on the tests' small model once)
-    set_seed(cfg["seed"])
-    model = AutoModelForSequenceClassification.from_pretrained(
-        spec["base_dir"],
-        num_labels=1,
-        dtype=torch.bfloat16 if spec["precision"] == "bf16" else torch.float32,
-    )
-    model.config.pad_token_id = tokenizer.pad_token_id
-    extra = (
-        {"center_rewards_coefficient": cfg["center_rewards_coefficient"]}
-        if cfg.get("center_rewards_coefficient")
-        else {}
-    )
-    args = args_for(spec, RewardConfig, disable_dropout=True, **extra)
-    data = load_dataset("json", data_files=spec["train"], split="train").select_columns(
-        ["prompt", "chosen", "rejected"]
-    )
-    if peft is not None:
-        peft.task_type = "SEQ_CLS"
-    return RewardTrainer(
-        model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=peft, callbacks=callbacks
-    )
-
-
-def score(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], batch_size: int = 16) -> list[float]:
-    """The reward model's scalar for each whole conversation (chat template applied, as TRL does)."""
-    import torch
-
-    device = next(model.parameters()).device
-    out: list[float] = []
-    tokenizer.padding_side = "right"
-    for start in range(0, len(conversations), batch_size):
-        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations[start : start + batch_size]]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        with torch.no_grad():
-            logits = model(**batch).logits
-        out += [float(v) for v in logits[:, 0].float().cpu()]
-    return out
-
-
-def pairwise_accuracy(model: Any, tokenizer: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """How often the reward model scores held-out chosen above rejected, with a 95% bootstrap interval."""
-    from training.align.heldout import bootstrap_ci
-
-    chosen = score(model, tokenizer, [r["prompt"] + r["chosen"] for r in records])
-    rejected = score(model, tokenizer, [r["prompt"] + r["rejected"] for r in records])
-    wins = [float(c > r) for c, r in zip(chosen, rejected)]
-    accuracy, low, high = bootstrap_ci(wins)
-    margins = [c - r for c, r in zip(chosen, rejected)]
-    return {
-        "pairwise_accuracy": accuracy,
-        "pairwise_accuracy_ci": [low, high],
-        "mean_margin": sum(margins) / len(margins) if margins else float("nan"),
-        "items": len(wins),
-    }
-
-
-def finish_reward(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
-    """Rank 0 after training: the exported classifier (LoRA merged) with its tokenizer, held-out accuracy."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    out_dir = Path(spec["out_dir"])
-    if spec.get("lora") is not None:
-        from peft import PeftModel
-
-        base = AutoModelForSequenceClassification.from_pretrained(spec["base_dir"], num_labels=1, dtype=torch.float32)
-        base.config.pad_token_id = tokenizer.pad_token_id
-        merged = PeftModel.from_pretrained(base, str(out_dir / "adapter")).merge_and_unload()
-        merged.save_pretrained(str(hf), safe_serialization=True)
-    tokenizer.save_pretrained(str(hf))
-    (hf / "training_args.bin").unlink(missing_ok=True)
-    model = _load_reward_model(str(hf))
-    return pairwise_accuracy(model, tokenizer, list(read_jsonl(Path(spec["heldout"]))))
 
 
 # -- held-out figures of a policy ---------------------------------------------------------------------
@@ -417,7 +320,7 @@ class Probe:
         self.functions, self.weights = reward_functions(
             [t for t in cfg["rewards"] if t["kind"] != "reward_model"], None
         )
-        self.reward_model = _load_reward_model(spec["reward_model_dir"]) if spec.get("reward_model_dir") else None
+        self.reward_model = load_reward_model(spec["reward_model_dir"]) if spec.get("reward_model_dir") else None
         self.reward_tokenizer = None
         if self.reward_model is not None:
             from transformers import AutoTokenizer
@@ -427,9 +330,9 @@ class Probe:
 
     def _reference(self) -> Any:
         if self.reference is None:
-            from training.align.entry import _load_model
+            from training.align.kit import load_model
 
-            self.reference = _load_model(self.spec["base_dir"], "fp32").eval()
+            self.reference = load_model(self.spec["base_dir"], "fp32").eval()
         return self.reference
 
     def measure(self, model: Any, with_kl: bool = True) -> dict[str, Any]:
@@ -560,4 +463,238 @@ def hacking(spec: dict[str, Any], start: dict[str, Any], now: dict[str, Any]) ->
         f"reward hacking: held-out {name} rose {start[proxy]:.3f} -> {now[proxy]:.3f} while "
         + " and ".join(worse)
         + "; raise align.rl.beta, lower align.rl.lr, or fix the reward"
+    )
+
+
+# -- the method ---------------------------------------------------------------------------------------
+
+
+class RL(AlignMethod):
+    name = "rl"
+    description = (
+        "Online RL with TRL's GRPOTrainer/RLOOTrainer: verifiable, learned or user rewards, KL to the start, "
+        "reward-hacking watch"
+    )
+    data = "chat"  # prompts from the SFT conversations
+    starts: ClassVar[tuple[Product, ...]] = (DPO_MODEL, SFT_MODEL)
+    generates = False  # its watch measures the held-out answers (HackingWatch)
+
+    def start(self, config: Any) -> Product:
+        """The policy RL starts from: DPO's model when the recipe has DPO before RL, else SFT's."""
+        return DPO_MODEL if "dpo" in config.align.recipe and config.align.dpo.enabled else SFT_MODEL
+
+    def upstream(self, config: Any) -> tuple[Product, ...]:
+        # the reward model, when the recipe trains one: a reward term, or else the watch's proxy
+        return (*super().upstream(config), *((REWARD_MODEL,) if "reward" in config.align.recipe else ()))
+
+    def identity(self, config: Any) -> dict[str, Any]:
+        """Its precision, and the source of each user reward `module:function` (the function runs
+        inside the step, so its code shapes the policy; the config only names it)."""
+        functions = sorted({r.function for r in config.align.rl.rewards if r.kind == "function" and r.function})
+        sources = {f: {"content": reward_source_digest(f)} for f in functions}
+        return {**super().identity(config), **({"reward_functions": sources} if sources else {})}
+
+    def spec(self, ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
+        from lmforge.errors import ConfigError
+        from training.align.data import spread_over_tasks
+        from training.device import detect_device
+
+        cfg = self.section(ctx.config)
+        if cfg.use_vllm and detect_device().kind != "cuda":
+            raise ConfigError(
+                "align.rl.use_vllm: TRL's vLLM generation (colocate mode) needs GPUs; on CPU the Trainer generates"
+            )
+        all_heldout = list(read_jsonl(Path(spec["heldout"])))
+        verifiable_all = [r for r in all_heldout if "answer" in r]
+        return {
+            **spec,
+            "reward_model_dir": str(ctx.path(REWARD_MODEL)) if ctx.has(REWARD_MODEL) else None,
+            "heldout_all": verifiable_all,  # the final before/after figures: every held-out verifiable item
+            "heldout_chats": all_heldout[: cfg.heldout_prompts],  # the SFT loss the watch follows
+            "stop_on_hacking": cfg.stop_on_hacking,
+            "use_vllm": cfg.use_vllm,
+            "heldout_generation": spread_over_tasks(verifiable_all, cfg.heldout_prompts),
+        }
+
+    def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+        return rl_trainer(spec, model, tokenizer, callbacks)
+
+    def callbacks(self, spec: dict[str, Any], holder: dict[str, Any]) -> list[Any]:
+        return [hacking_watch(spec, holder)]
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        out = measure_rl(spec, tokenizer, hf)
+        out["reward_hacking"] = (Path(spec["out_dir"]) / "hacking.json").exists()
+        out["prompt_filter"] = filter_summary(Path(spec["out_dir"]))
+        return out
+
+    def warnings(self, spec: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+        hacked = Path(spec["out_dir"]) / "hacking.json"
+        found = [json.loads(hacked.read_text())["message"]] if hacked.exists() else []
+        learnt_prompts = generalisation(summary, summary) if "rl_prompts_exact_match_delta_ci" in summary else None
+        return found + ([learnt_prompts] if learnt_prompts else [])
+
+
+def reward_source_digest(path: str) -> str:
+    """SHA-256 of the source file of the module of a reward `module:function`, found without running it
+    (`import_function` imports it when the step runs).
+
+    Only that file counts: modules it imports in turn are the user's to version. Finding a dotted
+    module imports its parent packages, as importing it will."""
+    import importlib.util
+
+    from lmforge.hashing import file_sha256
+
+    module = path.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a parent package missing, or broken
+        raise ConfigError(f"align.rl.rewards: cannot import {path} ({type(exc).__name__}: {exc})") from None
+    if spec is None:
+        raise ConfigError(f"align.rl.rewards: cannot import {path} (ModuleNotFoundError: no module named {module!r})")
+    if not spec.origin or not Path(spec.origin).is_file():
+        raise ConfigError(f"align.rl.rewards: {path}: its module has no source file to fingerprint ({spec.origin})")
+    return file_sha256(spec.origin)
+
+
+def hacking_watch(spec: dict[str, Any], holder: dict[str, Any]) -> Any:
+    """Rank 0, at the start and every `eval_every` steps: the held-out probe (`Probe`)
+    (verified accuracy, proxy reward, reward-model score, SFT loss, KL distribution) into
+    metrics.jsonl, and the reward-hacking verdict against the start."""
+    from transformers import TrainerCallback
+
+    from training.align.kit import METRICS, sharded
+
+    out_dir = Path(spec["out_dir"])
+    start_file, warned_file = out_dir / "rl_start.json", out_dir / "hacking.json"
+
+    class HackingWatch(TrainerCallback):
+        def __init__(self) -> None:
+            self.probe: Probe | None = None
+            self.start: dict[str, Any] | None = None
+
+        def _measure(self, step: int) -> dict[str, Any]:
+            if self.probe is None:
+                self.probe = Probe(spec, holder["tokenizer"])
+            trainer = holder["trainer"]
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            was_training = model.training
+            figures = summarize(self.probe.measure(model))
+            model.train(was_training)
+            with open(out_dir / METRICS, "a") as handle:
+                rows = {f"watch/{k}": v for k, v in figures.items() if k != "heldout_verified_items"}
+                handle.write(json.dumps({"step": step, **rows}) + "\n")
+            return figures
+
+        def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if not state.is_world_process_zero or sharded(spec):
+                return
+            if start_file.exists():  # a resumed run compares with the start of the first attempt
+                self.start = json.loads(start_file.read_text())
+                return
+            self.start = self._measure(0)
+            from lmforge.hashing import atomic_write_json
+
+            atomic_write_json(start_file, self.start)
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step % spec["eval_every"] or not state.is_world_process_zero or self.start is None:
+                return
+            now = self._measure(state.global_step)
+            verdict = hacking(spec, self.start, now)
+            log.info(
+                "rl step %d: held-out verified %.3f, reward %.3f%s, KL p50 %.4f p90 %.4f",
+                state.global_step,
+                now.get("heldout_verified", float("nan")),
+                now.get("heldout_configured_reward", float("nan")),
+                f", reward-model score {now['heldout_rm_score']:.3f}" if "heldout_rm_score" in now else "",
+                now.get("kl_p50", float("nan")),
+                now.get("kl_p90", float("nan")),
+            )
+            if verdict is None:
+                return
+            if not warned_file.exists():
+                log.warning("%s", verdict)
+                from lmforge.hashing import atomic_write_json
+
+                atomic_write_json(warned_file, {"step": state.global_step, "message": verdict})
+            if spec["stop_on_hacking"]:
+                raise RewardHacking(f"align.rl.stop_on_hacking: step {state.global_step}: {verdict}")
+
+    return HackingWatch()
+
+
+def measure_rl(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+    """Held-out figures of the policy RL started from and the one it made, on held-out prompts no RL
+    step saw: exact match (the verifier) with a paired interval on the change, the configured and the
+    reward model's reward, the SFT loss, and the KL distribution of the result to the start."""
+    from training.align.heldout import exact_match, paired_bootstrap
+    from training.align.kit import load_model
+
+    probe = Probe({**spec, "heldout_generation": spec["heldout_all"]}, tokenizer)
+    own = rl_prompts_sample(spec)
+    out: dict[str, Any] = {}
+    raw: dict[str, dict[str, Any]] = {}
+    own_hits: dict[str, list[float]] = {}
+    for name, path in (("before", spec["base_dir"]), ("after", str(hf))):
+        model = load_model(path, "fp32").eval()
+        raw[name] = probe.measure(model, with_kl=name == "after")
+        own_hits[name] = exact_match(model, tokenizer, own)["hits"] if own else []
+        for key, value in summarize(raw[name]).items():
+            if key == "heldout_verified_items":  # the watch's; the paired figures below use raw
+                continue
+            out[f"{key}_{name}" if not key.startswith("kl_") else key] = value
+        out[f"examples_{name}"] = raw[name]["examples"]
+        if name == "before":
+            probe.reference = model  # the start is the KL reference: load it once
+    out["exact_match_before"], out["exact_match_after"] = out["heldout_verified_before"], out["heldout_verified_after"]
+    for metric, key in (("exact_match", "heldout_verified"), ("heldout_reward", "heldout_configured_reward")):
+        delta, low, high = paired_bootstrap(raw["before"][key], raw["after"][key])
+        out[f"{metric}_delta"], out[f"{metric}_delta_ci"] = delta, [low, high]
+    by_task: dict[str, dict[str, list[float]]] = {}
+    for name in ("before", "after"):
+        for hit, record in zip(raw[name]["heldout_verified"], [r for r in spec["heldout_all"] if "answer" in r]):
+            by_task.setdefault(name, {}).setdefault(record["task"], []).append(hit)
+        out[f"exact_match_{name}_by_task"] = {t: round(sum(v) / len(v), 4) for t, v in sorted(by_task[name].items())}
+    out["heldout_items"] = out["heldout_generation_items"] = len(spec["heldout_all"])
+    if own:  # the same on RL's own prompts: whether RL taught the skill or its prompts
+        delta, low, high = paired_bootstrap(own_hits["before"], own_hits["after"])
+        out["rl_prompts_exact_match_before"] = sum(own_hits["before"]) / len(own)
+        out["rl_prompts_exact_match_after"] = sum(own_hits["after"]) / len(own)
+        out["rl_prompts_exact_match_delta"], out["rl_prompts_exact_match_delta_ci"] = delta, [low, high]
+        out["rl_prompts_items"] = len(own)
+    return out
+
+
+def rl_prompts_sample(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fixed sample of RL's own training prompts with a verified answer (those the prompt filter
+    kept, when it ran), as many as the held-out items: a gain there that does not reach held-out
+    ones is memorisation (measured on tiny-cpu-rl, a 4M model)."""
+    import random
+
+    from lmforge.errors import ConfigError
+
+    filtered = Path(spec["out_dir"]) / "prompt_filter.jsonl"
+    if filtered.exists():
+        from lmforge.jsonl import read_jsonl
+
+        verifiable = [r for r in read_jsonl(filtered) if r["kept"]]
+    else:
+        try:
+            verifiable = [r for r in prompt_records(spec["train"], "verifiable") if r.get("answer") is not None]
+        except ConfigError:  # RL on chats without a verified answer (align.rl.prompts: all): nothing to score
+            return []
+    return random.Random(0).sample(verifiable, min(len(verifiable), len(spec["heldout_all"])))
+
+
+def generalisation(own: dict[str, Any], heldout: dict[str, Any]) -> str | None:
+    """One line when RL's gain on its own prompts is real (interval above 0) and on held-out ones is not."""
+    (low, high), (held_low, held_high) = own["rl_prompts_exact_match_delta_ci"], heldout["exact_match_delta_ci"]
+    if low <= 0 or held_low > 0:
+        return None
+    return (
+        f"RL raised exact match on its own prompts by {own['rl_prompts_exact_match_delta']:+.3f} [{low:+.3f}, "
+        f"{high:+.3f}] but not on held-out ones ({heldout['exact_match_delta']:+.3f} [{held_low:+.3f}, "
+        f"{held_high:+.3f}]): the policy learnt its prompts, not the skill; more varied prompts "
+        "(align.builtin.per_skill) or a larger model"
     )

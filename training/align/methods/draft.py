@@ -7,7 +7,7 @@ construction, which a draft needs (vLLM checks the proposed token ids against th
 It is trained with TRL's `GKDTrainer` on the lineage's SFT conversations with `lmbda=0` (the
 dataset's sequences, no student sampling): the loss is the generalized Jensen-Shannon divergence
 between the teacher's and the student's token distributions (`beta=0`: forward KL to the teacher).
-Launch, checkpoints, resume and export are the alignment entry's, as for SFT.
+Launch, checkpoints, resume and export are the alignment entry's, as for SFT (`Draft` below).
 
 What a draft is worth is how often its next token is the teacher's: `measure_draft` reports the
 top-1 agreement with the teacher on the held-out conversations (before and after distillation)
@@ -21,7 +21,10 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from lmforge.stage import Product, hf_model
+from training.align.methods import AlignMethod
 
 log = logging.getLogger("training.align")
 LAYER = re.compile(r"(\.(?:layers|h)\.)(\d+)\.")
@@ -58,15 +61,18 @@ def build_student(teacher: Any, layers: int | None) -> Any:
     return student
 
 
-def draft_trainer(
-    spec: dict[str, Any], teacher: Any, tokenizer: Any, args_for: Any, callbacks: list[Any], dataset: Any
-) -> Any:
+def draft_trainer(spec: dict[str, Any], teacher: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+    """TRL's GKDTrainer distilling `teacher` (the model the entry loaded) into a layer-dropped copy."""
     import os
+
+    from training.align.kit import dataset as load_dataset
+    from training.align.kit import training_args
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     cfg = spec["config"]
+    dataset = load_dataset(spec["train"], ["messages"])
     # GKD's collator splits each conversation into prompt and last answer and refuses one whose
     # answer alone fills max_length: those are left out (counted in the log), not truncated
     fits = dataset.filter(
@@ -82,7 +88,7 @@ def draft_trainer(
 
         raise ConfigError(f"align.draft: no SFT conversation fits in {spec['max_length']} tokens")
     student = build_student(teacher, cfg["layers"])
-    args = args_for(spec, GKDConfig, lmbda=0.0, beta=cfg["beta"], temperature=cfg["temperature"], seq_kd=False)
+    args = training_args(spec, GKDConfig, lmbda=0.0, beta=cfg["beta"], temperature=cfg["temperature"], seq_kd=False)
     teacher.eval()
     return GKDTrainer(
         model=student,
@@ -157,3 +163,38 @@ def measure_draft(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, A
         "teacher_params": _params(teacher),
         "params_ratio": _params(student) / _params(teacher),
     }
+
+
+class Draft(AlignMethod):
+    name = "draft"
+    description = "Draft model for speculative decoding: fewer of the teacher's layers, distilled with TRL's GKDTrainer"
+    data = "chat"
+    in_recipe = False
+    product = Product("draft-model")  # not an hf-model role: nothing evaluates, quantizes or serves it alone
+    # the teacher: the recipe's last policy (the model serving takes when unquantized)
+    starts: ClassVar[tuple[Product, ...]] = (hf_model("rl"), hf_model("dpo"), hf_model("sft"))
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.align.draft.enabled)
+
+    def start(self, config: Any) -> Product:
+        return teacher(config)
+
+    def lora(self, config: Any) -> bool:
+        return False  # a new, smaller model: every weight trains
+
+    def spec(self, ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
+        return {**spec, "heldout_generation": []}  # judged by agreement with its teacher, not by answers
+
+    def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+        return draft_trainer(spec, model, tokenizer, callbacks)
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        return measure_draft(spec, tokenizer, hf)
+
+
+def teacher(config: Any) -> Product:
+    """What the draft is distilled from: the recipe's last policy (the model serving takes when unquantized)."""
+    if "rl" in config.align.recipe:
+        return hf_model("rl")
+    return hf_model("dpo") if "dpo" in config.align.recipe and config.align.dpo.enabled else hf_model("sft")

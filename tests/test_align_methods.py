@@ -1,0 +1,107 @@
+"""The seam inside the alignment stage: methods are plug-ins (`training.align.methods`), found in one
+registry, and the stage's graph and rank entry name none of them."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILTIN = ("sft", "dpo", "reward", "rl", "draft")
+
+
+def test_the_registry_holds_the_builtin_methods_in_order_each_with_its_step() -> None:
+    from training.align.methods import AlignMethod, methods
+    from training.align.steps import ALIGN_STEPS
+
+    found = methods()
+    assert tuple(found)[: len(BUILTIN)] == BUILTIN
+    assert all(
+        isinstance(m, AlignMethod) and type(m).__module__ == f"training.align.methods.{n}" for n, m in found.items()
+    )
+    assert [s.name for s in ALIGN_STEPS] == ["align/data", *(f"align/{n}" for n in found)]
+
+
+def test_the_entry_and_the_training_steps_branch_on_no_method() -> None:
+    """No `spec["kind"] == ...` chain, no comparison with a method's name, in the code every method
+    shares (the rank entry, its kit, the training part of the step graph): what a method reads, builds
+    and produces is in its own module. (The data step still writes the two data formats to folders
+    named after the sections whose `inputs` they come from, `align.sft.inputs` and `align.dpo.inputs`.)"""
+    steps = (ROOT / "training/align/steps.py").read_text()
+    shared = {
+        "training/align/entry.py": (ROOT / "training/align/entry.py").read_text(),
+        "training/align/kit.py": (ROOT / "training/align/kit.py").read_text(),
+        "training/align/steps.py (training)": steps[steps.index("# -- training") :],
+    }
+    for name, text in shared.items():
+        compared = {
+            c.value
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Compare)
+            for c in ast.walk(node)
+            if isinstance(c, ast.Constant) and c.value in BUILTIN
+        }
+        assert not compared, f"{name} branches on method(s) {sorted(compared)}"
+        assert not re.search(r"""\[["']kind["']\]\s*(==|!=|in)""", text), name
+    planted = 'if spec["kind"] == "dpo":\n    pass\n'  # the check sees a branch when there is one
+    assert any(isinstance(c, ast.Constant) and c.value == "dpo" for c in ast.walk(ast.parse(planted).body[0].test))
+
+
+def test_a_method_step_counts_its_own_module_and_not_the_other_methods() -> None:
+    """Code identity follows modules: editing one method re-keys its step alone (and what reads its
+    output), and a new method re-keys nothing that exists."""
+    from lmforge.codeprint import closure, step_roots
+    from training.align.steps import ALIGN_STEPS
+
+    for step in ALIGN_STEPS[1:]:
+        name = step.name.split("/")[1]
+        files = {f for f in closure(*step_roots(step)) if f.startswith("training/align/methods/")}
+        own = {f"training/align/methods/{name}.py", "training/align/methods/__init__.py"}
+        # RL's rewards include the reward model's score (the reward method's module)
+        expected = own | ({"training/align/methods/reward.py"} if name == "rl" else set())
+        assert files == expected, (step.name, sorted(files))
+
+
+def test_the_recipe_is_checked_against_the_registry() -> None:
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"no alignment method 'kto' \(registered: sft, dpo, reward, rl\)"):
+        load_config("tiny-cpu", ["align.recipe=[sft, kto]"], "/tmp/unused")
+    with pytest.raises(ConfigError, match="steps run in the order sft, dpo, reward, rl"):
+        load_config("tiny-cpu", ["align.recipe=[sft, rl, dpo]"], "/tmp/unused")
+    assert load_config("tiny-cpu", ["align.recipe=[sft, reward, rl]"], "/tmp/unused").align.recipe[-1] == "rl"
+
+
+def test_an_unknown_method_in_a_spec_is_one_line() -> None:
+    from lmforge.errors import ConfigError
+    from training.align.methods import method
+
+    with pytest.raises(ConfigError, match=r"no alignment method 'kto' \(registered: sft, dpo"):
+        method("kto")
+
+
+def test_a_name_registered_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry point that reuses a built-in's name would silently replace what every recipe means."""
+    import importlib.metadata
+
+    import training.align.methods as registry
+
+    class Point:
+        name, value = "sft_again", "training.align.methods.sft:SFT"
+
+        def load(self) -> object:
+            from training.align.methods.sft import SFT
+
+            return SFT
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [Point()] if group == registry.GROUP else [])
+    registry.methods.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="alignment method 'sft' registered twice"):
+            registry.methods()
+    finally:
+        registry.methods.cache_clear()

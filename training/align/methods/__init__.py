@@ -1,0 +1,227 @@
+"""Alignment methods as plug-ins: one module per method, one registry.
+
+A method is an `AlignMethod` subclass: its name (the step `align/<name>`, its config section
+`align.<name>`), the data it trains on, the model it starts from, the product it makes, how it
+builds its TRL trainer on each rank, how its result is exported and measured. The alignment
+step graph (`training.align.steps`) and the rank entry (`training.align.entry`) read only this
+interface: neither names a method.
+
+The built-in methods live beside this file (`sft`, `dpo`, `reward`, `rl`, `draft`). Another
+package adds one without editing lmforge through the `lmforge.align_methods` entry-point group:
+
+    [project.entry-points."lmforge.align_methods"]
+    kto = "my_package.kto:KTO"
+
+The registry is read when first asked (`methods()`), in the order: built-ins, then entry points
+sorted by name. Names must be unique.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lmforge.stage import BASE_MODEL, Product, fine_tunes_base, hf_model
+
+if TYPE_CHECKING:
+    from lmforge.config import PipelineBase
+    from lmforge.configbase import ConfigView
+    from lmforge.graph import StepContext
+
+GROUP = "lmforge.align_methods"
+BUILTIN = (
+    "training.align.methods.sft:SFT",
+    "training.align.methods.dpo:DPO",
+    "training.align.methods.reward:Reward",
+    "training.align.methods.rl:RL",
+    "training.align.methods.draft:Draft",
+)
+CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
+HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
+PRETRAINED = hf_model("pretrained")
+# modules every method's rank runs, beside its own (the entry loads the other methods' modules by
+# name, but runs only its own): part of every method step's code identity. Not this package as a
+# whole: naming a package counts every module in it (lmforge.codeprint), so a new method would
+# re-key every other method's step.
+KIT = (
+    "training.align.entry",
+    "training.align.kit",
+    "training.align.heldout",
+    "lmforge.verify",
+    "training.align.qlora",
+    "training.device_setup",
+    "training.export",
+)
+LIBS = ("trl", "transformers", "peft", "torch", "accelerate", "bitsandbytes")
+
+
+def precision(config: ConfigView) -> str:
+    """`align.precision` resolved: auto = bf16 on a GPU that has it, else fp32."""
+    from training.device import detect_device
+
+    if config.align.precision != "auto":
+        return config.align.precision
+    device = detect_device()
+    # on CPU fp32: bf16 autocast is slower there with TRL and not bit-identical across a resume
+    return "bf16" if device.kind == "cuda" and device.bf16 else "fp32"
+
+
+def start_model(config: PipelineBase) -> Product:
+    """What SFT starts from: the base model itself when one is set and this run does not pretrain
+    (`stages` without `pretrain`), otherwise the pretrained model (from scratch or continued)."""
+    return BASE_MODEL if fine_tunes_base(config) else PRETRAINED
+
+
+class AlignMethod:
+    """One alignment method. Subclasses set the class attributes and implement `trainer`; the rest
+    has defaults that fit a method training a causal LM with TRL on chat or preference data."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    version: ClassVar[int] = 1  # raise it when the method's outputs change for reasons its code does not show
+    data: ClassVar[str] = "preference"  # "chat" (messages) or "preference" (prompt, chosen, rejected)
+    product: ClassVar[Product]  # what it makes (default: the hf-model of role `name`)
+    # the products it may start from, first present wins at run time (the graph chose one: `start`)
+    starts: ClassVar[tuple[Product, ...]] = ()
+    loads_policy: ClassVar[bool] = True  # the entry loads the start model (4-bit under QLoRA) as `model`
+    generates: ClassVar[bool] = True  # held-out exact match of greedy answers every `eval_every` steps
+    code: ClassVar[tuple[str, ...]] = ()  # modules it runs beyond its own module and the KIT
+    in_recipe: ClassVar[bool] = True  # named in `align.recipe` (the draft is switched by its own `enabled`)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "product" not in cls.__dict__ and "name" in cls.__dict__:
+            cls.product = hf_model(cls.name)
+
+    # -- the step graph (the process that resolves and runs the pipeline) --------------------------
+
+    @property
+    def step_name(self) -> str:
+        return f"align/{self.name}"
+
+    def section(self, config: ConfigView | PipelineBase) -> Any:
+        return getattr(config.align, self.name)
+
+    def enabled(self, config: PipelineBase) -> bool:
+        """Whether `lmforge run` runs it: named in `align.recipe` (and its section's `enabled`, if it has one)."""
+        return self.name in config.align.recipe and getattr(self.section(config), "enabled", True)
+
+    def start(self, config: ConfigView | PipelineBase) -> Product:
+        """The model it starts from, chosen when the graph is resolved."""
+        raise NotImplementedError
+
+    def data_product(self) -> Product:
+        return CHAT_DATA if self.data == "chat" else PREFERENCE_DATA
+
+    def upstream(self, config: PipelineBase) -> tuple[Product, ...]:
+        return (self.start(config), self.data_product())
+
+    def lora(self, config: ConfigView | PipelineBase) -> bool:
+        """Whether it trains a LoRA adapter (merged for export)."""
+        return bool(getattr(self.section(config), "lora", False))
+
+    def training_fields(self) -> list[str]:
+        """The fields of `align.<name>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
+        from training.align.config import AlignConfig
+
+        section = AlignConfig.model_fields[self.name].annotation
+        return [f"align.{self.name}.{f}" for f in section.model_fields if f not in ("inputs", "enabled")]  # type: ignore[union-attr]
+
+    def reads(self, config: PipelineBase) -> tuple[str, ...]:
+        return (
+            *self.training_fields(),
+            *(("align.lora",) if self.lora(config) else ()),
+            "align.precision",
+        )
+
+    def identity(self, config: ConfigView) -> dict[str, Any]:
+        """What is computed into its key beyond the fields it reads (`Step.derive`)."""
+        return {"precision": precision(config)}
+
+    def spec(self, ctx: StepContext, spec: dict[str, Any]) -> dict[str, Any]:
+        """The rank spec, given the common one (`training.align.steps.rank_spec`): add or change fields."""
+        return spec
+
+    # -- each rank (training.align.entry) ------------------------------------------------------------
+
+    def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+        """TRL's trainer for the spec (`training.align.kit` has the model, arguments, LoRA and data helpers)."""
+        raise NotImplementedError
+
+    def callbacks(self, spec: dict[str, Any], holder: dict[str, Any]) -> list[Any]:
+        """Trainer callbacks beyond the entry's (metrics, held-out generation, checkpoint seals)."""
+        return []
+
+    # -- rank 0 after training -----------------------------------------------------------------------
+
+    def export(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        """Write `hf/` (the trainer saved `hf/` or, for LoRA, `adapter/`); summary fields it reports."""
+        from training.align.kit import export_causal_lm
+
+        return {"merge_parity_max_abs_logit_diff": export_causal_lm(spec, tokenizer, hf)}
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        """Held-out figures of the start and the result (`heldout_items` at least)."""
+        raise NotImplementedError
+
+    def warnings(self, spec: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+        """One line per thing worth a warning about the result (logged by the step, shown on its record)."""
+        return []
+
+
+def _load(target: str | Any) -> AlignMethod:
+    if isinstance(target, str):
+        module, _, attribute = target.partition(":")
+        target = getattr(importlib.import_module(module), attribute)
+    method = target() if isinstance(target, type) else target
+    if not isinstance(method, AlignMethod):
+        raise TypeError(f"{target!r} is not an AlignMethod")
+    return method
+
+
+@functools.cache
+def methods() -> dict[str, AlignMethod]:
+    """Every registered method by name: the built-ins, then the `lmforge.align_methods` entry points."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, AlignMethod] = {}
+    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    for origin, method in [
+        *((t, _load(t)) for t in BUILTIN),
+        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
+    ]:
+        if method.name in found:
+            raise ValueError(f"alignment method {method.name!r} registered twice ({origin})")
+        found[method.name] = method
+    return found
+
+
+def method(name: str) -> AlignMethod:
+    try:
+        return methods()[name]
+    except KeyError:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"no alignment method {name!r} (registered: {', '.join(methods())})") from None
+
+
+def first_present(ctx: StepContext, candidates: tuple[Product, ...]) -> Product:
+    """The first of `candidates` that is one of the step's inputs (what the graph chose)."""
+    return next(p for p in candidates if ctx.has(p))
+
+
+__all__ = [
+    "AlignMethod",
+    "CHAT_DATA",
+    "PREFERENCE_DATA",
+    "HELDOUT_SFT",
+    "HELDOUT_PREFERENCES",
+    "PRETRAINED",
+    "start_model",
+    "precision",
+    "methods",
+    "method",
+    "first_present",
+]

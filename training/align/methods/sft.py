@@ -1,0 +1,97 @@
+"""`align/sft`: supervised fine-tuning with TRL's `SFTTrainer` (full, LoRA or QLoRA, merged for
+export), loss on the assistant turns only; measured by held-out assistant loss and exact match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from lmforge.stage import BASE_MODEL, Product
+from training.align.methods import PRETRAINED, AlignMethod, start_model
+
+
+class SFT(AlignMethod):
+    name = "sft"
+    description = "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss"
+    data = "chat"
+    starts: ClassVar[tuple[Product, ...]] = (BASE_MODEL, PRETRAINED)
+
+    def enabled(self, config: Any) -> bool:  # every recipe starts with it
+        return True
+
+    def start(self, config: Any) -> Product:
+        return start_model(config)
+
+    def lora(self, config: Any) -> bool:
+        return config.align.method in ("lora", "qlora")
+
+    def reads(self, config: Any) -> tuple[str, ...]:
+        return (*super().reads(config), "align.method")
+
+    def spec(self, ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
+        return {**spec, "quantized_base": ctx.config.align.method == "qlora"}
+
+    def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+        from trl import SFTConfig, SFTTrainer
+
+        from training.align.kit import dataset, peft_config, training_args
+
+        # a base's own chat template without {% generation %} markers cannot mask by itself: TRL swaps
+        # in a marked copy of the templates it knows (Llama 3, Qwen 2.5/3, Gemma, Phi-3, ...); for
+        # any other, the last assistant turn becomes the completion and the rest the prompt
+        markers = trainable_template(tokenizer)
+        only_assistant = spec["config"]["assistant_only_loss"]
+        args = training_args(
+            spec,
+            SFTConfig,
+            assistant_only_loss=only_assistant and markers,
+            completion_only_loss=only_assistant and not markers,
+            packing=spec["config"]["packing"],
+        )
+        train_data = dataset(spec["train"], ["messages"])
+        if only_assistant and not markers:
+            train_data = train_data.map(as_prompt_completion, remove_columns=["messages"])
+        return SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=train_data,
+            processing_class=tokenizer,
+            peft_config=peft_config(spec),
+            callbacks=callbacks,
+        )
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        from training.align.kit import before_and_after
+
+        return before_and_after(spec, tokenizer, hf, assistant_loss_figures)
+
+
+def assistant_loss_figures(model: Any, tokenizer: Any, heldout: list[dict[str, Any]], max_length: int) -> Any:
+    """Held-out loss on the assistant turns, with its interval (no per-item pairing)."""
+    from training.align.heldout import assistant_loss
+
+    loss = assistant_loss(model, tokenizer, heldout, max_length)
+    return {"heldout_loss": loss["loss"], "heldout_loss_ci": [loss["loss_ci_low"], loss["loss_ci_high"]]}, None
+
+
+def trainable_template(tokenizer: Any) -> bool:
+    """Whether assistant-only loss works through the chat template: it has `{% generation %}`
+    markers, or TRL has a marked copy of it."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from lmforge.chat import has_generation_markers
+
+    if has_generation_markers(tokenizer.chat_template):
+        return True
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        return False
+    return True
+
+
+def as_prompt_completion(record: dict[str, Any]) -> dict[str, Any]:
+    """A chat as prompt (every turn before the last assistant turn) and completion (that turn)."""
+    messages = record["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return {"prompt": messages[:last], "completion": [messages[last]]}
