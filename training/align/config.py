@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from training.align.methods import methods
 
 RENAMED_BUILTIN = {"tasks": "skills", "per_task": "per_skill"}  # old name -> new, accepted for one more release
 Skill = Literal["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]
@@ -66,232 +67,11 @@ class LoraConfig(StrictModel):
     )
 
 
-class TrainConfig(StrictModel):
-    """The optimizer and schedule shared by SFT and DPO (each has its own copy)."""
-
-    lr: float = Field(2e-4, gt=0)
-    max_steps: int = Field(300, ge=1)
-    global_batch_size: int = Field(16, ge=1, description="Sequences (or pairs) per optimizer step, over all ranks.")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_seq_len: int | None = Field(
-        None, ge=8, description="Truncate sequences to this many tokens (default: the model's context)."
-    )
-    seed: int = 1234
-    save_steps: int = Field(50, ge=1, description="Checkpoint interval; a retry resumes from the latest one.")
-    micro_batch_size: int = runtime_field(8, description="Sequences per rank per forward pass.", ge=1)
-    eval_every: int = runtime_field(50, description="Held-out evaluation interval in steps.", ge=1)
-    log_every: int = runtime_field(10, description="Progress-log interval in steps.", ge=1)
-
-
-class SftConfig(TrainConfig):
-    inputs: list[str] = Field(
-        default_factory=list, description="Chat JSONL (OpenAI `messages`, or `prompt`/`completion`); empty: built in."
-    )
-    packing: bool = Field(True, description="Pack short conversations into full sequences (TRL's best-fit packing).")
-    assistant_only_loss: bool = Field(
-        True, description="Loss on assistant tokens only (TRL, via {% generation %} markers)."
-    )
-
-
-class DpoConfig(TrainConfig):
-    enabled: bool = runtime_field(True, description="Run DPO after SFT in `lmforge run`.")
-    inputs: list[str] = Field(
-        default_factory=list, description="Preference JSONL (`prompt`, `chosen`, `rejected`); empty: built in."
-    )
-    beta: float = Field(0.1, gt=0, description="DPO's KL strength (0.1 in the seeds).")
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="TRL's DPO loss.")
-    sft_weight: float = Field(
-        0.0,
-        ge=0,
-        description=(
-            "Weight of an NLL term on the chosen answer added to the DPO loss (TRL loss_type [.., 'sft'], "
-            "as in RPO/MPO); keeps the policy generating the chosen answers, not only ranking them. 0 = plain DPO."
-        ),
-    )
-    lora: bool = Field(False, description="Train DPO as a LoRA adapter on the SFT model (reference = adapter off).")
-    lr: float = Field(5e-7, gt=0, description="5e-7 for real models (the seeds); the tiny preset sets its own.")
-    max_steps: int = Field(150, ge=1)
-
-
-class RewardModelConfig(TrainConfig):
-    """`align/reward`: a Bradley-Terry reward model (TRL's RewardTrainer) on the lineage's preference data."""
-
-    init: Literal["sft", "base"] = Field(
-        "sft", description="Start from the SFT model (the usual choice) or from the model SFT started from."
-    )
-    lora: bool = Field(False, description="Train a LoRA adapter (merged for export) instead of every weight.")
-    center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="TRL's term that keeps rewards centred on 0 (0.01 in its docs); None: off."
-    )
-    lr: float = Field(1e-5, gt=0, description="1e-5 for real models; the tiny preset sets its own.")
-    max_steps: int = Field(150, ge=1)
-
-
-class DraftConfig(TrainConfig):
-    """`align/draft`: a draft model for speculative decoding, distilled from the last model of the recipe
-    (TRL's GKDTrainer on the SFT conversations; see training/align/methods/draft.py)."""
-
-    enabled: bool = runtime_field(
-        False, description="Distil a draft model (serve.speculative.draft_model: distilled serves with it)."
-    )
-    layers: int | None = Field(
-        None,
-        ge=1,
-        description="Decoder layers of the student (copied, evenly spaced, from the teacher's); "
-        "None: a quarter of the teacher's, at least 1.",
-    )
-    beta: float = Field(
-        0.0, ge=0, le=1, description="GKD's generalized JSD: 0 = forward KL to the teacher, 1 = reverse."
-    )
-    temperature: float = Field(1.0, gt=0, description="Softmax temperature of both distributions in the loss.")
-    heldout_chats: int = runtime_field(
-        200, ge=1, description="Held-out conversations the summary's top-1 agreement is measured on."
-    )
-    lr: float = Field(1e-3, gt=0)
-    max_steps: int = Field(200, ge=1)
-
-
-class RewardFunction(StrictModel):
-    """One term of RL's reward: the built-in verifier, the trained reward model, or a function of the user's."""
-
-    kind: Literal["verifier", "partial_verifier", "reward_model", "function"] = Field(
-        description="verifier: 1 when the completion is exactly the verified answer (lmforge.verify, the check "
-        "evaluation's exact match uses), else 0; partial_verifier: 1 when exact, else a share below 0.5 of its "
-        "character similarity to the answer; reward_model: the score of align/reward's model; function: "
-        "`function` below."
-    )
-    weight: float = Field(1.0, description="Weight of this term in the sum (TRL's reward_weights).")
-    function: str | None = Field(
-        None,
-        description="`module:function` taking (prompts, completions, **columns) and returning one float per "
-        "completion, as TRL's reward functions do (only for kind: function).",
-    )
-
-    @model_validator(mode="after")
-    def _function_named(self) -> RewardFunction:
-        if (self.kind == "function") != (self.function is not None):
-            raise ValueError("function: give module:function exactly when kind is function")
-        if self.function is not None and ":" not in self.function:
-            raise ValueError(f"function: {self.function!r} is not module:function")
-        return self
-
-
-class PromptFilterConfig(StrictModel):
-    """Which training prompts RL keeps: those the starting model answers right sometimes, not never or always.
-
-    A group of completions that all earn the same reward has no advantage and no gradient (GRPO and
-    RLOO); DAPO's dynamic sampling drops such groups. Here every candidate prompt is sampled `samples`
-    times once, before training, at the rollout temperature, and scored by the verifier."""
-
-    samples: int = Field(
-        0,
-        ge=0,
-        description="Completions per prompt the starting model samples to estimate its pass rate; 0 = keep all.",
-    )
-    min_pass_rate: float = Field(
-        0.0, ge=0, lt=1, description="Keep prompts answered right in more than this share of the samples."
-    )
-    max_pass_rate: float = Field(
-        1.0, gt=0, le=1, description="Keep prompts answered right in less than this share of the samples."
-    )
-    pool: int | None = Field(
-        None, ge=1, description="Score a seeded sample of this many training prompts (None: all of them)."
-    )
-
-    @model_validator(mode="after")
-    def _range(self) -> PromptFilterConfig:
-        if self.min_pass_rate >= self.max_pass_rate:
-            raise ValueError(f"min_pass_rate {self.min_pass_rate} is not below max_pass_rate {self.max_pass_rate}")
-        return self
-
-
-class HackingWatchConfig(StrictModel):
-    """Reward hacking: the reward model's score rising while what it should stand for gets worse."""
-
-    min_reward_gain: float = runtime_field(
-        0.05,
-        description="Rise of the held-out proxy reward (reward-model score, or the configured reward) over the "
-        "start that counts as rising (smaller moves are noise).",
-        ge=0,
-    )
-    max_accuracy_drop: float = runtime_field(
-        0.02, description="Fall of held-out verified accuracy (absolute) beyond which the watch fires.", ge=0
-    )
-    max_loss_rise: float = runtime_field(
-        0.05, description="Relative rise of the held-out SFT loss beyond which the watch fires.", ge=0
-    )
-
-
-class RlConfig(TrainConfig):
-    """`align/rl`: online RL with TRL's GRPOTrainer (or RLOOTrainer) from the SFT or DPO model."""
-
-    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL's GRPOTrainer or RLOOTrainer.")
-    rewards: list[RewardFunction] = Field(
-        default_factory=lambda: [RewardFunction(kind="verifier")],
-        min_length=1,
-        description="Reward terms, summed with their weights.",
-    )
-    prompts: Literal["verifiable", "all"] = Field(
-        "verifiable",
-        description="Training prompts: the SFT train split's items with a verified answer, or every SFT prompt "
-        "(the turns before the last assistant turn).",
-    )
-    prompt_filter: PromptFilterConfig = PromptFilterConfig()
-    beta: float = Field(0.04, ge=0, description="KL strength to the reference (the starting model); 0 = no KL term.")
-    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group).")
-    max_completion_length: int = Field(32, ge=1, description="Tokens generated per completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
-    epsilon: float = Field(0.2, gt=0, description="PPO-style clipping of the probability ratio.")
-    num_iterations: int = Field(1, ge=1, description="Optimisation passes per batch of rollouts (mu).")
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field("dapo", description="TRL's GRPO loss normalisation.")
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Divide advantages by the group's (or batch's) reward std; none as in Dr. GRPO."
-    )
-    lora: bool = Field(
-        False,
-        description=(
-            "Train a LoRA adapter (align.lora's rank, alpha, targets) on the starting policy, merged for export "
-            "with a parity check; the KL reference is the adapter switched off (no second model in memory)."
-        ),
-    )
-    lr: float = Field(1e-6, gt=0, description="1e-6 for real models; the tiny preset sets its own.")
-    max_steps: int = Field(200, ge=1)
-    global_batch_size: int = Field(
-        64, ge=1, description="Completions per optimizer step over all ranks (prompts x num_generations)."
-    )
-    use_vllm: bool = runtime_field(
-        False,
-        description="Generate with TRL's vLLM integration (colocate mode, GPUs only); on CPU the Trainer generates.",
-    )
-    hacking: HackingWatchConfig = HackingWatchConfig()
-    stop_on_hacking: bool = runtime_field(
-        False, description="Fail the step (not retried) when the reward-hacking watch fires, instead of warning."
-    )
-    heldout_prompts: int = runtime_field(
-        64, description="Held-out prompts the watch scores at every eval_every (reward model, verifier, KL).", ge=1
-    )
-
-    @model_validator(mode="after")
-    def _groups(self) -> RlConfig:
-        if self.global_batch_size % self.num_generations:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not a multiple of num_generations "
-                f"{self.num_generations} (each prompt's group of completions)"
-            )
-        if self.prompt_filter.samples and self.prompts != "verifiable":
-            raise ValueError("prompt_filter: pass rates need verified answers (prompts: verifiable)")
-        return self
-
-
 DEFAULT_RECIPE: list[str] = ["sft", "dpo"]
 
 
 def recipe_order() -> list[str]:
     """The methods a recipe may name, in the order they run: the registry's (`training.align.methods`)."""
-    from training.align.methods import methods
-
     return [m.name for m in methods().values() if m.in_recipe]
 
 
@@ -327,7 +107,9 @@ class AlignFaultConfig(StrictModel):
     corrupt_merge: bool = Field(False, description="Damage the merged LoRA model before its parity check.")
 
 
-class AlignConfig(StrictModel):
+class AlignConfigBase(StrictModel):
+    """`align:` without the methods' sections (`AlignConfig` adds one per registered method)."""
+
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
     method: Literal["full", "lora", "qlora"] = Field(
         "full",
@@ -346,11 +128,6 @@ class AlignConfig(StrictModel):
         "[sft, reward, rl], [sft, reward], ... The last model (dpo or rl) is what evaluation compares "
         "and quantization and serving take.",
     )
-    sft: SftConfig = SftConfig()
-    dpo: DpoConfig = DpoConfig()
-    reward: RewardModelConfig = RewardModelConfig()
-    rl: RlConfig = RlConfig()
-    draft: DraftConfig = DraftConfig()
     distributed: AlignDistributedConfig = AlignDistributedConfig()
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 where the hardware has it, else fp32."
@@ -360,7 +137,7 @@ class AlignConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _recipe_in_order(self) -> AlignConfig:
+    def _recipe_in_order(self) -> AlignConfigBase:
         r, order = self.recipe, recipe_order()
         unknown = [m for m in r if m not in order]
         if unknown:
@@ -370,12 +147,12 @@ class AlignConfig(StrictModel):
                 f"recipe {r}: steps run in the order {', '.join(order)}; sft first, each at most once "
                 "(e.g. [sft, dpo], [sft, rl], [sft, dpo, rl], [sft, reward, rl])"
             )
-        if "rl" in r and any(f.kind == "reward_model" for f in self.rl.rewards) and "reward" not in r:
-            raise ValueError("rl.rewards uses the reward model: add reward to align.recipe before rl")
+        for m in methods().values():
+            m.check(self)
         return self
 
     @model_validator(mode="after")
-    def _multinode_needs_hostfile(self) -> AlignConfig:
+    def _multinode_needs_hostfile(self) -> AlignConfigBase:
         d = self.distributed
         if d.num_nodes > 1 and not d.hostfile:
             raise ValueError("align.distributed.num_nodes > 1 needs a hostfile naming the nodes")
@@ -385,8 +162,7 @@ class AlignConfig(StrictModel):
             raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
-        trained = ("sft", "dpo", *(k for k in ("reward", "rl") if k in self.recipe))
-        for name in (*trained, *(("draft",) if self.draft.enabled else ())):
+        for name in (m.name for m in methods().values() if m.runs(self)):
             cfg = getattr(self, name)
             if d.num_ranks != "auto" and cfg.global_batch_size % (
                 cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes
@@ -396,3 +172,17 @@ class AlignConfig(StrictModel):
                     f"x ranks x nodes = {cfg.micro_batch_size} x {d.num_ranks} x {d.num_nodes}"
                 )
         return self
+
+
+def _with_sections() -> type[AlignConfigBase]:
+    """`align:` with one section per registered method (`align.<name>`, the method's `config` model)."""
+    from pydantic import create_model
+
+    sections: dict[str, Any] = {
+        m.name: (m.config, Field(default_factory=m.config, description=f"`align/{m.name}`: {m.description}."))
+        for m in methods().values()
+    }
+    return create_model("AlignConfig", __base__=AlignConfigBase, __module__=__name__, **sections)
+
+
+AlignConfig = _with_sections()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from lmforge.config import PipelineBase
     from lmforge.configbase import ConfigView
     from lmforge.graph import StepContext
+    from training.align.sections import TrainConfig
 
 GROUP = "lmforge.align_methods"
 BUILTIN = (
@@ -80,6 +81,7 @@ class AlignMethod:
 
     name: ClassVar[str]
     description: ClassVar[str]
+    config: ClassVar[type[TrainConfig]]  # its section `align.<name>` (defaults as the class gives them)
     version: ClassVar[int] = 1  # raise it when the method's outputs change for reasons its code does not show
     data: ClassVar[str] = "preference"  # "chat" (messages) or "preference" (prompt, chosen, rejected)
     product: ClassVar[Product]  # what it makes (default: the hf-model of role `name`)
@@ -105,8 +107,16 @@ class AlignMethod:
         return getattr(config.align, self.name)
 
     def enabled(self, config: PipelineBase) -> bool:
-        """Whether `lmforge run` runs it: named in `align.recipe` (and its section's `enabled`, if it has one)."""
-        return self.name in config.align.recipe and getattr(self.section(config), "enabled", True)
+        """Whether `lmforge run` runs it (`runs`, on the config's `align` section)."""
+        return self.runs(config.align)
+
+    def runs(self, align: Any) -> bool:
+        """Whether it runs under this `align` section: named in its recipe (and its own section's
+        `enabled`, if it has one)."""
+        return self.name in align.recipe and getattr(getattr(align, self.name), "enabled", True)
+
+    def check(self, align: Any) -> None:
+        """Raise ValueError when `align` cannot run with this method as configured (beyond its own section)."""
 
     def start(self, config: ConfigView | PipelineBase) -> Product:
         """The model it starts from, chosen when the graph is resolved."""
@@ -124,10 +134,7 @@ class AlignMethod:
 
     def training_fields(self) -> list[str]:
         """The fields of `align.<name>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
-        from training.align.config import AlignConfig
-
-        section = AlignConfig.model_fields[self.name].annotation
-        return [f"align.{self.name}.{f}" for f in section.model_fields if f not in ("inputs", "enabled")]  # type: ignore[union-attr]
+        return [f"align.{self.name}.{f}" for f in self.config.model_fields if f not in ("inputs", "enabled")]
 
     def reads(self, config: PipelineBase) -> tuple[str, ...]:
         return (

@@ -8,17 +8,42 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from pydantic import Field
+
+from lmforge.configbase import runtime_field
 from lmforge.stage import Product, hf_model
 from training.align.methods import AlignMethod
+from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
 SFT_MODEL = hf_model("sft")
 
 
+class DpoConfig(TrainConfig):
+    enabled: bool = runtime_field(True, description="Run DPO after SFT in `lmforge run`.")
+    inputs: list[str] = Field(
+        default_factory=list, description="Preference JSONL (`prompt`, `chosen`, `rejected`); empty: built in."
+    )
+    beta: float = Field(0.1, gt=0, description="DPO's KL strength (0.1 in the seeds).")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="TRL's DPO loss.")
+    sft_weight: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of an NLL term on the chosen answer added to the DPO loss (TRL loss_type [.., 'sft'], "
+            "as in RPO/MPO); keeps the policy generating the chosen answers, not only ranking them. 0 = plain DPO."
+        ),
+    )
+    lora: bool = Field(False, description="Train DPO as a LoRA adapter on the SFT model (reference = adapter off).")
+    lr: float = Field(5e-7, gt=0, description="5e-7 for real models (the seeds); the tiny preset sets its own.")
+    max_steps: int = Field(150, ge=1)
+
+
 class DPO(AlignMethod):
     name = "dpo"
+    config = DpoConfig
     description = "Direct preference optimisation with TRL against the frozen SFT model"
     data = "preference"
     starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL,)

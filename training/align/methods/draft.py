@@ -23,8 +23,12 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import Field
+
+from lmforge.configbase import runtime_field
 from lmforge.stage import Product, hf_model
 from training.align.methods import AlignMethod
+from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
 LAYER = re.compile(r"(\.(?:layers|h)\.)(\d+)\.")
@@ -165,8 +169,33 @@ def measure_draft(spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, A
     }
 
 
+class DraftConfig(TrainConfig):
+    """`align/draft`: a draft model for speculative decoding, distilled from the last model of the recipe
+    (TRL's GKDTrainer on the SFT conversations; see training/align/methods/draft.py)."""
+
+    enabled: bool = runtime_field(
+        False, description="Distil a draft model (serve.speculative.draft_model: distilled serves with it)."
+    )
+    layers: int | None = Field(
+        None,
+        ge=1,
+        description="Decoder layers of the student (copied, evenly spaced, from the teacher's); "
+        "None: a quarter of the teacher's, at least 1.",
+    )
+    beta: float = Field(
+        0.0, ge=0, le=1, description="GKD's generalized JSD: 0 = forward KL to the teacher, 1 = reverse."
+    )
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of both distributions in the loss.")
+    heldout_chats: int = runtime_field(
+        200, ge=1, description="Held-out conversations the summary's top-1 agreement is measured on."
+    )
+    lr: float = Field(1e-3, gt=0)
+    max_steps: int = Field(200, ge=1)
+
+
 class Draft(AlignMethod):
     name = "draft"
+    config = DraftConfig
     description = "Draft model for speculative decoding: fewer of the teacher's layers, distilled with TRL's GKDTrainer"
     data = "chat"
     in_recipe = False
@@ -174,8 +203,8 @@ class Draft(AlignMethod):
     # the teacher: the recipe's last policy (the model serving takes when unquantized)
     starts: ClassVar[tuple[Product, ...]] = (hf_model("rl"), hf_model("dpo"), hf_model("sft"))
 
-    def enabled(self, config: Any) -> bool:
-        return bool(config.align.draft.enabled)
+    def runs(self, align: Any) -> bool:
+        return bool(align.draft.enabled)
 
     def start(self, config: Any) -> Product:
         return teacher(config)

@@ -7,17 +7,35 @@ as the reward-hacking watch's proxy."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from lmforge.jsonl import read_jsonl
 from lmforge.stage import Product, hf_model
 from training.align.methods import AlignMethod, start_model
+from training.align.sections import TrainConfig
 
 SFT_MODEL = hf_model("sft")
 
 
+class RewardModelConfig(TrainConfig):
+    """`align/reward`: a Bradley-Terry reward model (TRL's RewardTrainer) on the lineage's preference data."""
+
+    init: Literal["sft", "base"] = Field(
+        "sft", description="Start from the SFT model (the usual choice) or from the model SFT started from."
+    )
+    lora: bool = Field(False, description="Train a LoRA adapter (merged for export) instead of every weight.")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="TRL's term that keeps rewards centred on 0 (0.01 in its docs); None: off."
+    )
+    lr: float = Field(1e-5, gt=0, description="1e-5 for real models; the tiny preset sets its own.")
+    max_steps: int = Field(150, ge=1)
+
+
 class Reward(AlignMethod):
     name = "reward"
+    config = RewardModelConfig
     description = "Reward model with TRL's RewardTrainer (Bradley-Terry on chosen/rejected), full or LoRA"
     data = "preference"
     product = Product("reward-model")

@@ -23,17 +23,153 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from pydantic import Field, model_validator
+
+from lmforge.configbase import StrictModel, runtime_field
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.jsonl import read_jsonl
 from lmforge.stage import Product, hf_model
 from lmforge.verify import is_correct, partial_credit
 from training.align.methods import AlignMethod
 from training.align.methods.reward import load_reward_model, score
+from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
 SFT_MODEL, DPO_MODEL, REWARD_MODEL = hf_model("sft"), hf_model("dpo"), Product("reward-model")
+
+
+class RewardFunction(StrictModel):
+    """One term of RL's reward: the built-in verifier, the trained reward model, or a function of the user's."""
+
+    kind: Literal["verifier", "partial_verifier", "reward_model", "function"] = Field(
+        description="verifier: 1 when the completion is exactly the verified answer (lmforge.verify, the check "
+        "evaluation's exact match uses), else 0; partial_verifier: 1 when exact, else a share below 0.5 of its "
+        "character similarity to the answer; reward_model: the score of align/reward's model; function: "
+        "`function` below."
+    )
+    weight: float = Field(1.0, description="Weight of this term in the sum (TRL's reward_weights).")
+    function: str | None = Field(
+        None,
+        description="`module:function` taking (prompts, completions, **columns) and returning one float per "
+        "completion, as TRL's reward functions do (only for kind: function).",
+    )
+
+    @model_validator(mode="after")
+    def _function_named(self) -> RewardFunction:
+        if (self.kind == "function") != (self.function is not None):
+            raise ValueError("function: give module:function exactly when kind is function")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(f"function: {self.function!r} is not module:function")
+        return self
+
+
+class PromptFilterConfig(StrictModel):
+    """Which training prompts RL keeps: those the starting model answers right sometimes, not never or always.
+
+    A group of completions that all earn the same reward has no advantage and no gradient (GRPO and
+    RLOO); DAPO's dynamic sampling drops such groups. Here every candidate prompt is sampled `samples`
+    times once, before training, at the rollout temperature, and scored by the verifier."""
+
+    samples: int = Field(
+        0,
+        ge=0,
+        description="Completions per prompt the starting model samples to estimate its pass rate; 0 = keep all.",
+    )
+    min_pass_rate: float = Field(
+        0.0, ge=0, lt=1, description="Keep prompts answered right in more than this share of the samples."
+    )
+    max_pass_rate: float = Field(
+        1.0, gt=0, le=1, description="Keep prompts answered right in less than this share of the samples."
+    )
+    pool: int | None = Field(
+        None, ge=1, description="Score a seeded sample of this many training prompts (None: all of them)."
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> PromptFilterConfig:
+        if self.min_pass_rate >= self.max_pass_rate:
+            raise ValueError(f"min_pass_rate {self.min_pass_rate} is not below max_pass_rate {self.max_pass_rate}")
+        return self
+
+
+class HackingWatchConfig(StrictModel):
+    """Reward hacking: the reward model's score rising while what it should stand for gets worse."""
+
+    min_reward_gain: float = runtime_field(
+        0.05,
+        description="Rise of the held-out proxy reward (reward-model score, or the configured reward) over the "
+        "start that counts as rising (smaller moves are noise).",
+        ge=0,
+    )
+    max_accuracy_drop: float = runtime_field(
+        0.02, description="Fall of held-out verified accuracy (absolute) beyond which the watch fires.", ge=0
+    )
+    max_loss_rise: float = runtime_field(
+        0.05, description="Relative rise of the held-out SFT loss beyond which the watch fires.", ge=0
+    )
+
+
+class RlConfig(TrainConfig):
+    """`align/rl`: online RL with TRL's GRPOTrainer (or RLOOTrainer) from the SFT or DPO model."""
+
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="TRL's GRPOTrainer or RLOOTrainer.")
+    rewards: list[RewardFunction] = Field(
+        default_factory=lambda: [RewardFunction(kind="verifier")],
+        min_length=1,
+        description="Reward terms, summed with their weights.",
+    )
+    prompts: Literal["verifiable", "all"] = Field(
+        "verifiable",
+        description="Training prompts: the SFT train split's items with a verified answer, or every SFT prompt "
+        "(the turns before the last assistant turn).",
+    )
+    prompt_filter: PromptFilterConfig = PromptFilterConfig()
+    beta: float = Field(0.04, ge=0, description="KL strength to the reference (the starting model); 0 = no KL term.")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group).")
+    max_completion_length: int = Field(32, ge=1, description="Tokens generated per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    epsilon: float = Field(0.2, gt=0, description="PPO-style clipping of the probability ratio.")
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes per batch of rollouts (mu).")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field("dapo", description="TRL's GRPO loss normalisation.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's (or batch's) reward std; none as in Dr. GRPO."
+    )
+    lora: bool = Field(
+        False,
+        description=(
+            "Train a LoRA adapter (align.lora's rank, alpha, targets) on the starting policy, merged for export "
+            "with a parity check; the KL reference is the adapter switched off (no second model in memory)."
+        ),
+    )
+    lr: float = Field(1e-6, gt=0, description="1e-6 for real models; the tiny preset sets its own.")
+    max_steps: int = Field(200, ge=1)
+    global_batch_size: int = Field(
+        64, ge=1, description="Completions per optimizer step over all ranks (prompts x num_generations)."
+    )
+    use_vllm: bool = runtime_field(
+        False,
+        description="Generate with TRL's vLLM integration (colocate mode, GPUs only); on CPU the Trainer generates.",
+    )
+    hacking: HackingWatchConfig = HackingWatchConfig()
+    stop_on_hacking: bool = runtime_field(
+        False, description="Fail the step (not retried) when the reward-hacking watch fires, instead of warning."
+    )
+    heldout_prompts: int = runtime_field(
+        64, description="Held-out prompts the watch scores at every eval_every (reward model, verifier, KL).", ge=1
+    )
+
+    @model_validator(mode="after")
+    def _groups(self) -> RlConfig:
+        if self.global_batch_size % self.num_generations:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of num_generations "
+                f"{self.num_generations} (each prompt's group of completions)"
+            )
+        if self.prompt_filter.samples and self.prompts != "verifiable":
+            raise ValueError("prompt_filter: pass rates need verified answers (prompts: verifiable)")
+        return self
 
 
 class RewardHacking(DeterministicError):
@@ -471,6 +607,7 @@ def hacking(spec: dict[str, Any], start: dict[str, Any], now: dict[str, Any]) ->
 
 class RL(AlignMethod):
     name = "rl"
+    config = RlConfig
     description = (
         "Online RL with TRL's GRPOTrainer/RLOOTrainer: verifiable, learned or user rewards, KL to the start, "
         "reward-hacking watch"
@@ -478,6 +615,14 @@ class RL(AlignMethod):
     data = "chat"  # prompts from the SFT conversations
     starts: ClassVar[tuple[Product, ...]] = (DPO_MODEL, SFT_MODEL)
     generates = False  # its watch measures the held-out answers (HackingWatch)
+
+    def check(self, align: Any) -> None:
+        if (
+            self.runs(align)
+            and any(f.kind == "reward_model" for f in align.rl.rewards)
+            and "reward" not in align.recipe
+        ):
+            raise ValueError("rl.rewards uses the reward model: add reward to align.recipe before rl")
 
     def start(self, config: Any) -> Product:
         """The policy RL starts from: DPO's model when the recipe has DPO before RL, else SFT's."""

@@ -6,17 +6,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from lmforge.stage import BASE_MODEL, Product
 from training.align.methods import PRETRAINED, AlignMethod, start_model
+from training.align.sections import TrainConfig
+
+
+class SftConfig(TrainConfig):
+    inputs: list[str] = Field(
+        default_factory=list, description="Chat JSONL (OpenAI `messages`, or `prompt`/`completion`); empty: built in."
+    )
+    packing: bool = Field(True, description="Pack short conversations into full sequences (TRL's best-fit packing).")
+    assistant_only_loss: bool = Field(
+        True, description="Loss on assistant tokens only (TRL, via {% generation %} markers)."
+    )
 
 
 class SFT(AlignMethod):
     name = "sft"
+    config = SftConfig
     description = "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss"
     data = "chat"
     starts: ClassVar[tuple[Product, ...]] = (BASE_MODEL, PRETRAINED)
 
-    def enabled(self, config: Any) -> bool:  # every recipe starts with it
+    def runs(self, align: Any) -> bool:  # every recipe starts with it
         return True
 
     def start(self, config: Any) -> Product:
