@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from lmforge.registry import check_roles, role_names
 
 BUILTIN_TASKS = [
     "lmforge_continuation",
@@ -120,9 +121,10 @@ class EvaluateConfig(StrictModel):
         "or a path to an lm-eval task YAML.",
     )
     # which metric steps run (like `stages`): no step's own results change with them
-    models: list[Literal["base", "pretrained", "sft", "dpo", "rl"]] = runtime_field(
-        default_factory=lambda: ["base", "pretrained", "sft", "dpo", "rl"],
-        description="Models of the lineage to evaluate (those that exist; base: the model given as base_model).",
+    models: list[str] = runtime_field(
+        default_factory=lambda: role_names(),
+        description="Models of the lineage to evaluate, by role (those that exist; base: the model given as "
+        "base_model): base, pretrained and one per alignment method that trains a policy (lmforge.registry.roles).",
     )
     backends: list[Literal["hf", "vllm"]] = runtime_field(
         default_factory=lambda: ["hf", "vllm"], description="hf: transformers in-process; vllm: vLLM's OpenAI server."
@@ -172,3 +174,8 @@ class EvaluateConfig(StrictModel):
         description="Largest hf-vs-vLLM difference reported as agreement (absolute, and at least two items' worth "
         "for item averages; relative for perplexities).",
     )
+
+    @field_validator("models")
+    @classmethod
+    def _known_roles(cls, models: list[str]) -> list[str]:
+        return check_roles(models)

@@ -19,17 +19,22 @@ from typing import Any
 from evaluation import stats
 from lmforge.jsonl import read_jsonl
 
-LINEAGE = ["base", "pretrained", "sft", "dpo", "rl"]
-# what each model of the lineage trained on, as far as lmforge knows: a base model the user brings
-# was trained on data nobody here has seen, so none of its items count as contaminated by the lineage
-SOURCES_SEEN = {
-    "base": set(),
-    "pretrained": {"documents"},
-    "sft": {"documents", "sft"},
-    "dpo": {"documents", "sft", "dpo"},
-    # RL trains on the SFT split's prompts (and, through DPO or the reward model, on the preference data)
-    "rl": {"documents", "sft", "dpo"},
-}
+
+def lineage() -> list[str]:
+    """The lineage's model roles in the order they are made (`lmforge.registry.roles`)."""
+    from lmforge.registry import role_names
+
+    return role_names()
+
+
+def sources_seen(model: str) -> set[str]:
+    """What `model` trained on, as far as lmforge knows (`Role.saw`): a base model the user brings was
+    trained on data nobody here has seen, so none of its items count as contaminated by the lineage."""
+    from lmforge.registry import roles
+
+    return next((set(r.saw) for r in roles() if r.name == model), set())
+
+
 BASE_UNKNOWN = (
     "The base model's own training data is unknown to lmforge and was not checked: a high base score may "
     "come from benchmark items in its pretraining data. The checks below cover every source this lineage "
@@ -74,7 +79,8 @@ def metric_row(
 def comparisons(per_model: dict[str, dict[str, list[dict[str, Any]]]], backend: str) -> list[dict[str, Any]]:
     """Each model against the one before it in the lineage, per task, on shared items."""
     rows = []
-    present = [m for m in LINEAGE if m in per_model] + [m for m in per_model if m not in LINEAGE]
+    order = lineage()
+    present = [m for m in order if m in per_model] + [m for m in per_model if m not in order]
     for before, after in zip(present, present[1:]):
         for task, samples_after in per_model[after].items():
             if task not in per_model[before]:

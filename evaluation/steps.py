@@ -33,6 +33,7 @@ from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
 from lmforge.jsonl import read_jsonl, write_jsonl
+from lmforge.registry import role_names
 from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ INDEXES = {
     "dpo": Product("ngram-index", "dpo"),
 }
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
-ROLES = ("base", "pretrained", "sft", "dpo", "rl")
 BACKENDS = ("hf", "vllm")
 
 
@@ -388,7 +388,8 @@ def _run_step(role: str, backend: str) -> Step:
     )
 
 
-RUN_STEPS = [_run_step(role, backend) for role in ROLES for backend in BACKENDS]
+# one per model role of the lineage (lmforge.registry.roles: base, pretrained, each alignment method's) and backend
+RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in BACKENDS]
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -411,7 +412,7 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             directory = ctx.upstream_dir(name) / "results" / task
             result = json.loads((directory / "result.json").read_text())
             samples = report.read_samples(directory)
-            dirty = report.contaminated_ids(contamination, task, report.SOURCES_SEEN.get(extra["model"], set()))
+            dirty = report.contaminated_ids(contamination, task, report.sources_seen(extra["model"]))
             rows.append(report.metric_row(extra["model"], extra["backend"], task, result, samples, dirty))
             per_backend.setdefault(extra["backend"], {}).setdefault(extra["model"], {})[task] = samples
     deltas = [d for backend, models in per_backend.items() for d in report.comparisons(models, backend)]

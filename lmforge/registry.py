@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from lmforge.errors import ConfigError
-from lmforge.stage import Stage
+from lmforge.stage import Role, Stage
 
 GROUP = "lmforge.stages"
 COMMANDS_GROUP = "lmforge.commands"  # CLI plugins: callables taking `lmforge.cli.Commands` (the orchestrator's)
@@ -89,3 +89,29 @@ def domain_packages() -> tuple[str, ...]:
     for stage in stages():
         names += [p for p in stage.packages if p not in names]
     return tuple(names)
+
+
+@functools.lru_cache(maxsize=1)
+def roles() -> tuple[Role, ...]:
+    """The models a lineage can hold, in lifecycle order (each stage's `roles`, in stage order):
+    base, pretrained, then one per alignment method that trains a policy."""
+    found: list[Role] = []
+    for stage in stages():
+        for role in stage.roles() if callable(stage.roles) else stage.roles:
+            if any(r.name == role.name for r in found):
+                raise TypeError(f"stage {stage.name} registers the model role {role.name!r} a second time")
+            found.append(role)
+    return tuple(found)
+
+
+def role_names() -> list[str]:
+    return [r.name for r in roles()]
+
+
+def check_roles(names: list[str]) -> list[str]:
+    """`names` when each is a role of the lineage, else one ValueError naming the first that is not."""
+    known = role_names()
+    for name in names:
+        if name not in known:
+            raise ValueError(f"no model role {name!r} (the lineage has: {', '.join(known)})")
+    return names

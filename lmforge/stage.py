@@ -98,6 +98,27 @@ def fine_tunes_base(config: PipelineBase) -> bool:
 
 
 @dataclass(frozen=True)
+class Role:
+    """A model of the lineage: the role of an `hf-model` product a stage makes (`base`, `pretrained`,
+    one per alignment method that trains a policy). Evaluation, quantization and serving take the
+    roles from the registry (`lmforge.registry.roles`), in lifecycle order, never from a list of
+    their own.
+
+    `saw`: the data sources it was trained on, as far as lmforge knows (its own and those of the
+    models it starts from): `documents` (curated pretraining text), `sft` (the chat data), `dpo`
+    (the preference data); the contamination check counts benchmark items found in them.
+    `aligned`: a chat model alignment made (servable as a LoRA adapter, calibrated on chats)."""
+
+    name: str
+    saw: tuple[str, ...] = ()
+    aligned: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"role name {self.name!r}: letters, digits, - and _ only")
+
+
+@dataclass(frozen=True)
 class Maybe:
     """A product a step reads when the lineage has it, e.g. alignment data for evaluation
     (absent when the align stage is switched off); otherwise the step goes without."""
@@ -159,3 +180,5 @@ class Stage:
     reconcile: Callable[[PipelineBase, dict[str, dict[str, Any]]], list[str]] | None = None
     # fault injection for tests and drills, as `debug.<stage>:` (a step run with one set is keyed apart)
     debug_model: type | None = None
+    # the models of the lineage it makes (`hf-model:<role>` products), in the order they are made
+    roles: Callable[[], tuple[Role, ...]] | tuple[Role, ...] = ()

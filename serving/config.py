@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from lmforge.registry import check_roles
 from lmforge.vllm_server import EngineConfig, SpeculativeConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -76,11 +77,18 @@ class LlamaCppConfig(StrictModel):
 
 class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
-    model: Literal["auto", "quantized", "rl", "dpo", "sft", "pretrained", "base"] = Field(
+    model: str = Field(
         "auto",
         description="What to serve. auto: the quantized model when its gate passed, else RL, else DPO, else SFT, else "
         "pretrained, else the base model.",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, model: str) -> str:
+        """auto or quantized, or a model role of the lineage (lmforge.registry.roles)."""
+        return model if model in ("auto", "quantized") else check_roles([model])[0]
+
     require_evaluation: bool = Field(
         True, description="Refuse a model the evaluation stage did not evaluate (or whose gates failed)."
     )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
+from lmforge.registry import role_names, roles
 from lmforge.stage import BASE_MODEL, Maybe, Product, has_base, hf_model
 
 if TYPE_CHECKING:
@@ -31,8 +32,17 @@ QUANT_VERDICT = Product("quant-verdict")
 GGUF_MODEL = Product("gguf-model")  # quantize/gguf's, when serve.backend is llamacpp
 DRAFT_MODEL = Product("draft-model")  # align/draft's, when serve.speculative.draft_model is "distilled"
 DISTILLED = "distilled"
-AUTO_ORDER = ("quantized", "rl", "dpo", "sft", "pretrained", "base")
-ADAPTER_ROLES = ("sft", "dpo", "rl")  # the aligned models served as LoRA adapters (serve.adapters)
+QUANTIZED = "quantized"  # serve.model: quantize/gate's checkpoint (quant-verdict), not a lineage role
+
+
+def auto_order() -> tuple[str, ...]:
+    """serve.model auto: the quantized model, then the lineage's roles from the last made to the first."""
+    return (QUANTIZED, *reversed(role_names()))
+
+
+def adapter_roles() -> tuple[str, ...]:
+    """The aligned models served as LoRA adapters (serve.adapters): each alignment method's policy."""
+    return tuple(r.name for r in roles() if r.aligned)
 
 
 class GateFailed(DeterministicError):
@@ -40,18 +50,18 @@ class GateFailed(DeterministicError):
 
 
 def _product(role: str) -> Product:
-    return QUANT_VERDICT if role == "quantized" else hf_model(role)
+    return QUANT_VERDICT if role == QUANTIZED else hf_model(role)
 
 
 def _roles(config: ConfigOrView) -> tuple[str, ...]:
-    return AUTO_ORDER if config.serve.model == "auto" else (config.serve.model,)
+    return auto_order() if config.serve.model == "auto" else (config.serve.model,)
 
 
 def _upstream(config: PipelineBase) -> tuple[Any, ...]:
     # LoRA adapters on their base: the aligned models' own folders (never a quantized checkpoint)
-    roles = ADAPTER_ROLES if config.serve.adapters.enabled else _roles(config)
-    wants: list[Any] = [Maybe(_product(r)) for r in roles]
-    if has_base(config) and "base" not in roles:
+    wanted = adapter_roles() if config.serve.adapters.enabled else _roles(config)
+    wants: list[Any] = [Maybe(_product(r)) for r in wanted]
+    if has_base(config) and "base" not in wanted:
         wants.append(Maybe(BASE_MODEL))  # its name goes into the served name
     if config.serve.require_evaluation:
         wants.append(EVAL_VERDICT)
@@ -83,7 +93,7 @@ def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
     verdict = json.loads((ctx.path(QUANT_VERDICT) / "verdict.json").read_text())
     chosen = verdict["chosen"]
     if chosen is None:
-        if ctx.config.serve.model == "quantized":
+        if ctx.config.serve.model == QUANTIZED:
             raise GateFailed(f"serve.model=quantized: {verdict['decision']}")
         log.warning("%s", verdict["decision"])
         return None
@@ -102,7 +112,7 @@ def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
     for role in _roles(ctx.config):
         if not ctx.has(_product(role)):
             continue
-        if role != "quantized":
+        if role != QUANTIZED:
             return role, ctx.path(_product(role)), ctx.manifest(_product(role))
         choice = _quantized_choice(ctx)
         if choice is not None:
@@ -173,7 +183,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "model": {"role": role, "step": source["step"], "key": source["key"], "digest": source["digest"]},
         "evaluation": evaluation,
     }
-    if role == "quantized":
+    if role == QUANTIZED:
         lineage["quantization"] = {
             "scheme": source["scheme"],
             "gate": ctx.manifest(QUANT_VERDICT)["key"],
@@ -233,7 +243,7 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     cfg, workspace = ctx.config.serve, ctx.config.workspace
     chains = [
         a
-        for role in ADAPTER_ROLES
+        for role in adapter_roles()
         if ctx.has(hf_model(role)) and (a := adapters.chain_of(role, ctx.path(hf_model(role)))) is not None
     ]
     if not chains:

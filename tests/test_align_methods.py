@@ -105,3 +105,23 @@ def test_a_name_registered_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
             registry.methods()
     finally:
         registry.methods.cache_clear()
+
+
+def test_model_roles_come_from_the_stages_and_every_consumer_reads_them() -> None:
+    """base and pretrained from their stages, then one role per method that trains a policy (not the
+    reward model or the draft): evaluation's runs, quantization's and serving's choices follow them."""
+    from evaluation.steps import RUN_STEPS
+    from lmforge.registry import roles
+    from serving.steps import adapter_roles, auto_order
+
+    assert [(r.name, r.aligned) for r in roles()] == [
+        ("base", False),
+        ("pretrained", False),
+        ("sft", True),
+        ("dpo", True),
+        ("rl", True),
+    ]
+    assert {r.name: r.saw for r in roles()}["dpo"] == ("documents", "sft", "dpo")
+    assert [s.name for s in RUN_STEPS][::2] == [f"evaluate/{r.name}-hf" for r in roles()]
+    assert auto_order() == ("quantized", "rl", "dpo", "sft", "pretrained", "base")
+    assert adapter_roles() == ("sft", "dpo", "rl")

@@ -333,7 +333,8 @@ def _candidates(value: object, annotation: object = None) -> list[str]:
     if isinstance(value, float):
         return [repr(value * 0.5), repr(round(value + 0.05, 6)), repr(value * 1.5), repr(value * 0.9)]
     if isinstance(value, str):
-        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x"]
+        # the last two: model roles (serve.model, quantize.model: validated against the registry, not a Literal)
+        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x", "pretrained", "sft"]
     if value is None:
         return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
     if isinstance(value, list):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import ConfigError, TrainingDiverged
-from lmforge.stage import ArtifactSpec, Resources, Stage
+from lmforge.stage import ArtifactSpec, Resources, Role, Stage
 from training.config import FaultInjectionConfig, PretrainConfig
 
 if TYPE_CHECKING:
@@ -148,4 +148,5 @@ STAGE = Stage(
     summary=_summary,
     check=_check,
     cli=_cli,
+    roles=(Role("pretrained", saw=("documents",)),),
 )

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from lmforge.registry import check_roles
 from serving.quantize.schemes import SCHEMES
 
 NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
@@ -128,10 +129,17 @@ class QuantizeFaultConfig(StrictModel):
 
 class QuantizeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Run this stage in `lmforge run`.")
-    model: Literal["auto", "rl", "dpo", "sft", "pretrained", "base"] = Field(
+    model: str = Field(
         "auto",
         description="The model to quantize. auto: RL, else DPO, else SFT, else the pretrained model, else the base.",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, model: str) -> str:
+        """auto, or a model role of the lineage (lmforge.registry.roles)."""
+        return model if model in ("auto",) else check_roles([model])[0]
+
     # which scheme steps run (like `stages`); the gate's key follows them through its upstream
     schemes: list[Literal["w8a8-int8", "w4a16", "w8a16"]] = runtime_field(
         default_factory=lambda: ["w8a8-int8", "w4a16"],

@@ -24,6 +24,7 @@ from lmforge.errors import ConfigError
 from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json
 from lmforge.jsonl import write_jsonl
+from lmforge.registry import role_names, roles
 from lmforge.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from serving.quantize.schemes import SCHEMES
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CALIBRATION, GATE = "quantize/calibration", "quantize/gate"
 CHAT_DATA, EVAL_TASKS, QUANT_VERDICT = Product("chat-data"), Product("eval-tasks"), Product("quant-verdict")
-ROLES = ("rl", "dpo", "sft", "pretrained", "base")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUANT_LOCK = REPO_ROOT / "requirements" / "quant.lock"
 
@@ -46,7 +46,8 @@ def _graph() -> Graph:
 
 def model_role(config: PipelineBase) -> str:
     """The model this lineage quantizes: `quantize.model`, or the last aligned one that exists."""
-    wanted = ROLES if config.quantize.model == "auto" else (config.quantize.model,)
+    # auto: the lineage's roles from the last made to the first (lmforge.registry.roles)
+    wanted = tuple(reversed(role_names())) if config.quantize.model == "auto" else (config.quantize.model,)
     for role in wanted:
         if _graph().has(hf_model(role), config):
             return role
@@ -74,7 +75,8 @@ def step_name(scheme: str) -> str:
 
 
 def _uses_chats(config: PipelineBase) -> bool:
-    return model_role(config) in ("sft", "dpo", "rl") and config.quantize.calibration.sft_fraction > 0
+    aligned = {r.name for r in roles() if r.aligned}  # chat models: calibrated on chats too
+    return model_role(config) in aligned and config.quantize.calibration.sft_fraction > 0
 
 
 CALIBRATION_READS = (

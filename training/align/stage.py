@@ -79,6 +79,13 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _roles() -> tuple[Any, ...]:
+    """One model role per registered method that trains a policy (`hf-model:<name>`)."""
+    from training.align.methods import methods
+
+    return tuple(m.role() for m in methods().values() if m.role() is not None)
+
+
 STAGE = Stage(
     name="align",
     description="Alignment with TRL on N ranks, from the user's or built-in data: SFT (full, LoRA, QLoRA), then "
@@ -91,4 +98,5 @@ STAGE = Stage(
     resources=Resources(pool="gpu", gpus=-1),
     packages=("training",),
     summary=_summary,
+    roles=_roles,
 )

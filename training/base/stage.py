@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmforge.stage import ArtifactSpec, Stage
+from lmforge.stage import ArtifactSpec, Role, Stage
 from training.base.config import BaseModelConfig
 
 if TYPE_CHECKING:
@@ -60,4 +60,5 @@ STAGE = Stage(
     packages=("training",),
     summary=_summary,
     check=_check,
+    roles=(Role("base"),),  # trained on data lmforge never saw
 )

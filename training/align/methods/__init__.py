@@ -23,7 +23,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmforge.stage import BASE_MODEL, Product, fine_tunes_base, hf_model
+from lmforge.stage import BASE_MODEL, Product, Role, fine_tunes_base, hf_model
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -91,6 +91,9 @@ class AlignMethod:
     generates: ClassVar[bool] = True  # held-out exact match of greedy answers every `eval_every` steps
     code: ClassVar[tuple[str, ...]] = ()  # modules it runs beyond its own module and the KIT
     in_recipe: ClassVar[bool] = True  # named in `align.recipe` (the draft is switched by its own `enabled`)
+    # the data sources its model was trained on, its start's included (the contamination check's
+    # `Role.saw`); default: the pretraining documents, the chat data, and its own data
+    saw: ClassVar[tuple[str, ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -102,6 +105,14 @@ class AlignMethod:
     @property
     def step_name(self) -> str:
         return f"align/{self.name}"
+
+    def role(self) -> Role | None:
+        """The lineage role of what it makes, when that is a policy (`hf-model:<name>`): evaluated,
+        quantized and served like every aligned model, servable as a LoRA adapter. None otherwise."""
+        if self.product != hf_model(self.name):
+            return None
+        own = ("sft",) if self.data == "chat" else ("sft", "dpo")
+        return Role(self.name, saw=self.saw if self.saw is not None else ("documents", *own), aligned=True)
 
     def section(self, config: ConfigView | PipelineBase) -> Any:
         return getattr(config.align, self.name)

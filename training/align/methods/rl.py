@@ -615,6 +615,8 @@ class RL(AlignMethod):
     data = "chat"  # prompts from the SFT conversations
     starts: ClassVar[tuple[Product, ...]] = (DPO_MODEL, SFT_MODEL)
     generates = False  # its watch measures the held-out answers (HackingWatch)
+    # prompts from the chat data; through DPO or the reward model, the preference data
+    saw = ("documents", "sft", "dpo")
 
     def check(self, align: Any) -> None:
         if (
