@@ -18,7 +18,7 @@ def test_the_registry_holds_the_builtin_methods_in_order_each_with_its_step() ->
     from training.align.steps import ALIGN_STEPS
 
     found = methods()
-    assert tuple(found)[: len(BUILTIN)] == BUILTIN
+    assert tuple(found)[: len(BUILTIN)] == BUILTIN  # the first built-ins, in the order recipes run them
     assert all(
         isinstance(m, AlignMethod) and type(m).__module__ == f"training.align.methods.{n}" for n, m in found.items()
     )
@@ -113,15 +113,16 @@ def test_model_roles_come_from_the_stages_and_every_consumer_reads_them() -> Non
     from evaluation.steps import RUN_STEPS
     from lmforge.registry import roles
     from serving.steps import adapter_roles, auto_order
+    from training.align.methods import methods
 
+    policies = [n for n, m in methods().items() if m.role() is not None]
+    assert policies[:3] == ["sft", "dpo", "rl"] and "reward" not in policies and "draft" not in policies
     assert [(r.name, r.aligned) for r in roles()] == [
         ("base", False),
         ("pretrained", False),
-        ("sft", True),
-        ("dpo", True),
-        ("rl", True),
+        *((name, True) for name in policies),
     ]
     assert {r.name: r.saw for r in roles()}["dpo"] == ("documents", "sft", "dpo")
     assert [s.name for s in RUN_STEPS][::2] == [f"evaluate/{r.name}-hf" for r in roles()]
-    assert auto_order() == ("quantized", "rl", "dpo", "sft", "pretrained", "base")
-    assert adapter_roles() == ("sft", "dpo", "rl")
+    assert auto_order() == ("quantized", *reversed(policies), "pretrained", "base")
+    assert adapter_roles() == tuple(policies)
