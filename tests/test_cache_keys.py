@@ -280,6 +280,12 @@ def test_every_runtime_field_is_pinned_above() -> None:
     from lmforge.configbase import runtime_paths
 
     pinned = {part.split("=")[0] for override, changed in ROWS if not changed for part in override.split(";")}
+    # every alignment method's section extends TrainConfig: its runtime fields are SFT's, pinned above once
+    from training.align.methods import methods
+    from training.align.sections import TrainConfig
+
+    shared = [f for f in TrainConfig.model_fields if f"align.sft.{f}" in pinned]
+    pinned |= {f"align.{name}.{f}" for name in methods() for f in shared}
     # debug: fault injection, keyed apart only when set (test_debug_settings_key_a_step_apart)
     # base_model.path: which base is read is its content (in the keys), not where it lies
     structural = {"name", "workspace", "stages", "debug", "base_model.path"} | {
