@@ -38,6 +38,7 @@ BUILTIN = (
     "training.align.methods.reward:Reward",
     "training.align.methods.rl:RL",
     "training.align.methods.draft:Draft",
+    "training.align.methods.kto:KTO",
 )
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
