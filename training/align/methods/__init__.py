@@ -40,6 +40,7 @@ BUILTIN = (
     "training.align.methods.draft:Draft",
     "training.align.methods.kto:KTO",
     "training.align.methods.orpo:ORPO",
+    "training.align.methods.simpo:SimPO",
 )
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"

@@ -1,0 +1,73 @@
+"""`align/simpo`: SimPO (Meng et al., 2024) with TRL's `CPOTrainer` (`loss_type: simpo`): the
+length-normalised log-probability of an answer is its implicit reward, and the chosen one must
+beat the rejected by a target margin; no reference model. It can start from the SFT model or from
+the model SFT starts from (`init: base`). Measured like DPO: held-out preference accuracy and exact
+match before and after, with paired intervals.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from lmforge.configbase import runtime_field
+from lmforge.stage import BASE_MODEL, Product, hf_model
+from training.align.methods import PRETRAINED, AlignMethod, start_model
+from training.align.sections import TrainConfig
+
+SFT_MODEL = hf_model("sft")
+
+
+class SimpoConfig(TrainConfig):
+    enabled: bool = runtime_field(True, description="Run SimPO when align.recipe names it.")
+    init: Literal["sft", "base"] = Field(
+        "sft", description="Start from the SFT model, or from the model SFT starts from."
+    )
+    beta: float = Field(2.0, gt=0, description="Scale of the length-normalised reward (2.0-2.5 in the paper).")
+    gamma: float = Field(0.5, ge=0, description="Target reward margin, TRL's simpo_gamma.")
+    sft_weight: float = Field(
+        0.0,
+        ge=0,
+        description="NLL on the chosen answer beside the SimPO loss (TRL's cpo_alpha: CPO-SimPO); 0: pure SimPO.",
+    )
+    lora: bool = Field(False, description="Train SimPO as a LoRA adapter (merged for export).")
+    lr: float = Field(5e-7, gt=0, description="3e-7 to 1e-6 in the paper for 7-8B models; tiny models need more.")
+    max_steps: int = Field(150, ge=1)
+
+
+class SimPO(AlignMethod):
+    name = "simpo"
+    config = SimpoConfig
+    description = "SimPO with TRL's CPOTrainer: length-normalised reward with a target margin, no reference model"
+    data = "preference"
+    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
+
+    def start(self, config: Any) -> Product:
+        return SFT_MODEL if config.align.simpo.init == "sft" else start_model(config)
+
+    def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        from training.align.kit import dataset, peft_config, training_args
+
+        cfg = spec["config"]
+        args = training_args(
+            spec, CPOConfig, loss_type="simpo", beta=cfg["beta"], simpo_gamma=cfg["gamma"], cpo_alpha=cfg["sft_weight"]
+        )
+        return CPOTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset(spec["train"], ["prompt", "chosen", "rejected"]),
+            processing_class=tokenizer,
+            peft_config=peft_config(spec),
+            callbacks=callbacks,
+        )
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        from training.align.kit import before_and_after, preference_figures
+
+        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
