@@ -182,7 +182,7 @@ def rank_spec(ctx: StepContext, m: AlignMethod) -> dict[str, Any]:
                 "align.distributed.backend: fsdp2 needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
                 "(it trains them as plain DDP); use deepspeed on CPU"
             )
-    base = ctx.path(first_present(ctx, m.starts))  # the start the graph chose
+    base = ctx.path(first_present(ctx, m.start_candidates()))  # the start the graph chose
     context = _context(base)
     chats = m.data == "chat"
     data_dir = ctx.path(m.data_product())

@@ -136,6 +136,10 @@ class AlignMethod:
         """The model it starts from, chosen when the graph is resolved."""
         raise NotImplementedError
 
+    def start_candidates(self) -> tuple[Product, ...]:
+        """The products it may start from, first present wins at run time (`starts` by default)."""
+        return self.starts
+
     def data_product(self) -> Product:
         return CHAT_DATA if self.data == "chat" else PREFERENCE_DATA
 

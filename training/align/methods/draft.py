@@ -21,7 +21,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import Field
 
@@ -200,8 +200,10 @@ class Draft(AlignMethod):
     data = "chat"
     in_recipe = False
     product = Product("draft-model")  # not an hf-model role: nothing evaluates, quantizes or serves it alone
-    # the teacher: the recipe's last policy (the model serving takes when unquantized)
-    starts: ClassVar[tuple[Product, ...]] = (hf_model("rl"), hf_model("dpo"), hf_model("sft"))
+
+    def start_candidates(self) -> tuple[Product, ...]:
+        """The teacher: the recipe's last policy, whichever method made it (the registry's order)."""
+        return tuple(hf_model(name) for name in reversed(policy_methods()))
 
     def runs(self, align: Any) -> bool:
         return bool(align.draft.enabled)
@@ -222,8 +224,20 @@ class Draft(AlignMethod):
         return measure_draft(spec, tokenizer, hf)
 
 
+def policy_methods() -> list[str]:
+    """The registered methods that train a policy (an hf-model role), in the order recipes run them."""
+    from training.align.methods import methods
+
+    return [name for name, m in methods().items() if m.role() is not None]
+
+
 def teacher(config: Any) -> Product:
     """What the draft is distilled from: the recipe's last policy (the model serving takes when unquantized)."""
-    if "rl" in config.align.recipe:
-        return hf_model("rl")
-    return hf_model("dpo") if "dpo" in config.align.recipe and config.align.dpo.enabled else hf_model("sft")
+    ran = [name for name in policy_methods() if methods_run(config, name)]
+    return hf_model(ran[-1])
+
+
+def methods_run(config: Any, name: str) -> bool:
+    from training.align.methods import method
+
+    return method(name).runs(config.align)
