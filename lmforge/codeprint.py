@@ -427,3 +427,26 @@ def drift(step: Any, recorded: dict[str, Any] | None) -> list[str]:
         if before is not None and before != version:
             lines.append(f"library {lib} changed {before} -> {version} since this output was made")
     return lines
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, Any]:
+    """lmforge's version and the git commit (and whether the tree is dirty) of this checkout: recorded
+    beside a step's key and as an experiment tracker's tags, never part of a key."""
+    import subprocess
+
+    import lmforge
+
+    root = Path(__file__).resolve().parent.parent
+    version: dict[str, Any] = {"lmforge": lmforge.__version__}
+    try:
+        version["git"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout
+        version["dirty"] = bool(dirty.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return version

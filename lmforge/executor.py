@@ -16,20 +16,19 @@ import multiprocessing
 import os
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lmforge
 from lmforge import codeprint, console, launcher, steplog, tracking
+from lmforge.codeprint import code_version
 from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
 from lmforge.store import StageStore
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +74,6 @@ def provenance() -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def graph() -> Graph:
     return build_graph()
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-    version: dict[str, Any] = {"lmforge": lmforge.__version__}
-    try:
-        version["git"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        ).stdout
-        version["dirty"] = bool(dirty.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return version
 
 
 def plan_step(step: Step, config: PipelineBase, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:

@@ -22,7 +22,7 @@ from lmforge.hashing import flatten
 from lmforge.store import StageStore
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 
 @dataclass

@@ -35,7 +35,7 @@ from lmforge.hashing import canonical_json, digest
 from lmforge.stage import Maybe, Product
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 UnitResult = tuple[list[str], dict[str, Any]]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from lmforge.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the stages that run across nodes, and the config section holding their hostfile and node count

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 
 @dataclass(frozen=True)

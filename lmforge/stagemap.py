@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from lmforge.stage import Maybe, Product
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
     from lmforge.graph import Graph, Step
+    from lmforge.pipelinebase import PipelineBase
     from lmforge.stage import Stage
 
 WIDTH = 100

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
-    from lmforge.config import PipelineBase
+    from lmforge.pipelinebase import PipelineBase
 
 log = logging.getLogger("lmforge.tracking")
 
@@ -328,7 +328,7 @@ def _start_pipeline(client: Any, config: PipelineBase, run: PipelineRun, state: 
         if found is not None:
             state.parent_id = found
             return
-    from lmforge.executor import code_version
+    from lmforge.codeprint import code_version
 
     tags = {
         "lmforge.kind": "pipeline",
@@ -573,7 +573,7 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 
 def step_tags(config: PipelineBase, run: PipelineRun, manifest: dict[str, Any]) -> dict[str, str]:
-    from lmforge.executor import code_version
+    from lmforge.codeprint import code_version
 
     made_by = manifest.get("made_by") or {}
     inputs = manifest.get("inputs") or {}

@@ -149,6 +149,110 @@ def test_the_layering_check_reports_a_planted_import() -> None:
     ]
 
 
+# -- import cycles -------------------------------------------------------------------------------
+# No module may reach itself through imports, inside a package or across packages. Every import
+# counts: at module level, inside a function (a lazy import only hides a ring) and under
+# TYPE_CHECKING (a type named across a ring ties the modules as firmly).
+
+
+def module_imports(modules: dict[str, str]) -> dict[str, set[str]]:
+    """{module: the modules of `modules` it imports}, from {dotted name: source}."""
+    import ast
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, source in modules.items():
+        is_package = any(other.startswith(f"{module}.") for other in modules)  # its __init__
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package
+                    for _ in range(node.level - 1):
+                        parent = parent.rpartition(".")[0]
+                    base = f"{parent}.{base}" if base else parent
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for name in names:
+                target = owner(name)
+                if target is not None and target != module:
+                    edges[module].add(target)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The rings of the import graph (strongly connected groups of two or more modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    rings: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            ring = []
+            while True:
+                w = stack.pop()
+                ring.append(w)
+                if w == v:
+                    break
+            if len(ring) > 1:
+                rings.append(sorted(ring))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return rings
+
+
+def _project_modules() -> dict[str, str]:
+    found = {}
+    for package in sorted(_packages()):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path.read_text()
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    rings = import_cycles(module_imports(_project_modules()))
+    assert not rings, "import rings (each module reaches the others and itself):\n" + "\n".join(map(str, rings))
+
+
+def test_the_cycle_check_reports_a_planted_ring() -> None:
+    """A lazy import and a TYPE_CHECKING one still close a ring; a one-way chain is none."""
+    modules = {
+        "lmforge.config": "from lmforge.graph import Graph\n",
+        "lmforge.graph": "def build():\n    from lmforge.stage import Stage\n",
+        "lmforge.stage": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lmforge.config import PipelineBase\n",
+        "lmforge.hashing": "import lmforge.config\n",
+        "training.align.methods": "from training.align.methods.sft import SFT\n",
+        "training.align.methods.sft": "from . import AlignMethod\n",
+    }
+    assert import_cycles(module_imports(modules)) == [
+        ["lmforge.config", "lmforge.graph", "lmforge.stage"],
+        ["training.align.methods", "training.align.methods.sft"],
+    ]
+    del modules["training.align.methods"]
+    modules["lmforge.stage"] = "import json\n"
+    assert import_cycles(module_imports(modules)) == []
+
+
 # -- the stage maps ------------------------------------------------------------------------------
 
 
