@@ -15,12 +15,13 @@ from tests.conftest import small_config
 
 SMALL_ORPO = [
     "align.recipe=[sft, orpo]",
-    "align.orpo.max_steps=20",
+    "align.orpo.max_steps=12",
     "align.orpo.lr=1e-3",  # as the tiny preset's DPO: the paper's 8e-6 (7B models) does not move a tiny one
     "align.orpo.global_batch_size=16",
     "align.orpo.micro_batch_size=8",
-    "align.orpo.save_steps=10",
-    "align.orpo.eval_every=10",
+    "align.orpo.save_steps=6",
+    "align.orpo.eval_every=6",
+    "align.eval_generations=16",  # held-out answers generated before and after (runtime: no key changes)
     "align.orpo.init=base",  # ORPO's own use: alignment straight from the model SFT starts from
 ]
 
@@ -39,7 +40,7 @@ def test_orpo_trains_on_two_ranks_from_the_pretrained_model_and_is_measured_like
     started = json.loads((Path(step["dir"]) / "run_spec.json").read_text())["base_dir"]
     assert "/pretrain/" in started, started  # init: base: from the pretrained model, not SFT's
     assert "align/dpo" not in orpo  # the recipe names ORPO alone after SFT
-    assert step["extra"]["world_size"] == 2 and step["counts"]["steps"] == 20
+    assert step["extra"]["world_size"] == 2 and step["counts"]["steps"] == 12
     m = step["metrics"]
     for name in ("before", "after"):
         assert 0 <= m[f"preference_accuracy_{name}"] <= 1
