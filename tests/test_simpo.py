@@ -54,7 +54,8 @@ def test_simpo_trains_on_two_ranks_from_the_cached_sft_model_and_is_measured_lik
     eos = json.loads((hf / "generation_config.json").read_text())["eos_token_id"]
     assert AutoTokenizer.from_pretrained(str(hf)).convert_tokens_to_ids("<|im_end|>") in eos  # stops at a turn's end
     logged = set().union(*(json.loads(line) for line in (Path(step["dir"]) / "metrics.jsonl").read_text().splitlines()))
-    assert {"loss", "tokens_per_s"} <= logged and any(k.startswith("rewards/") for k in logged), sorted(logged)
+    # TRL's ORPO and CPO trainers log no `num_tokens`, so there is no tokens/s row (KTO's and DPO's have one)
+    assert "loss" in logged and any(k.startswith("rewards/") for k in logged), sorted(logged)
 
 
 def test_simpo_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:
