@@ -18,20 +18,12 @@ from typing import Any
 
 from evaluation import stats
 from lmforge.jsonl import read_jsonl
-
-
-def lineage() -> list[str]:
-    """The lineage's model roles in the order they are made (`lmforge.registry.roles`)."""
-    from lmforge.registry import role_names
-
-    return role_names()
+from lmforge.registry import role_names, roles
 
 
 def sources_seen(model: str) -> set[str]:
     """What `model` trained on, as far as lmforge knows (`Role.saw`): a base model the user brings was
     trained on data nobody here has seen, so none of its items count as contaminated by the lineage."""
-    from lmforge.registry import roles
-
     return next((set(r.saw) for r in roles() if r.name == model), set())
 
 
@@ -79,7 +71,7 @@ def metric_row(
 def comparisons(per_model: dict[str, dict[str, list[dict[str, Any]]]], backend: str) -> list[dict[str, Any]]:
     """Each model against the one before it in the lineage, per task, on shared items."""
     rows = []
-    order = lineage()
+    order = role_names()  # the lineage's models in the order they are made
     present = [m for m in order if m in per_model] + [m for m in per_model if m not in order]
     for before, after in zip(present, present[1:]):
         for task, samples_after in per_model[after].items():

@@ -44,7 +44,7 @@ BUILTIN = (
 )
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
-PRETRAINED = hf_model("pretrained")
+PRETRAINED, SFT_MODEL = hf_model("pretrained"), hf_model("sft")
 # modules every method's rank runs, beside its own (the entry loads the other methods' modules by
 # name, but runs only its own): part of every method step's code identity. Not this package as a
 # whole: naming a package counts every module in it (lmforge.codeprint), so a new method would
@@ -133,8 +133,10 @@ class AlignMethod:
         """Raise ValueError when `align` cannot run with this method as configured (beyond its own section)."""
 
     def start(self, config: ConfigView | PipelineBase) -> Product:
-        """The model it starts from, chosen when the graph is resolved."""
-        raise NotImplementedError
+        """The model it starts from, chosen when the graph is resolved (its one start, by default)."""
+        if len(self.starts) != 1:
+            raise NotImplementedError(f"{type(self).__name__} has several starts: say which one `start` takes")
+        return self.starts[0]
 
     def start_candidates(self) -> tuple[Product, ...]:
         """The products it may start from, first present wins at run time (`starts` by default)."""
@@ -196,6 +198,29 @@ class AlignMethod:
         return []
 
 
+class PreferenceMethod(AlignMethod):
+    """A method that trains a policy on the preference pairs, measured as DPO is: held-out preference
+    accuracy (the policy's log-probability of the chosen answer above the rejected one) and exact
+    match, before and after, each change with its paired interval."""
+
+    data = "preference"
+
+    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
+        from training.align.kit import before_and_after, preference_figures
+
+        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
+
+
+class FromSftOrItsStart(AlignMethod):
+    """A method whose section's `init` says where it starts: `sft`, the SFT model; `base`, the model
+    SFT starts from (the base or the pretrained model)."""
+
+    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
+
+    def start(self, config: Any) -> Product:
+        return SFT_MODEL if self.section(config).init == "sft" else start_model(config)
+
+
 def _load(target: str | Any) -> AlignMethod:
     if isinstance(target, str):
         module, _, attribute = target.partition(":")
@@ -244,6 +269,9 @@ __all__ = [
     "HELDOUT_SFT",
     "HELDOUT_PREFERENCES",
     "PRETRAINED",
+    "SFT_MODEL",
+    "PreferenceMethod",
+    "FromSftOrItsStart",
     "start_model",
     "precision",
     "methods",

@@ -13,12 +13,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import Product, hf_model
-from training.align.methods import AlignMethod
+from lmforge.stage import Product
+from training.align.methods import SFT_MODEL, PreferenceMethod
 from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
-SFT_MODEL = hf_model("sft")
 
 
 class DpoConfig(TrainConfig):
@@ -41,15 +40,11 @@ class DpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class DPO(AlignMethod):
+class DPO(PreferenceMethod):
     name = "dpo"
     config = DpoConfig
     description = "Direct preference optimisation with TRL against the frozen SFT model"
-    data = "preference"
     starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL,)
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         from trl import DPOConfig, DPOTrainer
@@ -74,11 +69,6 @@ class DPO(AlignMethod):
             peft_config=peft_config(spec),
             callbacks=callbacks,
         )
-
-    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
-        from training.align.kit import before_and_after, preference_figures
-
-        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
 
     def warnings(self, spec: dict[str, Any], summary: dict[str, Any]) -> list[str]:
         return overoptimisation(spec, summary)

@@ -203,7 +203,7 @@ class Draft(AlignMethod):
 
     def start_candidates(self) -> tuple[Product, ...]:
         """The teacher: the recipe's last policy, whichever method made it (the registry's order)."""
-        return tuple(hf_model(name) for name in reversed(policy_methods()))
+        return tuple(hf_model(name) for name in reversed(policies()))
 
     def runs(self, align: Any) -> bool:
         return bool(align.draft.enabled)
@@ -224,20 +224,13 @@ class Draft(AlignMethod):
         return measure_draft(spec, tokenizer, hf)
 
 
-def policy_methods() -> list[str]:
+def policies() -> dict[str, AlignMethod]:
     """The registered methods that train a policy (an hf-model role), in the order recipes run them."""
     from training.align.methods import methods
 
-    return [name for name, m in methods().items() if m.role() is not None]
+    return {name: m for name, m in methods().items() if m.role() is not None}
 
 
 def teacher(config: Any) -> Product:
     """What the draft is distilled from: the recipe's last policy (the model serving takes when unquantized)."""
-    ran = [name for name in policy_methods() if methods_run(config, name)]
-    return hf_model(ran[-1])
-
-
-def methods_run(config: Any, name: str) -> bool:
-    from training.align.methods import method
-
-    return method(name).runs(config.align)
+    return hf_model([name for name, m in policies().items() if m.runs(config.align)][-1])

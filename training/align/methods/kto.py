@@ -9,17 +9,14 @@ after with a paired interval.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import Product, hf_model
-from training.align.methods import AlignMethod
+from lmforge.stage import Product
+from training.align.methods import SFT_MODEL, PreferenceMethod
 from training.align.sections import TrainConfig
-
-SFT_MODEL = hf_model("sft")
 
 
 class KtoConfig(TrainConfig):
@@ -34,15 +31,11 @@ class KtoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class KTO(AlignMethod):
+class KTO(PreferenceMethod):
     name = "kto"
     config = KtoConfig
     description = "Kahneman-Tversky optimisation with TRL on unpaired desirable/undesirable answers, from SFT"
-    data = "preference"
     starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL,)
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         from trl import KTOConfig, KTOTrainer
@@ -69,11 +62,6 @@ class KTO(AlignMethod):
             peft_config=peft_config(spec),
             callbacks=callbacks,
         )
-
-    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
-        from training.align.kit import before_and_after, preference_figures
-
-        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
 
 
 def unpaired(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:

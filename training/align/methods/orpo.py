@@ -9,17 +9,13 @@ with paired intervals.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import BASE_MODEL, Product, hf_model
-from training.align.methods import PRETRAINED, AlignMethod, start_model
+from training.align.methods import FromSftOrItsStart, PreferenceMethod
 from training.align.sections import TrainConfig
-
-SFT_MODEL = hf_model("sft")
 
 
 class OrpoConfig(TrainConfig):
@@ -33,15 +29,10 @@ class OrpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class ORPO(AlignMethod):
+class ORPO(PreferenceMethod, FromSftOrItsStart):
     name = "orpo"
     config = OrpoConfig
     description = "Odds-ratio preference optimisation with TRL: SFT and preference in one loss, no reference model"
-    data = "preference"
-    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL if config.align.orpo.init == "sft" else start_model(config)
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -57,8 +48,3 @@ class ORPO(AlignMethod):
             peft_config=peft_config(spec),
             callbacks=callbacks,
         )
-
-    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
-        from training.align.kit import before_and_after, preference_figures
-
-        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")

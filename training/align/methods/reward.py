@@ -7,16 +7,14 @@ as the reward-hacking watch's proxy."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from lmforge.jsonl import read_jsonl
-from lmforge.stage import Product, hf_model
-from training.align.methods import AlignMethod, start_model
+from lmforge.stage import Product
+from training.align.methods import FromSftOrItsStart
 from training.align.sections import TrainConfig
-
-SFT_MODEL = hf_model("sft")
 
 
 class RewardModelConfig(TrainConfig):
@@ -33,18 +31,14 @@ class RewardModelConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class Reward(AlignMethod):
+class Reward(FromSftOrItsStart):
     name = "reward"
     config = RewardModelConfig
     description = "Reward model with TRL's RewardTrainer (Bradley-Terry on chosen/rejected), full or LoRA"
     data = "preference"
     product = Product("reward-model")
-    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, hf_model("base"), hf_model("pretrained"))
     loads_policy = False  # it builds a sequence classifier from the start model itself
     generates = False  # a classifier does not generate
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL if config.align.reward.init == "sft" else start_model(config)
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         return reward_trainer(spec, tokenizer, callbacks)

@@ -32,12 +32,12 @@ from lmforge.errors import ConfigError, DeterministicError
 from lmforge.jsonl import read_jsonl
 from lmforge.stage import Product, hf_model
 from lmforge.verify import is_correct, partial_credit
-from training.align.methods import AlignMethod
+from training.align.methods import SFT_MODEL, AlignMethod
 from training.align.methods.reward import load_reward_model, score
 from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
-SFT_MODEL, DPO_MODEL, REWARD_MODEL = hf_model("sft"), hf_model("dpo"), Product("reward-model")
+DPO_MODEL, REWARD_MODEL = hf_model("dpo"), Product("reward-model")
 
 
 class RewardFunction(StrictModel):

@@ -8,17 +8,13 @@ match before and after, with paired intervals.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import BASE_MODEL, Product, hf_model
-from training.align.methods import PRETRAINED, AlignMethod, start_model
+from training.align.methods import FromSftOrItsStart, PreferenceMethod
 from training.align.sections import TrainConfig
-
-SFT_MODEL = hf_model("sft")
 
 
 class SimpoConfig(TrainConfig):
@@ -38,15 +34,10 @@ class SimpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class SimPO(AlignMethod):
+class SimPO(PreferenceMethod, FromSftOrItsStart):
     name = "simpo"
     config = SimpoConfig
     description = "SimPO with TRL's CPOTrainer: length-normalised reward with a target margin, no reference model"
-    data = "preference"
-    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL if config.align.simpo.init == "sft" else start_model(config)
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -66,8 +57,3 @@ class SimPO(AlignMethod):
             peft_config=peft_config(spec),
             callbacks=callbacks,
         )
-
-    def measure(self, spec: dict[str, Any], tokenizer: Any, hf: Path) -> dict[str, Any]:
-        from training.align.kit import before_and_after, preference_figures
-
-        return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
