@@ -293,6 +293,11 @@ def short_reason(exc: BaseException) -> str:
     errno = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", text)
     if errno:
         return errno[-1].strip().rstrip(".")
+    # a server going down mid-request: ConnectionResetError(104, 'Connection reset by peer'),
+    # RemoteDisconnected('Remote end closed connection without response'), ResponseError('too many 503 ...')
+    cause = re.findall(r"(?:Error\(-?\d+, |RemoteDisconnected\(|ResponseError\()'([^']+)'", text)
+    if cause:
+        return cause[-1].strip().rstrip(".")
     for phrase in ("timed out", "Name or service not known", "No route to host"):
         if phrase.lower() in text.lower():
             return phrase

@@ -102,8 +102,31 @@ class MlflowServer:
         try:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
+            pass
+        # the worker can outlive the parent while it holds the listening socket: a request then gets a
+        # reset, not a refusal. Stopped means every process of the group gone and the port refusing.
+        deadline = time.monotonic() + 20
+        while _group_alive(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(self.process.pid):
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+        self.process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _listening(self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +229,22 @@ def test_what_a_step_output_becomes_in_mlflow(tmp_path: Path) -> None:
     assert tracking.public_uri("sqlite:////ws/mlflow.db") == "sqlite:////ws/mlflow.db"
     refused = Exception("API request to http://127.0.0.1:1/api failed ... [Errno 111] Connection refused'))")
     assert tracking.short_reason(refused) == "Connection refused"
+    for cause, reason in [  # the forms a server going down mid-request takes
+        (
+            "ProtocolError('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))",
+            "Connection reset by peer",
+        ),
+        (
+            "ProtocolError('Connection aborted.', RemoteDisconnected('Remote end closed connection without response'))",
+            "Remote end closed connection without response",
+        ),
+        ("ResponseError('too many 503 error responses')", "too many 503 error responses"),
+    ]:
+        text = (
+            "API request to http://127.0.0.1:1/api failed with exception HTTPConnectionPool(host='127.0.0.1', "
+            f"port=1): Max retries exceeded with url: /api (Caused by {cause})"
+        )
+        assert tracking.short_reason(Exception(text)) == reason
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 1, "loss": 2.0, "lr": 0.1}\n{"step": 2, "loss": 1.5, "val_loss": 1.7}\n'
     )
