@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gguf.py --model DIR            # any Hugging Face causal LM llama.cpp knows
     .venv/bin/python benchmarks/gguf.py --build-width 256      # a Qwen2 built and trained here, that wide
 
-The same path as `quantize/gguf` (serving/gguf.py): llama.cpp's converter to bf16, llama.cpp's
+The same path as `quantize/gguf` (serving/quantize/gguf.py): llama.cpp's converter to bf16, llama.cpp's
 quantizer, each file run in llama.cpp (the llama.cpp environment, .venv-llamacpp). Perplexity is
 per token on held-out text in windows of the model's context; decode speed is greedy tokens per
 second from a short prompt. The ratios are against the bf16 file, measured in the same command.
@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from serving import gguf
+    from serving.backends.llamacpp import llamacpp_python
+    from serving.quantize import gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face model directory")
@@ -35,7 +36,7 @@ def main() -> None:
     from tests.base_models import build_qwen2_base, demo_texts
 
     texts = demo_texts(400)
-    python = gguf.llamacpp_python(None, "benchmarks/gguf.py")
+    python = llamacpp_python(None, "benchmarks/gguf.py")
     with tempfile.TemporaryDirectory() as work_dir:
         work = Path(work_dir)
         if args.model:

@@ -32,6 +32,10 @@ class DeterministicError(LmforgeError):
     """A failure that would repeat on retry (divergence, failed parity check)."""
 
 
+class GateFailed(DeterministicError):
+    """The model did not pass what must hold before it ships (evaluation, contamination, SLO, a quality gate)."""
+
+
 class TrainingDiverged(DeterministicError):
     """Too many consecutive loss spikes or non-finite losses."""
 

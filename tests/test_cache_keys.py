@@ -116,7 +116,7 @@ ROWS = [
     ("serve.model=sft", {"serve/release"}),
     ("serve.adapters.enabled=true", {"serve/release"}),
     ("serve.backend=llamacpp", {"serve/release"}),
-    ("serve.llamacpp.n_ctx=64", {"serve/release"}),
+    ("serve.llamacpp.n_ctx=64", set()),  # a backend not chosen: its section is not read
     # the hf backend reads the served context length too (its windows match what will be served)
     ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/release"}),
     (
@@ -274,6 +274,13 @@ def test_field_changes_exactly_these_steps(override: str, changed: set[str]) -> 
     assert {name for name in ALL_STEPS if before[name] != after[name]} == changed
 
 
+def test_the_chosen_backends_section_keys_the_release() -> None:
+    """serve/release reads the section of the backend it starts (serving.backends), and only that."""
+    before = identities(["serve.backend=llamacpp"])
+    after = identities(["serve.backend=llamacpp", "serve.llamacpp.n_ctx=64"])
+    assert {name for name in ALL_STEPS if before[name] != after[name]} == {"serve/release"}
+
+
 def test_every_runtime_field_is_pinned_above() -> None:
     """A new field marked runtime (kept out of every key) must get a row proving it changes nothing."""
     from lmforge.config import PipelineConfig
@@ -302,7 +309,8 @@ def test_select_reads_only_enabled_attribute_steps() -> None:
 # companions a perturbation needs to stay valid (a threshold replaces the keep-fraction)
 COMPANIONS = {"curate.quality_classifier.threshold": ["curate.quality_classifier.keep_fraction=null"]}
 # fields that matter only in a context (LoRA's shape when a step uses LoRA): compared within it
-CONTEXT = {"align.lora.": ["align.method=lora"]}
+# and a serving backend's section, read when that backend is chosen
+CONTEXT = {"align.lora.": ["align.method=lora"], "serve.llamacpp.": ["serve.backend=llamacpp"]}
 
 
 def _leaves(model: type, prefix: str = "") -> list[tuple[str, object]]:
@@ -339,8 +347,10 @@ def _candidates(value: object, annotation: object = None) -> list[str]:
     if isinstance(value, float):
         return [repr(value * 0.5), repr(round(value + 0.05, 6)), repr(value * 1.5), repr(value * 0.9)]
     if isinstance(value, str):
-        # the last two: model roles (serve.model, quantize.model: validated against the registry, not a Literal)
-        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x", "pretrained", "sft"]
+        # then model roles (serve.model, quantize.model) and a serving backend (serve.backend): validated
+        # against their registries, not a Literal
+        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x", "pretrained", "sft",
+                "llamacpp"]  # fmt: skip
     if value is None:
         return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
     if isinstance(value, list):

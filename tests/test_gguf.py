@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.errors import ConfigError
-from serving.gguf import DEFAULT_VENV
+from serving.backends.llamacpp import DEFAULT_VENV
 
 pytestmark = [
     pytest.mark.slow,
@@ -109,7 +109,8 @@ def test_an_architecture_llama_cpp_does_not_know_is_refused_in_one_line(tmp_path
     import torch
     from transformers import OPTConfig, OPTForCausalLM
 
-    from serving import gguf
+    from serving.backends.llamacpp import llamacpp_python
+    from serving.quantize import gguf
 
     model_dir = tmp_path / "opt"
     config = OPTConfig(vocab_size=1024, hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=2,
@@ -119,14 +120,14 @@ def test_an_architecture_llama_cpp_does_not_know_is_refused_in_one_line(tmp_path
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(trained["dir"]) / "hf" / name, model_dir / name)
     with pytest.raises(ConfigError, match="does not know the architecture OPTForCausalLM") as info:
-        gguf.convert(model_dir, tmp_path / "opt.gguf", gguf.llamacpp_python(None, "quantize.gguf.python"), tmp_path)
+        gguf.convert(model_dir, tmp_path / "opt.gguf", llamacpp_python(None, "quantize.gguf.python"), tmp_path)
     assert "\n" not in str(info.value) and str(info.value).startswith("quantize.gguf:")
     # a Unigram vocabulary on GPT-NeoX (llama.cpp converts its tokenizer as BPE only): one line too
     from tests.base_models import build_neox_base, demo_texts
 
     unigram = build_neox_base(tmp_path / "neox", demo_texts(80), steps=5, tokenizer="unigram")
     with pytest.raises(ConfigError, match="cannot carry the tokenizer") as info:
-        gguf.convert(unigram, tmp_path / "neox.gguf", gguf.llamacpp_python(None, "quantize.gguf.python"), tmp_path)
+        gguf.convert(unigram, tmp_path / "neox.gguf", llamacpp_python(None, "quantize.gguf.python"), tmp_path)
     assert "\n" not in str(info.value)
 
 
@@ -135,13 +136,14 @@ def test_the_base_model_architectures_convert_faithfully(tmp_path: Path, archite
     """Qwen2 and GPT-NeoX (the base-model fixtures, byte-level BPE): llama.cpp tokenizes as transformers
     does, the bf16 file's perplexity is transformers' own, and Q8_0 stays within 2% of it."""
     from evaluation import stats
-    from serving import gguf
+    from serving.backends.llamacpp import llamacpp_python
+    from serving.quantize import gguf
     from tests.base_models import build_neox_base, build_qwen2_base, demo_texts
 
     texts = demo_texts(120)
     build = build_qwen2_base if architecture == "qwen2" else build_neox_base
     model_dir = build(tmp_path / architecture, texts, steps=30, tokenizer="byte_bpe")
-    python = gguf.llamacpp_python(None, "quantize.gguf.python")
+    python = llamacpp_python(None, "quantize.gguf.python")
     bf16, q8 = tmp_path / "bf16.gguf", tmp_path / "Q8_0.gguf"
     gguf.convert(model_dir, bf16, python, tmp_path / "work")
     gguf.quantize(bf16, q8, "Q8_0", python)

@@ -110,13 +110,14 @@ def _promote_concurrently(
     release code, with a sleeping process for a server (it exits after `server_s`) and readiness and the
     smoke test answered at once."""
     from serving import release
+    from serving.backends.vllm import VLLM
     from serving.config import ServeConfig
 
     monkeypatch.setenv("LMFORGE_DEVICE_REGISTRY", str(tmp_path / "devices"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(devices, "visible_gpus", lambda env=None: list(gpus))
     command = [sys.executable, "-c", f"import time; time.sleep({server_s})"]
-    monkeypatch.setattr(release, "server_command", lambda *a, **k: command)
+    monkeypatch.setattr(VLLM, "command", lambda self, *a, **k: command)
 
     def ready(*args: Any, **kwargs: Any) -> float:
         time.sleep(0.5)  # both candidates are starting at once

@@ -49,7 +49,6 @@ ALLOWED: dict[str, set[str]] = {
     # both find each other's cached per-task results: a later stage may use these public modules
     # of an earlier one (never its steps), and evaluation never imports serving.
     "serving.quantize": {"evaluation.runs", "evaluation.stats", "evaluation.report"},
-    "serving.gguf": {"evaluation.stats"},  # quantize/gguf's gate: the same paired statistics as quantize/gate
     "tasks": {"lmforge"},
     "flows": {"lmforge", "tasks"},
 }

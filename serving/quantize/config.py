@@ -85,7 +85,7 @@ def _default_gguf_types() -> list[GgufType]:
 
 
 class GgufConfig(StrictModel):
-    """GGUF files for llama.cpp (`quantize/gguf`, serving/gguf.py): converted and quantized by llama.cpp,
+    """GGUF files for llama.cpp (`quantize/gguf`, serving/quantize/gguf.py): converted and quantized by llama.cpp,
     gated in llama.cpp against the bf16 conversion with `quantize.gate`'s limits."""
 
     enabled: bool = runtime_field(

@@ -421,7 +421,7 @@ def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
     return progress(ctx.out_dir)
 
 
-# -- GGUF for llama.cpp (serving/gguf.py) --------------------------------------------------------------
+# -- GGUF for llama.cpp (serving/quantize/gguf.py) --------------------------------------------------------------
 
 GGUF = "quantize/gguf"
 GGUF_MODEL = Product("gguf-model")
@@ -436,13 +436,14 @@ def _gguf_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     """Convert (bf16), quantize each type, measure every file in llama.cpp, gate each type against bf16."""
     import shutil
 
-    from serving import gguf
+    from serving.backends.llamacpp import llamacpp_python
+    from serving.quantize import gguf
     from serving.quantize.gate import failures
 
     cfg = ctx.config.quantize
     role = quantized_role(ctx)
     model_dir = ctx.path(hf_model(role))
-    python = gguf.llamacpp_python(cfg.gguf.python, "quantize.gguf.python")
+    python = llamacpp_python(cfg.gguf.python, "quantize.gguf.python")
     work = ctx.out_dir / "work"
     files = {"bf16": ctx.out_dir / "model-bf16.gguf"}
     conversion = gguf.convert(model_dir, files["bf16"], python, work)
@@ -576,7 +577,14 @@ QUANTIZE_STEPS = [
         when=lambda c: c.quantize.gguf.enabled,
         provides={GGUF_MODEL: ""},
         retries=1,
-        code=("serving.gguf", "serving.gguf_convert", "serving.gguf_tool", "serving.quantize.gate", "lmforge.verify"),
+        code=(
+            "serving.quantize.gguf",
+            "serving.quantize.gguf_convert",
+            "serving.quantize.gguf_tool",
+            "serving.backends.llamacpp_cpu",
+            "serving.quantize.gate",
+            "lmforge.verify",
+        ),
         libraries=("transformers",),  # llama.cpp's version is in verdict.json (its environment is not this one)
     ),
 ]

@@ -1,17 +1,17 @@
 """What lmforge asks of llama.cpp itself, run with the llama.cpp environment's Python (.venv-llamacpp).
 
-    python -m serving.gguf_tool quantize SRC.gguf DST.gguf Q4_K_M
-    python -m serving.gguf_tool measure MODEL.gguf --spec spec.json --out result.json
+    python -m serving.quantize.gguf_tool quantize SRC.gguf DST.gguf Q4_K_M
+    python -m serving.quantize.gguf_tool measure MODEL.gguf --spec spec.json --out result.json
 
 `quantize` is llama.cpp's own quantizer (`llama_model_quantize`, the function behind the
 `llama-quantize` tool) through llama-cpp-python's bindings. `measure` loads a GGUF file in llama.cpp
-and reports what the GGUF gate (serving/gguf.py) compares: each held-out document's summed negative
+and reports what the GGUF gate (serving/quantize/gguf.py) compares: each held-out document's summed negative
 log-likelihood and token count, each verifiable item's greedy completion, llama.cpp's tokenization
 of given texts (checked against the Hugging Face tokenizer's by the caller), the chat template and
 end-of-generation tokens the file carries, and one chat completion through the template.
 
 Why a script of its own: llama-cpp-python lives in its own environment (it is compiled there), so
-this module imports only the standard library, numpy, llama_cpp and serving.llamacpp_cpu; the caller scores
+this module imports only the standard library, numpy, llama_cpp and serving.backends.llamacpp_cpu; the caller scores
 and gates.
 """
 
@@ -54,7 +54,7 @@ def tensor_types(model: str) -> dict[str, dict[str, int]]:
     if not source.exists():
         return {}
     sys.path.insert(0, str(source))
-    from gguf import GGUFReader  # type: ignore[attr-defined]  # llama.cpp's gguf-py, not serving.gguf
+    from gguf import GGUFReader  # type: ignore[attr-defined]  # llama.cpp's gguf-py, not serving.quantize.gguf
 
     out: dict[str, dict[str, int]] = {}
     for tensor in GGUFReader(model).tensors:
@@ -68,7 +68,7 @@ def measure(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     from llama_cpp import Llama
 
-    from serving.llamacpp_cpu import without_weight_repacking
+    from serving.backends.llamacpp_cpu import without_weight_repacking
 
     without_weight_repacking()
     ctx = int(spec["n_ctx"])
@@ -130,7 +130,7 @@ def measure(model: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.gguf_tool")
+    parser = argparse.ArgumentParser(prog="python -m serving.quantize.gguf_tool")
     commands = parser.add_subparsers(dest="command", required=True)
     q = commands.add_parser("quantize")
     q.add_argument("src")

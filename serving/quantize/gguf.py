@@ -5,10 +5,10 @@
 
 - Conversion is llama.cpp's own `convert_hf_to_gguf.py` with its `gguf-py`, from the sources the
   llama-cpp-python sdist vendors (scripts/setup.sh unpacks them into .venv-llamacpp/llama.cpp), run
-  by serving/gguf_convert.py; the model is converted to bf16 (the reference) with its chat
+  by serving/quantize/gguf_convert.py; the model is converted to bf16 (the reference) with its chat
   template stripped of transformers' `{% generation %}` markers, which no other renderer knows.
 - Quantization is llama.cpp's quantizer (`llama_model_quantize`), Q8_0 / Q4_K_M by config.
-- The gate runs each file in llama.cpp (serving/gguf_tool.py, in the llama.cpp environment) on the
+- The gate runs each file in llama.cpp (serving/quantize/gguf_tool.py, in the llama.cpp environment) on the
   evaluation stage's held-out documents (token perplexity) and held-out verifiable items (greedy
   exact match, scored by lmforge/verify.py as lm-eval's task scores them), and compares each type
   with the bf16 file item by item under the quantization gate's rules (`quantize.gate.max_drop`,
@@ -34,26 +34,13 @@ from typing import Any
 from lmforge.errors import ConfigError, LmforgeError
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VENV = REPO_ROOT / ".venv-llamacpp"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("Loading weights", "gguf: ", "Writing:", "INFO:gguf", "tcmalloc")
 CHATML = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
 
 
 class GgufFailed(LmforgeError):
     """llama.cpp failed on a file it should handle (the message has its last lines)."""
-
-
-def llamacpp_python(configured: str | None, field: str) -> Path:
-    """The llama.cpp environment's Python, or one line saying how to make it."""
-    path = Path(configured).expanduser() if configured else DEFAULT_VENV / "bin" / "python"
-    if not path.exists():
-        raise ConfigError(
-            f"{field}: the llama.cpp environment is missing ({path} does not exist); build it with "
-            "`LMFORGE_LLAMACPP_ENV=1 bash scripts/setup.sh` (about 3 minutes)"
-            + ("" if configured else " or point quantize.gguf.python at a Python with llama-cpp-python")
-        )
-    return path
 
 
 def converter_dir(python: Path) -> Path:
@@ -76,7 +63,7 @@ def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> st
 
 
 def tool_env() -> dict[str, str]:
-    """serving.gguf_tool runs in the llama.cpp environment with this repository on its path."""
+    """serving.quantize.gguf_tool runs in the llama.cpp environment with this repository on its path."""
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
 
 
@@ -102,7 +89,7 @@ def convert(model_dir: Path, out_file: Path, python: Path, work: Path) -> dict[s
     command = [
         sys.executable,
         "-m",
-        "serving.gguf_convert",
+        "serving.quantize.gguf_convert",
         str(converter_dir(python)),
         str(staged(model_dir, work / "staged")),
         "--outfile",
@@ -129,17 +116,17 @@ def convert(model_dir: Path, out_file: Path, python: Path, work: Path) -> dict[s
 
 
 def quantize(src: Path, dst: Path, kind: str, python: Path) -> dict[str, Any]:
-    tail = _run([str(python), "-m", "serving.gguf_tool", "quantize", str(src), str(dst), kind],
+    tail = _run([str(python), "-m", "serving.quantize.gguf_tool", "quantize", str(src), str(dst), kind],
                 f"llama.cpp's quantizer ({kind})", env=tool_env())  # fmt: skip
     return json.loads(tail.split(" | ")[-1])
 
 
 def measure(gguf: Path, python: Path, spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Run serving/gguf_tool.py's `measure` on one file (in the llama.cpp environment)."""
+    """Run serving/quantize/gguf_tool.py's `measure` on one file (in the llama.cpp environment)."""
     work.mkdir(parents=True, exist_ok=True)
     spec_file, out_file = work / f"{gguf.stem}.spec.json", work / f"{gguf.stem}.measured.json"
     spec_file.write_text(json.dumps(spec))
-    _run([str(python), "-m", "serving.gguf_tool", "measure", str(gguf), "--spec", str(spec_file), "--out",
+    _run([str(python), "-m", "serving.quantize.gguf_tool", "measure", str(gguf), "--spec", str(spec_file), "--out",
           str(out_file)], f"llama.cpp on {gguf.name}", env=tool_env())  # fmt: skip
     return json.loads(out_file.read_text())
 
@@ -256,16 +243,3 @@ def modelfile(gguf_name: str, template: str, stop: list[str]) -> str:
     lines += [f'PARAMETER stop "{s}"' for s in stop]
     lines.append("PARAMETER temperature 0")
     return "\n".join(lines) + "\n"
-
-
-def server_command(gguf_file: Path, cfg: Any, *, port: int, host: str, served_name: str) -> list[str]:
-    """llama.cpp's OpenAI-compatible server for `gguf_file` (serving/llamacpp_server.py), in the llama.cpp
-    environment; the key reaches it through the guard's environment, never this command line."""
-    python = llamacpp_python(cfg.python, "serve.llamacpp.python")
-    command = [str(python), "-m", "serving.llamacpp_server", "--model", str(gguf_file), "--served-name", served_name,
-               "--host", host, "--port", str(port)]  # fmt: skip
-    if cfg.n_ctx:
-        command += ["--n-ctx", str(cfg.n_ctx)]
-    if cfg.n_threads:
-        command += ["--n-threads", str(cfg.n_threads)]
-    return command

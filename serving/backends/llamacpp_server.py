@@ -1,6 +1,6 @@
 """llama.cpp's OpenAI-compatible server for a GGUF file, behind the same guard as every vLLM server.
 
-    python -m serving.llamacpp_server --model F.gguf --served-name NAME --host 127.0.0.1 --port P [--n-ctx N]
+    python -m serving.backends.llamacpp_server --model F.gguf --served-name NAME --host 127.0.0.1 --port P [--n-ctx N]
 
 Run with the llama.cpp environment's Python (.venv-llamacpp) and this repository on PYTHONPATH. It
 is llama-cpp-python's own server app (`llama_cpp.server.app.create_app`: /v1/completions,
@@ -21,11 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from lmforge.vllm_guard import Guard
-    from serving.llamacpp_cpu import without_weight_repacking
+    from serving.backends.llamacpp_cpu import without_weight_repacking
 
     without_weight_repacking()
 
-    parser = argparse.ArgumentParser(prog="python -m serving.llamacpp_server")
+    parser = argparse.ArgumentParser(prog="python -m serving.backends.llamacpp_server")
     parser.add_argument("--model", required=True)
     parser.add_argument("--served-name", required=True)
     parser.add_argument("--host", default="127.0.0.1")

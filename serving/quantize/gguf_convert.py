@@ -1,6 +1,6 @@
 """llama.cpp's own converter, `convert_hf_to_gguf.py`, run from the llama.cpp sources setup.sh unpacked.
 
-    python -m serving.gguf_convert LLAMA_CPP_DIR MODEL_DIR --outfile F.gguf --outtype bf16
+    python -m serving.quantize.gguf_convert LLAMA_CPP_DIR MODEL_DIR --outfile F.gguf --outtype bf16
 
 It runs with .venv's Python (the converter needs torch, transformers and numpy, all there) and the
 vendored `gguf-py` beside it. One addition, made here instead of in a GGUF writer of lmforge's own:

@@ -1,0 +1,68 @@
+"""Serving backends as plug-ins: one module per server, one registry.
+
+A backend is a `serving.backends.base.ServingBackend` subclass: its name (`serve.backend`), its
+settings section under `serve:`, which model file of the lineage it serves, its server's command
+and environment, and which serving features it supports (LoRA adapters, speculative decoding).
+The release (`serving.release`) and the step (`serving.steps`) read only that interface: neither
+names a backend. Every backend's server sits behind the same guard (`lmforge.vllm_guard`: the
+key, bounded bodies, draining), smoke test and SLO benchmark, and is promoted the same way.
+
+The built-ins live beside this file (`vllm`, `llamacpp`). Another package adds one without
+editing lmforge through the `lmforge.serving_backends` entry-point group:
+
+    [project.entry-points."lmforge.serving_backends"]
+    tgi = "my_package.tgi:TGI"
+
+This module imports only the standard library: `llamacpp_server` runs in the llama.cpp
+environment, which imports this package on its way.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serving.backends.base import ServingBackend
+
+GROUP = "lmforge.serving_backends"
+BUILTIN = ("serving.backends.vllm:VLLM", "serving.backends.llamacpp:LlamaCpp")
+
+
+def _load(target: Any) -> ServingBackend:
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target() if isinstance(target, type) else target  # type: ignore[no-any-return]
+
+
+@functools.cache
+def backends() -> dict[str, ServingBackend]:
+    """Every registered backend by name: the built-ins, then the `lmforge.serving_backends` entry points."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, ServingBackend] = {}
+    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    for origin, backend in [
+        *((t, _load(t)) for t in BUILTIN),
+        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
+    ]:
+        if backend.name in found:
+            raise ValueError(f"serving backend {backend.name!r} registered twice ({origin})")
+        found[backend.name] = backend
+    return found
+
+
+def backend(name: str) -> ServingBackend:
+    try:
+        return backends()[name]
+    except KeyError:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"serve.backend: no serving backend {name!r} (registered: {', '.join(backends())})") from None
+
+
+def default() -> str:
+    """The first built-in: `serve.backend`'s default."""
+    return next(iter(backends()))
