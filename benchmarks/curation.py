@@ -271,10 +271,12 @@ def lmforge_filter_results(texts: list[str], timed: list[str]) -> dict[str, Any]
     from data_prep.config import CurateConfig
 
     cfg, params = CurateConfig(), heuristics.StatParams()
+    from data_prep.filters import filters
+
     checks = {
-        family: (getattr(cfg, section), check)
-        for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items()
-        if family in ("gopher_quality", "gopher_repetition", "c4", "fineweb")
+        name: (getattr(cfg, name), family.failures)
+        for name, family in filters().items()
+        if name in ("gopher_quality", "gopher_repetition", "c4", "fineweb")
     }
 
     def failures(docs: list[str]) -> dict[str, list[list[str]]]:

@@ -7,20 +7,15 @@ key, so moving a threshold re-runs only the cheap selection step.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
+from data_prep import filters
+from data_prep.filters.base import FilterBase
 from lmforge.configbase import StrictModel, runtime_field
 
 Fraction = Field(ge=0.0, le=1.0)
-
-
-class FilterBase(StrictModel):
-    enabled: bool = Field(True, description="Switch this step off with --set curate.<step>.enabled=false.")
-    skip_domains: list[str] = Field(
-        default_factory=list, description="Domains this filter does not apply to (e.g. code for prose rules)."
-    )
 
 
 class DemoCorpusConfig(StrictModel):
@@ -106,67 +101,6 @@ class LangIdConfig(FilterBase):
     max_chars: int = Field(
         1000, ge=50, description="Leading characters of each document given to the classifier (speed)."
     )
-
-
-class LengthConfig(FilterBase):
-    min_chars: int = Field(100, ge=0, description="Documents shorter than this are removed.")
-    max_chars: int = Field(500_000, ge=1, description="Documents longer than this are removed.")
-
-
-class EncodingConfig(FilterBase):
-    max_bad_char_ratio: float = Field(
-        0.01, ge=0.0, le=1.0, description="Max fraction of replacement/mojibake/C1-control characters."
-    )
-
-
-class GopherQualityConfig(FilterBase):
-    """Gopher quality rules (Rae et al. 2021), thresholds as in datatrove."""
-
-    min_doc_words: int | None = 50
-    max_doc_words: int | None = 100_000
-    min_avg_word_length: float | None = 3
-    max_avg_word_length: float | None = 10
-    max_symbol_word_ratio: float | None = 0.1
-    max_bullet_lines_ratio: float | None = 0.9
-    max_ellipsis_lines_ratio: float | None = 0.3
-    max_non_alpha_words_ratio: float | None = 0.8
-    min_stop_words: int | None = 2
-
-
-class GopherRepetitionConfig(FilterBase):
-    """Gopher repetition rules, thresholds as in datatrove."""
-
-    dup_line_frac: float | None = 0.3
-    dup_para_frac: float | None = 0.3
-    dup_line_char_frac: float | None = 0.2
-    dup_para_char_frac: float | None = 0.2
-    top_n_grams: dict[int, float] = Field(default_factory=lambda: {2: 0.2, 3: 0.18, 4: 0.16})
-    dup_n_grams: dict[int, float] = Field(
-        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
-    )
-
-
-class C4Config(FilterBase):
-    """C4 rules (Raffel et al. 2020) applied at document level, as datatrove's C4QualityFilter."""
-
-    min_num_sentences: int | None = 5
-    filter_lorem_ipsum: bool = True
-    filter_curly_bracket: bool = True
-    # The next parameters change how sentences are counted, so they are part of the heuristics key.
-    filter_no_terminal_punct: bool = Field(False, description="FineWeb sets this off; C4 had it on.")
-    min_words_per_line: int = 3
-    max_word_length: int = 1000
-
-
-class FineWebConfig(FilterBase):
-    """FineWeb's additional quality rules, thresholds as in datatrove."""
-
-    line_punct_thr: float | None = 0.12
-    line_punct_exclude_zero: bool = False
-    short_line_thr: float | None = 0.67
-    short_line_length: int = 30
-    char_duplicates_ratio: float | None = 0.01
-    new_line_ratio: float | None = 0.3
 
 
 class QualityClassifierConfig(FilterBase):
@@ -272,8 +206,9 @@ class DecontaminateConfig(StrictModel):
         return data
 
 
-class CurateConfig(StrictModel):
-    """Everything the curation stage does, from raw files to packed token shards."""
+class CurateConfigBase(StrictModel):
+    """Everything the curation stage does, from raw files to packed token shards (the rule families'
+    sections, `curate.<filter>`, are added from data_prep.filters: CurateConfig)."""
 
     inputs: list[str] = Field(
         default_factory=lambda: ["builtin:demo"],
@@ -290,16 +225,27 @@ class CurateConfig(StrictModel):
     normalize: NormalizeConfig = NormalizeConfig()
     exact_dedup: ExactDedupConfig = ExactDedupConfig()
     near_dedup: NearDedupConfig = NearDedupConfig()
-    length: LengthConfig = LengthConfig()
     langid: LangIdConfig = LangIdConfig()
-    encoding: EncodingConfig = EncodingConfig()
-    gopher_quality: GopherQualityConfig = GopherQualityConfig()
-    gopher_repetition: GopherRepetitionConfig = GopherRepetitionConfig()
-    c4: C4Config = C4Config()
-    fineweb: FineWebConfig = FineWebConfig()
     quality_classifier: QualityClassifierConfig = QualityClassifierConfig()
     decontaminate: DecontaminateConfig = DecontaminateConfig()
     pii: PIIConfig = PIIConfig()
     mix: MixConfig = MixConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     pack: PackConfig = PackConfig()
+
+
+def _with_filters() -> type[CurateConfigBase]:
+    """`curate:` with one section per registered filter (`curate.<name>`, the filter's `config`)."""
+    from pydantic import create_model
+
+    sections: dict[str, Any] = {
+        f.name: (f.config, Field(default_factory=f.config, description=f.description))
+        for f in filters.filters().values()
+    }
+    return create_model("CurateConfig", __base__=CurateConfigBase, __module__=__name__, **sections)
+
+
+if TYPE_CHECKING:  # what type checkers see: the base (a filter's section is reached through its filter)
+    CurateConfig = CurateConfigBase
+else:
+    CurateConfig = _with_filters()

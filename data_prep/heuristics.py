@@ -2,14 +2,15 @@
 
 The logic follows datatrove's filters (`gopher_quality_filter.py`, `gopher_repetition_filter.py`,
 `c4_filters.py::C4QualityFilter`, `fineweb_quality_filter.py`, current main, e.g. FineWeb drops blank
-lines and compares strictly); default thresholds live in `data_prep.config`. Work is split in two so
+lines and compares strictly); default thresholds live in each family's module. Work is split in two so
 that moving a threshold never recomputes anything:
 
 1. `compute_stats(text, StatParams)` computes every statistic once per document (a flat dict of
    JSON-serializable numbers/bools). `StatParams` holds only the settings that change statistics.
-2. `*_failures(stats, config)` are pure threshold checks returning namespaced rule names
-   ("gopher_quality:min_doc_words", ...). A threshold of None disables its rule (0 is a real
-   threshold, unlike datatrove's truthiness checks); a family with `enabled=False` returns [].
+2. `*_failures(stats, config)` (one module per family, data_prep/filters/) are pure threshold
+   checks returning namespaced rule names ("gopher_quality:min_doc_words", ...). A threshold of
+   None disables its rule (0 is a real threshold, unlike datatrove's truthiness checks); a family
+   with `enabled=False` returns [].
    `skip_domains` is the caller's business. Unlike datatrove, which stops at the first failing
    rule, every failing rule is reported.
 
@@ -37,22 +38,17 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING
 
-from data_prep.config import (
-    C4Config,
-    EncodingConfig,
-    FineWebConfig,
-    GopherQualityConfig,
-    GopherRepetitionConfig,
-    LengthConfig,
-)
+from data_prep.filters.base import Stats
 
-Stats = dict[str, float | int | bool]
+if TYPE_CHECKING:
+    from data_prep.filters.c4 import C4Config
+    from data_prep.filters.fineweb import FineWebConfig
+    from data_prep.filters.gopher_repetition import GopherRepetitionConfig
 
 # datatrove.utils.text.PUNCTUATION: a token made only of these is a symbol, not a word.
 PUNCTUATION = "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»" + "".join(
@@ -254,103 +250,3 @@ def _bad_chars(text: str) -> int:
     from ftfy.badness import badness
 
     return len(_REPLACEMENT_OR_C1.findall(text)) + 2 * badness(text)
-
-
-# ---- rules: pure threshold checks on the stats ---------------------------------------------------
-
-Check = tuple[str, float | int | None, float | int, str]  # (rule, threshold, value, "min" | "max")
-
-
-def _failing(family: str, enabled: bool, checks: list[Check]) -> list[str]:
-    """Rules whose threshold is set and crossed: "min" fails below it, "max" fails above it."""
-    if not enabled:
-        return []
-    return [
-        f"{family}:{rule}"
-        for rule, threshold, value, kind in checks
-        if threshold is not None and (value < threshold if kind == "min" else value > threshold)
-    ]
-
-
-def length_failures(stats: Stats, cfg: LengthConfig) -> list[str]:
-    return _failing(
-        "length",
-        cfg.enabled,
-        [("too_short", cfg.min_chars, stats["n_chars"], "min"), ("too_long", cfg.max_chars, stats["n_chars"], "max")],
-    )
-
-
-def encoding_failures(stats: Stats, cfg: EncodingConfig) -> list[str]:
-    return _failing("encoding", cfg.enabled, [("bad_chars", cfg.max_bad_char_ratio, stats["bad_char_ratio"], "max")])
-
-
-def gopher_quality_failures(stats: Stats, cfg: GopherQualityConfig) -> list[str]:
-    return _failing(
-        "gopher_quality",
-        cfg.enabled,
-        [
-            ("min_doc_words", cfg.min_doc_words, stats["n_words"], "min"),
-            ("max_doc_words", cfg.max_doc_words, stats["n_words"], "max"),
-            ("min_avg_word_length", cfg.min_avg_word_length, stats["avg_word_length"], "min"),
-            ("max_avg_word_length", cfg.max_avg_word_length, stats["avg_word_length"], "max"),
-            ("max_symbol_word_ratio", cfg.max_symbol_word_ratio, stats["symbol_word_ratio"], "max"),
-            ("max_bullet_lines_ratio", cfg.max_bullet_lines_ratio, stats["bullet_lines_ratio"], "max"),
-            ("max_ellipsis_lines_ratio", cfg.max_ellipsis_lines_ratio, stats["ellipsis_lines_ratio"], "max"),
-            # datatrove's name: despite "max", documents with fewer alphabetic words than this fail.
-            ("max_non_alpha_words_ratio", cfg.max_non_alpha_words_ratio, stats["alpha_words_ratio"], "min"),
-            ("min_stop_words", cfg.min_stop_words, stats["n_stop_words"], "min"),
-        ],
-    )
-
-
-def gopher_repetition_failures(stats: Stats, cfg: GopherRepetitionConfig) -> list[str]:
-    checks: list[Check] = [
-        (name, getattr(cfg, name), stats[name], "max")
-        for name in ("dup_para_frac", "dup_para_char_frac", "dup_line_frac", "dup_line_char_frac")
-    ]
-    # A KeyError here means the stats were computed with other n values (stale StatParams).
-    for n, threshold in sorted(cfg.top_n_grams.items()):
-        checks.append((f"top_{n}_gram", threshold, stats[f"top_{n}gram_char_frac"], "max"))
-    for n, threshold in sorted(cfg.dup_n_grams.items()):
-        checks.append((f"duplicated_{n}_n_grams", threshold, stats[f"dup_{n}gram_char_frac"], "max"))
-    return _failing("gopher_repetition", cfg.enabled, checks)
-
-
-def c4_failures(stats: Stats, cfg: C4Config) -> list[str]:
-    # The two document flags are rules with threshold 0 when switched on.
-    return _failing(
-        "c4",
-        cfg.enabled,
-        [
-            ("too_few_sentences", cfg.min_num_sentences, stats["c4_num_sentences"], "min"),
-            ("lorem_ipsum", 0 if cfg.filter_lorem_ipsum else None, int(stats["c4_has_lorem_ipsum"]), "max"),
-            ("curly_bracket", 0 if cfg.filter_curly_bracket else None, int(stats["c4_has_curly_bracket"]), "max"),
-        ],
-    )
-
-
-def fineweb_failures(stats: Stats, cfg: FineWebConfig) -> list[str]:
-    punct = stats["fw_line_punct_ratio"]
-    # line_punct_exclude_zero spares documents with no terminal punctuation at all.
-    punct_thr = None if (punct == 0 and cfg.line_punct_exclude_zero) else cfg.line_punct_thr
-    return _failing(
-        "fineweb",
-        cfg.enabled,
-        [
-            ("line_punct_ratio", punct_thr, punct, "min"),
-            ("short_line_ratio", cfg.short_line_thr, stats["fw_short_line_ratio"], "max"),
-            ("char_dup_ratio", cfg.char_duplicates_ratio, stats["fw_char_dup_ratio"], "max"),
-            ("list_ratio", cfg.new_line_ratio, stats["fw_new_line_ratio"], "max"),
-        ],
-    )
-
-
-# family -> (attribute of CurateConfig holding its config, failure function), in pipeline order.
-ALL_RULE_FAMILIES: dict[str, tuple[str, Callable[[Stats, Any], list[str]]]] = {
-    "length": ("length", length_failures),
-    "encoding": ("encoding", encoding_failures),
-    "gopher_quality": ("gopher_quality", gopher_quality_failures),
-    "gopher_repetition": ("gopher_repetition", gopher_repetition_failures),
-    "c4": ("c4", c4_failures),
-    "fineweb": ("fineweb", fineweb_failures),
-}

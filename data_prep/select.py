@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from data_prep import heuristics
 from data_prep.config import CurateConfig
+from data_prep.filters import filters
 from data_prep.mixing import plan_mix
 from data_prep.pii import redact
 from data_prep.records import shard_path, temp_path, write_rows
@@ -111,14 +111,18 @@ def _rule_failures(
     score: float | None,
     contaminated: bool = False,
 ) -> list[str]:
-    """Failed rules in reporting order: decontamination, length, language, then the quality rule families."""
+    """Failed rules in reporting order: decontamination, the families before the language check
+    (length), language, then the other rule families (data_prep.filters, in registry order)."""
     failures: list[str] = ["decontaminated"] if contaminated else []
-    for family, (section, check) in heuristics.ALL_RULE_FAMILIES.items():
-        rule_cfg = getattr(cfg, section)
+    language = cfg.langid.enabled and domain not in cfg.langid.skip_domains
+    families = list(filters().values())
+    for family in [f for f in families if f.before_language] + [None] + [f for f in families if not f.before_language]:
+        if family is None:
+            failures.extend(_language_failures(cfg, lang, score) if language else [])
+            continue
+        rule_cfg = getattr(cfg, family.name)
         if stats is not None and rule_cfg.enabled and domain not in rule_cfg.skip_domains:
-            failures.extend(check(stats, rule_cfg))
-        if family == "length" and cfg.langid.enabled and domain not in cfg.langid.skip_domains:
-            failures.extend(_language_failures(cfg, lang, score))
+            failures.extend(family.failures(stats, rule_cfg))
     return failures
 
 

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 
 from data_prep import heuristics, sources
 from data_prep.config import CurateConfig
+from data_prep.filters import filters
+from data_prep.filters.base import CurationFilter
 from data_prep.ingest import ingest_file
 from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
@@ -289,26 +291,35 @@ def _sum_counters(results: dict[str, Any], key: str) -> dict[str, int]:
     return dict(total.most_common())
 
 
-def _stat_params(cfg: CurateConfig) -> heuristics.StatParams:
+def _stat_params(cfg: Any) -> heuristics.StatParams:
     return heuristics.StatParams.from_configs(cfg.c4, cfg.fineweb, cfg.gopher_repetition)
 
 
 def _heuristics_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
-    params = _stat_params(_cur(ctx))
+    cfg = _cur(ctx)
+    params = _stat_params(cfg)
+    own = [f for f in _own_stats() if getattr(cfg, f.name).enabled]  # a plug-in's own statistics
     texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
-    rows = [heuristics.compute_stats(t, params) for t in texts]
+    rows = []
+    for text in texts:
+        row = heuristics.compute_stats(text, params)
+        for family in own:
+            row |= family.stats(text, getattr(cfg, family.name)) or {}
+        rows.append(row)
     columns = {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
     return _write_attributes(ctx, shard, columns), {"docs": len(rows)}
 
 
-# what the statistics depend on (their thresholds are applied by `select`, so changing one re-selects only)
-HEURISTICS_READS = (
-    "curate.c4.filter_no_terminal_punct",
-    "curate.c4.min_words_per_line",
-    "curate.c4.max_word_length",
-    "curate.fineweb.short_line_length",
-    "curate.gopher_repetition.top_n_grams",
-    "curate.gopher_repetition.dup_n_grams",
+def _own_stats() -> list[CurationFilter]:
+    """The filters that compute statistics of their own (beside the shared pass)."""
+    return [f for f in filters().values() if type(f).stats is not CurationFilter.stats]
+
+
+# what the statistics depend on (their thresholds are applied by `select`, so changing one re-selects only):
+# each filter's statistics fields, and whether a family with statistics of its own runs
+HEURISTICS_READS = tuple(
+    [f"curate.{f.name}.{field}" for f in filters().values() for field in f.stat_fields]
+    + [f"curate.{f.name}.enabled" for f in _own_stats()]
 )
 
 
@@ -415,32 +426,31 @@ def _select_upstream(config: PipelineBase) -> tuple[str, ...]:
 
 
 def _heuristics_enabled(config: PipelineBase) -> bool:
-    return any(getattr(config.curate, section).enabled for section, _ in heuristics.ALL_RULE_FAMILIES.values())
+    return any(getattr(config.curate, name).enabled for name in filters())
 
 
-SELECT_READS = tuple(
-    f"curate.{s}"
-    for s in (
-        "exact_dedup",
-        "near_dedup.enabled",
-        "near_dedup.threshold",
-        "length",
-        "langid.enabled",
-        "langid.keep",
-        "langid.min_score",
-        "langid.skip_domains",
-        "encoding",
-        "gopher_quality",
-        "gopher_repetition",
-        "c4",
-        "fineweb",
-        "quality_classifier.enabled",
-        "quality_classifier.skip_domains",
-        "quality_classifier.threshold",
-        "quality_classifier.keep_fraction",
-        "pii",
-        "mix",
-    )
+# the registered filters' modules: loaded by name from the registry, so no import names them
+FILTER_CODE = tuple(dict.fromkeys(m for f in filters().values() for m in f.code))
+SELECT_READS = (
+    *(
+        f"curate.{s}"
+        for s in (
+            "exact_dedup",
+            "near_dedup.enabled",
+            "near_dedup.threshold",
+            "langid.enabled",
+            "langid.keep",
+            "langid.min_score",
+            "langid.skip_domains",
+            "quality_classifier.enabled",
+            "quality_classifier.skip_domains",
+            "quality_classifier.threshold",
+            "quality_classifier.keep_fraction",
+            "pii",
+            "mix",
+        )
+    ),
+    *(f"curate.{name}" for name in filters()),  # every rule family's section: its thresholds
 )
 
 
@@ -619,7 +629,7 @@ CURATE_STEPS = [
         run_unit=_heuristics_unit,
         finalize=lambda ctx, r: {"counts": {"docs": sum(x["docs"] for x in r.values())}},
         when=_heuristics_enabled,
-        code=("data_prep.heuristics",),
+        code=("data_prep.heuristics", *FILTER_CODE),
     ),
     Step(
         QUALITY_MODEL,
@@ -676,7 +686,7 @@ CURATE_STEPS = [
         run_unit=_select_unit,
         finalize=_select_finalize,
         provides={DOCUMENTS: "kept"},
-        code=("data_prep.select", "data_prep.mixing", "data_prep.pii"),
+        code=("data_prep.select", "data_prep.mixing", "data_prep.pii", *FILTER_CODE),
     ),
     # version 2: the chat template marks assistant turns ({% generation %}) for assistant-only loss
     Step(

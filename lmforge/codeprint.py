@@ -396,9 +396,31 @@ def code_identity(step: Any) -> dict[str, str]:
 
     A file both imported and read by path counts by its bytes (any edit to its syntax tree is one to
     its bytes)."""
-    identity = {**closure(*step_roots(step)), **files_identity(step.files, step.name)}
+    identity = {**closure(*step_roots(step)), **files_identity(step.files, step.name), **plugin_identity(step.code)}
     _save()
     return dict(sorted(identity.items()))
+
+
+def plugin_identity(modules: tuple[str, ...]) -> dict[str, str]:
+    """{"plugin:<module>": digest of its file's bytes} for each module of `modules` outside the project:
+    a plug-in another package registers (an alignment method, a serving backend, a curation filter)
+    names its module in `code`, so editing it re-keys the steps that run it. Its own imports are its
+    package's business (its version is recorded as a library when it names its distribution)."""
+    import importlib.util
+
+    found: dict[str, str] = {}
+    for module in modules:
+        if module.split(".")[0] in PACKAGES or module.split(".")[0] in ORCHESTRATOR:
+            continue
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        if origin is None or not origin.is_file():
+            raise ValueError(f"code: module {module!r} is neither in the project nor importable from a file")
+        found[f"plugin:{module}"] = hashlib.sha256(origin.read_bytes()).hexdigest()
+    return found
 
 
 def library_version(distribution: str) -> str:

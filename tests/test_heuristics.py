@@ -11,28 +11,15 @@ from pydoc_data.topics import topics
 
 import pytest
 
-from data_prep.config import (
-    C4Config,
-    CurateConfig,
-    EncodingConfig,
-    FineWebConfig,
-    GopherQualityConfig,
-    GopherRepetitionConfig,
-    LengthConfig,
-)
-from data_prep.heuristics import (
-    _TOKEN,
-    ALL_RULE_FAMILIES,
-    PUNCTUATION,
-    StatParams,
-    c4_failures,
-    compute_stats,
-    encoding_failures,
-    fineweb_failures,
-    gopher_quality_failures,
-    gopher_repetition_failures,
-    length_failures,
-)
+from data_prep.config import CurateConfig
+from data_prep.filters import filters
+from data_prep.filters.c4 import C4Config, c4_failures
+from data_prep.filters.encoding import EncodingConfig, encoding_failures
+from data_prep.filters.fineweb import FineWebConfig, fineweb_failures
+from data_prep.filters.gopher_quality import GopherQualityConfig, gopher_quality_failures
+from data_prep.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition_failures
+from data_prep.filters.length import LengthConfig, length_failures
+from data_prep.heuristics import _TOKEN, PUNCTUATION, StatParams, compute_stats
 from data_prep.textnorm import normalize_document
 
 DEFAULT = CurateConfig()
@@ -40,7 +27,7 @@ DEFAULT = CurateConfig()
 
 def all_failures(text: str, cfg: CurateConfig = DEFAULT) -> list[str]:
     stats = compute_stats(text, StatParams.from_configs(cfg.c4, cfg.fineweb, cfg.gopher_repetition))
-    return [rule for attr, fn in ALL_RULE_FAMILIES.values() for rule in fn(stats, getattr(cfg, attr))]
+    return [rule for name, f in filters().items() for rule in f.failures(stats, getattr(cfg, name))]
 
 
 # Real reference prose from Python's documentation (hard-wrapped paragraphs, some code).
@@ -308,7 +295,7 @@ BAD_CASES = [
 @pytest.mark.parametrize("cls, field, text, rule", BAD_CASES, ids=[c[3] for c in BAD_CASES])
 def test_none_or_disabled_turns_a_rule_off(cls, field, text, rule):
     family = rule.split(":")[0]
-    _, fn = ALL_RULE_FAMILIES[family]
+    fn = filters()[family].failures
     stats = compute_stats(text)
     assert rule in fn(stats, cls())
     off = None if cls.model_fields[field].annotation is not bool else False
@@ -355,10 +342,11 @@ def test_threshold_changes_do_not_change_stats_but_stat_params_do():
 
 
 def test_rule_families_registry_matches_curate_config():
-    assert list(ALL_RULE_FAMILIES) == ["length", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb"]
+    assert list(filters()) == ["length", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb"]
     stats = compute_stats(PROSE)
-    for attr, fn in ALL_RULE_FAMILIES.values():
-        assert fn(stats, getattr(DEFAULT, attr)) == []
+    for name, family in filters().items():
+        assert isinstance(getattr(DEFAULT, name), family.config)
+        assert family.failures(stats, getattr(DEFAULT, name)) == []
 
 
 def test_empty_document_fails_without_crashing():

@@ -1,0 +1,58 @@
+"""Curation filters as plug-ins: one module per rule family, one registry.
+
+A filter is a `data_prep.filters.base.CurationFilter` subclass: its section `curate.<name>` (a
+`FilterBase` model: enabled, skip_domains, its thresholds), the fields that change its
+statistics, and `failures(stats, cfg)`, the rules a document fails. `curate/heuristics` computes
+the statistics; `curate/select` applies the rules, keeps every removed record with its reasons,
+and counts them. Both steps' reads come from this registry: neither keeps a list of filters.
+
+The built-ins live beside this file (length, encoding, gopher_quality, gopher_repetition, c4,
+fineweb: datatrove's families, data_prep/heuristics.py). Another package adds one without editing
+lmforge through the `lmforge.curation_filters` entry-point group:
+
+    [project.entry-points."lmforge.curation_filters"]
+    boilerplate = "my_package.boilerplate:Boilerplate"
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from data_prep.filters.base import CurationFilter
+
+GROUP = "lmforge.curation_filters"
+BUILTIN = (
+    "data_prep.filters.length:Length",
+    "data_prep.filters.encoding:Encoding",
+    "data_prep.filters.gopher_quality:GopherQuality",
+    "data_prep.filters.gopher_repetition:GopherRepetition",
+    "data_prep.filters.c4:C4",
+    "data_prep.filters.fineweb:FineWeb",
+)
+
+
+def _load(target: Any) -> CurationFilter:
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target() if isinstance(target, type) else target  # type: ignore[no-any-return]
+
+
+@functools.cache
+def filters() -> dict[str, CurationFilter]:
+    """Every registered filter by name, in reporting order: the built-ins, then entry points by name."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, CurationFilter] = {}
+    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    for origin, family in [
+        *((t, _load(t)) for t in BUILTIN),
+        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
+    ]:
+        if family.name in found:
+            raise ValueError(f"curation filter {family.name!r} registered twice ({origin})")
+        found[family.name] = family
+    return found
