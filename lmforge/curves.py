@@ -12,31 +12,21 @@ from typing import Any
 
 from lmforge.jsonl import read_jsonl
 
-CURVES = {  # step -> panels: (title, [(metric key, label)])
-    "pretrain/train": [
-        ("loss", [("loss", "train"), ("val_loss", "validation")]),
-        ("gradient norm", [("grad_norm", "")]),
-        ("MFU", [("mfu", "")]),
-        ("tokens/s", [("tokens_per_s", "")]),
-    ],
-    "align/sft": [
-        ("loss", [("loss", "train"), ("eval_loss", "held-out")]),
-        ("gradient norm", [("grad_norm", "")]),
-        ("held-out exact match", [("heldout_exact_match", "")]),
-        ("tokens/s", [("tokens_per_s", "")]),
-    ],
-    "align/dpo": [
-        ("loss", [("loss", "train")]),
-        ("rewards", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin")]),
-        ("reward accuracy", [("rewards/accuracies", "")]),
-        ("held-out exact match", [("heldout_exact_match", "")]),
-    ],
-}
+Panels = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (title, ((metric key, label), ...))
 
 
-def render_curves(
-    metrics_file: Path, panels: list[tuple[str, list[tuple[str, str]]]], title: str, out: Path
-) -> Path | None:
+def panels(step: str) -> Panels:
+    """The curves `step` declares (`Step.curves`: pretrain/train, each alignment method's step), or ()."""
+    from lmforge.registry import stages
+
+    for stage in stages():
+        for candidate in stage.steps():
+            if candidate.name == step:
+                return tuple(candidate.curves)
+    return ()
+
+
+def render_curves(metrics_file: Path, panels: Panels, title: str, out: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")

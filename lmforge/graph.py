@@ -129,6 +129,9 @@ class Step:
     # identity; a pattern matching no file fails here, when the step is created
     files: tuple[str, ...] = ()
     timeout_s: float | None = None  # default wall-clock limit (runtime.step_timeout_s overrides)
+    # the training curves drawn from its metrics.jsonl (Prefect image artifacts, MLflow): panels of
+    # (title, ((metric key, label), ...)); lmforge.curves draws them
+    curves: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     # (done, total) of a running computation, read off its output folder (training steps, tasks
     # evaluated); shown as a progress artifact. Sharded steps report units without it.
     progress: Callable[[StepContext], tuple[float, float] | None] | None = None

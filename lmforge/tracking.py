@@ -553,10 +553,11 @@ def _log_artifacts(client: Any, run_id: str, manifest: dict[str, Any]) -> None:
         path = out / name
         if path.is_file() and path.stat().st_size <= MAX_ARTIFACT_BYTES:
             client.log_artifact(run_id, str(path))
-    from lmforge.curves import CURVES, render_curves
+    from lmforge.curves import panels as step_panels
+    from lmforge.curves import render_curves
 
-    panels = CURVES.get(manifest["step"])
-    if panels is None or not (out / SERIES_FILE).is_file():
+    panels = step_panels(manifest["step"])
+    if not panels or not (out / SERIES_FILE).is_file():
         return
     with tempfile.TemporaryDirectory(prefix="lmforge-mlflow-") as tmp:
         png = Path(tmp) / f"{manifest['step'].replace('/', '-')}-curves.png"

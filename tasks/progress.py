@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from lmforge.curves import CURVES, curves_png, render_curves
+from lmforge.curves import curves_png, render_curves
+from lmforge.curves import panels as step_panels
 
 log = logging.getLogger("lmforge.tasks")
 POLL_S = 3.0
@@ -92,9 +93,11 @@ def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
     from lmforge.stage import ArtifactSpec
 
     specs = []
-    for step, panels in CURVES.items():
-        manifest = manifests.get(step)
+    for step, manifest in manifests.items():
         if manifest is None or manifest.get("stage") != stage:
+            continue
+        panels = step_panels(step)
+        if not panels:
             continue
         directory = Path(manifest["dir"])
         if not (directory / "metrics.jsonl").exists():

@@ -122,7 +122,7 @@ def test_model_roles_come_from_the_stages_and_every_consumer_reads_them() -> Non
         ("pretrained", False),
         *((name, True) for name in policies),
     ]
-    assert {r.name: r.saw for r in roles()}["dpo"] == ("documents", "sft", "dpo")
+    assert {r.name: r.saw for r in roles()}["dpo"] == ("documents", "chat", "preference")
     assert [s.name for s in RUN_STEPS][::2] == [f"evaluate/{r.name}-hf" for r in roles()]
     assert auto_order() == ("quantized", *reversed(policies), "pretrained", "base")
     assert adapter_roles() == tuple(policies)

@@ -32,8 +32,8 @@ ALL_STEPS = [
     "align/dpo",
     "evaluate/tasks",
     "evaluate/index-documents",
-    "evaluate/index-sft",
-    "evaluate/index-dpo",
+    "evaluate/index-chat",
+    "evaluate/index-preference",
     "evaluate/contamination",
     "evaluate/pretrained-hf",
     "evaluate/pretrained-vllm",
@@ -51,7 +51,7 @@ ALL_STEPS = [
 ]
 EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
 QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
-INDEXES = {"evaluate/index-documents", "evaluate/index-sft", "evaluate/index-dpo"}
+INDEXES = {"evaluate/index-documents", "evaluate/index-chat", "evaluate/index-preference"}
 
 
 def identities(overrides: list[str]) -> dict[str, str]:

@@ -426,8 +426,8 @@ def test_the_pretraining_progress_artifact_advances_during_a_run(
 def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path, dict], tmp_path: Path) -> None:
     import matplotlib.image
 
+    from lmforge.curves import panels, render_curves
     from tasks.lineage_graph import layout, render_lineage
-    from tasks.progress import CURVES, render_curves
 
     _, manifests = curated
     status = {name: "cached" for name in manifests}
@@ -453,7 +453,7 @@ def test_lineage_graph_and_training_curves_render_as_images(curated: tuple[Path,
             for s in range(1, 21)
         )
     )
-    curves = render_curves(metrics, CURVES["pretrain/train"], "pretrain/train", tmp_path / "curves.png")
+    curves = render_curves(metrics, panels("pretrain/train"), "pretrain/train", tmp_path / "curves.png")
     assert (
         curves is not None
         and matplotlib.image.imread(curves).shape[1] > 4 * matplotlib.image.imread(curves).shape[0] / 2

@@ -41,7 +41,7 @@ def test_calibration_is_drawn_by_seed_from_documents_and_chats(curated: tuple[Pa
     assert {s["id"] for s in other} != {s["id"] for s in first}
     sources = [s["source"] for s in first]
     assert sources.count("sft") == 6 and sources.count("documents") == 6
-    chat = next(s for s in first if s["source"] == "sft")
+    chat = next(s for s in first if s["source"] == "chat")
     assert chat["text"].startswith("<|im_start|>user\n") and "<|im_end|>" in chat["text"]  # the chat template
     assert all(len(s["text"]) <= 500 for s in first if s["source"] == "documents")
     # adding records to a source does not reshuffle the ones already drawn from the rest

@@ -246,6 +246,12 @@ PRETRAIN_STEPS = [
         provides={PRETRAINED: "hf"},
         when=lambda c: not fine_tunes_base(c),  # fine-tuning a base directly: no pretrained model
         progress=lambda ctx: (last_logged_step(ctx.out_dir / METRICS_FILE), ctx.config.pretrain.max_steps),
+        curves=(
+            ("loss", (("loss", "train"), ("val_loss", "validation"))),
+            ("gradient norm", (("grad_norm", ""),)),
+            ("MFU", (("mfu", ""),)),
+            ("tokens/s", (("tokens_per_s", ""),)),
+        ),
         code=(
             "training.loop",
             "training.model",

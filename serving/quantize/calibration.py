@@ -64,10 +64,10 @@ def draw(
     samples: list[dict[str, str]] = []
     if num_chat and chat_file is not None:  # num_chat is 0 without a chat file
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        for record_id, messages in _smallest(chats(chat_file), num_chat, seed, "sft"):
+        for record_id, messages in _smallest(chats(chat_file), num_chat, seed, "chat"):
             text = tokenizer.apply_chat_template(messages, tokenize=False)
             assert isinstance(text, str)  # tokenize=False: the rendered chat
-            samples.append({"source": "sft", "id": record_id, "text": text})
+            samples.append({"source": "chat", "id": record_id, "text": text})
     for record_id, text in _smallest(documents(kept_dir, max_chars), num_samples - len(samples), seed, "documents"):
         samples.append({"source": "documents", "id": record_id, "text": text})
     return samples

@@ -67,9 +67,6 @@ class LoraConfig(StrictModel):
     )
 
 
-DEFAULT_RECIPE: list[str] = ["sft", "dpo"]
-
-
 def recipe_order() -> list[str]:
     """The methods a recipe may name, in the order they run: the registry's (`training.align.methods`)."""
     return [m.name for m in methods().values() if m.in_recipe]
@@ -123,7 +120,7 @@ class AlignConfigBase(StrictModel):
     lora: LoraConfig = LoraConfig()
     # which steps run (like `stages`); what a step starts from reaches its key through its upstream
     recipe: list[str] = runtime_field(
-        default_factory=lambda: list(DEFAULT_RECIPE),
+        default_factory=lambda: [m.name for m in methods().values() if m.in_default_recipe],
         description="The alignment steps in order: [sft, dpo] (default), [sft, rl], [sft, dpo, rl], "
         "[sft, reward, rl], [sft, reward], ... The last model (dpo or rl) is what evaluation compares "
         "and quantization and serving take.",
@@ -142,9 +139,9 @@ class AlignConfigBase(StrictModel):
         unknown = [m for m in r if m not in order]
         if unknown:
             raise ValueError(f"recipe {r}: no alignment method {unknown[0]!r} (registered: {', '.join(order)})")
-        if not r or r[0] != "sft" or len(set(r)) != len(r) or r != sorted(r, key=order.index):
+        if not r or r[0] != order[0] or len(set(r)) != len(r) or r != sorted(r, key=order.index):
             raise ValueError(
-                f"recipe {r}: steps run in the order {', '.join(order)}; sft first, each at most once "
+                f"recipe {r}: steps run in the order {', '.join(order)}; {order[0]} first, each at most once "
                 "(e.g. [sft, dpo], [sft, rl], [sft, dpo, rl], [sft, reward, rl])"
             )
         for m in methods().values():

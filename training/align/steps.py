@@ -29,13 +29,14 @@ from lmforge.errors import ConfigError
 from lmforge.graph import Step, StepContext
 from lmforge.stage import left_out_for_base
 from training.align.methods import (
-    CHAT_DATA,
+    CHAT,
     HELDOUT_PREFERENCES,
     HELDOUT_SFT,
     KIT,
     LIBS,
-    PREFERENCE_DATA,
+    PREFERENCE,
     AlignMethod,
+    data_owners,
     first_present,
     method,
     methods,
@@ -57,16 +58,17 @@ def _input_files(paths: list[str], workspace: str) -> dict[str, str]:
     return {p: cache.path_fingerprint(p) for p in expand_inputs(paths)}
 
 
-DATA_READS = ("align.heldout_fraction", "align.builtin", "align.sft.inputs", "align.dpo.inputs")
+# the data kinds' inputs are the sections of the methods that own them (SFT's chat, DPO's preferences)
+DATA_READS = ("align.heldout_fraction", "align.builtin", *(f"align.{m.name}.inputs" for m in data_owners().values()))
 
 
 def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     """The content of the user's files (paths alone would miss an edited file)."""
-    a = config.align
-    return {
-        "sft_inputs": _input_files(a.sft.inputs, config.workspace) if a.sft.inputs else "builtin",
-        "dpo_inputs": _input_files(a.dpo.inputs, config.workspace) if a.dpo.inputs else "builtin",
-    }
+    found: dict[str, Any] = {}
+    for m in data_owners().values():
+        inputs = m.section(config).inputs
+        found[f"{m.name}_inputs"] = _input_files(inputs, config.workspace) if inputs else "builtin"
+    return found
 
 
 def _label(ctx: StepContext):  # type: ignore[no-untyped-def]
@@ -86,23 +88,20 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     quarantine: list[dict[str, Any]] = []
     examples = data.builtin_examples(a.builtin.per_skill, a.builtin.seed, list(a.builtin.skills))
-    for kind, inputs, validate, builtin in (
-        (
-            "sft",
-            list(ctx.identity["sft_inputs"]) if a.sft.inputs else [],
+    builtins = {
+        CHAT: (
             data.validate_chat,
             lambda: (
                 [data.chat_record(e) for e in examples]
                 + data.dialogue_records(a.builtin.dialogue_conversations, a.builtin.seed)
             ),
         ),
-        (
-            "dpo",
-            list(ctx.identity["dpo_inputs"]) if a.dpo.inputs else [],
-            data.validate_preference,
-            lambda: [data.preference_record(e) for e in examples],
-        ),
-    ):
+        PREFERENCE: (data.validate_preference, lambda: [data.preference_record(e) for e in examples]),
+    }
+    for data_kind, owner in data_owners().items():
+        kind = owner.name  # its folder, its counts and its quarantined records' `dataset`
+        inputs = list(ctx.identity[f"{kind}_inputs"]) if owner.section(ctx.config).inputs else []
+        validate, builtin = builtins[data_kind]
         if inputs:
             records, bad, total = data.read_user_records(inputs, validate, _label(ctx))
             for record in bad:
@@ -122,7 +121,7 @@ def _data_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         if not train:
             raise ConfigError(f"align.{kind}.inputs: no usable records to train on ({len(quarantine)} quarantined)")
         write_jsonl(ctx.out_dir / kind / "train.jsonl", train)
-        write_jsonl(ctx.out_dir / (HELDOUT_SFT if kind == "sft" else HELDOUT_PREFERENCES), heldout)
+        write_jsonl(ctx.out_dir / (HELDOUT_SFT if data_kind == CHAT else HELDOUT_PREFERENCES), heldout)
         read = total if total is not None else len(records)
         counts[kind] = {
             "input": read,
@@ -184,7 +183,7 @@ def rank_spec(ctx: StepContext, m: AlignMethod) -> dict[str, Any]:
             )
     base = ctx.path(first_present(ctx, m.start_candidates()))  # the start the graph chose
     context = _context(base)
-    chats = m.data == "chat"
+    chats = m.data == CHAT
     data_dir = ctx.path(m.data_product())
     heldout = data_dir.parent / (HELDOUT_SFT if chats else HELDOUT_PREFERENCES)
     verifiable = spread_over_tasks(
@@ -306,6 +305,7 @@ def method_step(m: AlignMethod) -> Step:
         digest_paths=("hf/",),
         provides={m.product: "hf"},
         progress=progress(m),
+        curves=m.curves,
         code=(*KIT, type(m).__module__, *m.code),
         libraries=LIBS,
     )
@@ -321,7 +321,7 @@ def _steps() -> list[Step]:
             reads=DATA_READS,
             derive=_input_fingerprints,
             finalize=_data_finalize,
-            provides={CHAT_DATA: "sft", PREFERENCE_DATA: "dpo"},
+            provides={m.data_product(): m.name for m in data_owners().values()},
             code=("training.align.data", "lmforge.inputs"),
             libraries=("wordfreq",),
         ),

@@ -42,6 +42,7 @@ BUILTIN = (
     "training.align.methods.orpo:ORPO",
     "training.align.methods.simpo:SimPO",
 )
+CHAT, PREFERENCE = "chat", "preference"  # the data kinds: messages; prompt, chosen, rejected
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
 PRETRAINED, SFT_MODEL = hf_model("pretrained"), hf_model("sft")
@@ -86,7 +87,7 @@ class AlignMethod:
     description: ClassVar[str]
     config: ClassVar[type[TrainConfig]]  # its section `align.<name>` (defaults as the class gives them)
     version: ClassVar[int] = 1  # raise it when the method's outputs change for reasons its code does not show
-    data: ClassVar[str] = "preference"  # "chat" (messages) or "preference" (prompt, chosen, rejected)
+    data: ClassVar[str] = PREFERENCE  # CHAT (messages) or PREFERENCE (prompt, chosen, rejected)
     product: ClassVar[Product]  # what it makes (default: the hf-model of role `name`)
     # the products it may start from, first present wins at run time (the graph chose one: `start`)
     starts: ClassVar[tuple[Product, ...]] = ()
@@ -94,6 +95,12 @@ class AlignMethod:
     generates: ClassVar[bool] = True  # held-out exact match of greedy answers every `eval_every` steps
     code: ClassVar[tuple[str, ...]] = ()  # modules it runs beyond its own module and the KIT
     in_recipe: ClassVar[bool] = True  # named in `align.recipe` (the draft is switched by its own `enabled`)
+    in_default_recipe: ClassVar[bool] = False  # in `align.recipe`'s default (SFT, DPO)
+    # its section's `inputs` are the user's files of its data kind (one method per kind: SFT's chat
+    # data, DPO's preferences); align/data writes that kind under `<name>/`
+    owns_data: ClassVar[bool] = False
+    # its step's training curves (Step.curves): panels of (title, ((metric key, label), ...))
+    curves: ClassVar[tuple[tuple[str, tuple[tuple[str, str], ...]], ...]] = ()
     # the data sources its model was trained on, its start's included (the contamination check's
     # `Role.saw`); default: the pretraining documents, the chat data, and its own data
     saw: ClassVar[tuple[str, ...] | None] = None
@@ -114,7 +121,7 @@ class AlignMethod:
         quantized and served like every aligned model, servable as a LoRA adapter. None otherwise."""
         if self.product != hf_model(self.name):
             return None
-        own = ("sft",) if self.data == "chat" else ("sft", "dpo")
+        own = (CHAT,) if self.data == CHAT else (CHAT, PREFERENCE)
         return Role(self.name, saw=self.saw if self.saw is not None else ("documents", *own), aligned=True)
 
     def section(self, config: ConfigView | PipelineBase) -> Any:
@@ -143,7 +150,7 @@ class AlignMethod:
         return self.starts
 
     def data_product(self) -> Product:
-        return CHAT_DATA if self.data == "chat" else PREFERENCE_DATA
+        return CHAT_DATA if self.data == CHAT else PREFERENCE_DATA
 
     def upstream(self, config: PipelineBase) -> tuple[Product, ...]:
         return (self.start(config), self.data_product())
@@ -246,6 +253,17 @@ def methods() -> dict[str, AlignMethod]:
             raise ValueError(f"alignment method {method.name!r} registered twice ({origin})")
         found[method.name] = method
     return found
+
+
+def data_owners() -> dict[str, AlignMethod]:
+    """{data kind: the method whose section's `inputs` fill it}, chat first."""
+    owners: dict[str, AlignMethod] = {}
+    for m in methods().values():
+        if m.owns_data:
+            if m.data in owners:
+                raise ValueError(f"align data {m.data!r} owned by both {owners[m.data].name} and {m.name}")
+            owners[m.data] = m
+    return dict(sorted(owners.items(), key=lambda kv: kv[0] != CHAT))
 
 
 def method(name: str) -> AlignMethod:

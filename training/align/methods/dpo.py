@@ -45,6 +45,14 @@ class DPO(PreferenceMethod):
     config = DpoConfig
     description = "Direct preference optimisation with TRL against the frozen SFT model"
     starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL,)
+    curves = (
+        ("loss", (("loss", "train"),)),
+        ("rewards", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin"))),
+        ("reward accuracy", (("rewards/accuracies", ""),)),
+        ("held-out exact match", (("heldout_exact_match", ""),)),
+    )
+    owns_data = True
+    in_default_recipe = True  # align.dpo.inputs: the preference pairs every preference method trains on
 
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         from trl import DPOConfig, DPOTrainer

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from lmforge.stage import BASE_MODEL, Product
-from training.align.methods import PRETRAINED, AlignMethod, start_model
+from training.align.methods import CHAT, PRETRAINED, AlignMethod, start_model
 from training.align.sections import TrainConfig
 
 
@@ -27,7 +27,15 @@ class SFT(AlignMethod):
     name = "sft"
     config = SftConfig
     description = "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss"
-    data = "chat"
+    data = CHAT
+    curves = (
+        ("loss", (("loss", "train"), ("eval_loss", "held-out"))),
+        ("gradient norm", (("grad_norm", ""),)),
+        ("held-out exact match", (("heldout_exact_match", ""),)),
+        ("tokens/s", (("tokens_per_s", ""),)),
+    )
+    owns_data = True
+    in_default_recipe = True  # align.sft.inputs: the chat data (SFT, RL prompts, the draft) when the user brings it
     starts: ClassVar[tuple[Product, ...]] = (BASE_MODEL, PRETRAINED)
 
     def runs(self, align: Any) -> bool:  # every recipe starts with it
