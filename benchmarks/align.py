@@ -47,7 +47,7 @@ tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
 # the precision lmforge trains in (transformers 5 would otherwise load a bf16 export as bf16 weights)
 dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
 model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=dtype)
-if spec["kind"] == "rl":  # the same prompts, the same reward function (lmforge.verify's check)
+if spec["kind"] == "rl":  # the same prompts, the same reward function (lmforge.text.verify's check)
     from training.align.methods.rl import prompt_records, verifier_reward
     from datasets import Dataset
     data = Dataset.from_list(prompt_records(spec["train"], cfg["prompts"]))
@@ -96,7 +96,7 @@ trainer.train()
 
 def accelerate(module_or_script: list[str], port: int) -> list[str]:
     """The exact command lmforge's launch helper builds for 2 ranks, with the module or script swapped in."""
-    from lmforge.launch import Launch, build_command
+    from lmforge.processes.launch import Launch, build_command
 
     command = build_command("training.align.entry", Path("spec.json"), Launch("accelerate", 2), port)
     return command[: command.index("-m", 3)] + module_or_script
@@ -156,7 +156,7 @@ def run_plain(spec: dict, port: int, script: Path) -> float:
 def _env() -> dict:
     import os
 
-    from lmforge.launcher import QUIET_ENV
+    from lmforge.processes.launcher import QUIET_ENV
 
     return {**os.environ, **QUIET_ENV, "PYTHONPATH": str(ROOT)}
 
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     workspace = Path(args.workspace)
-    from lmforge.launch import free_port
+    from lmforge.processes.launch import free_port
 
     results = {}
     with tempfile.TemporaryDirectory() as work:

@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from evaluation.contamination import Index, build_index, check_item, check_tasks  # noqa: E402
-from lmforge.textkeys import words  # noqa: E402
-from lmforge.textmatch import Rule  # noqa: E402
+from lmforge.text.textkeys import words  # noqa: E402
+from lmforge.text.textmatch import Rule  # noqa: E402
 
 
 def rss_mb() -> float:

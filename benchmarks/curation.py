@@ -464,7 +464,7 @@ def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
 
 def pipeline_timings(workdir: Path) -> tuple[float, float, dict]:
     from lmforge.config import load_config
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = workdir / "ws"
     start = time.perf_counter()
@@ -474,8 +474,8 @@ def pipeline_timings(workdir: Path) -> tuple[float, float, dict]:
     changed = load_config(
         "tiny-cpu", ["curate.near_dedup.threshold=0.7", "curate.langid.min_score=0.5"], str(workspace)
     )
-    from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner
-    from lmforge.store import StageStore
+    from lmforge.engine.executor import execute_step, graph, make_pool, pool_unit_runner
+    from lmforge.engine.store import StageStore
 
     store = StageStore(workspace)
     upstream = {n: m for n, m in manifests.items() if n != "curate/select"}

@@ -113,8 +113,8 @@ def generate(num_docs: int, out_dir: Path, seed: int = 0) -> list[Path]:
 def run_steps(inputs: list[str], workspace: Path, workers: int, progress: Path) -> None:
     """The measured subprocess: ingest, minhash and select, one after the other; per-step JSON lines to `progress`."""
     from lmforge.config import load_config
-    from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner
-    from lmforge.store import StageStore
+    from lmforge.engine.executor import execute_step, graph, make_pool, pool_unit_runner
+    from lmforge.engine.store import StageStore
 
     overrides = [f"curate.inputs=[{','.join(inputs)}]", f"runtime.workers={workers}", *OFF]
     config = load_config("tiny-cpu", overrides, str(workspace))

@@ -137,8 +137,8 @@ def align_spec(
 
 
 def align(args: argparse.Namespace) -> None:
-    from lmforge.launch import Launch, build_command, free_port
-    from lmforge.launcher import QUIET_ENV
+    from lmforge.processes.launch import Launch, build_command, free_port
+    from lmforge.processes.launcher import QUIET_ENV
 
     work = Path(args.work)
     base = build_model(args.preset, Path(args.tokenizer).resolve(), work / "base", args.overrides)

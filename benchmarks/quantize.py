@@ -25,7 +25,7 @@ from serving.quantize.report import bf16_bytes_and_params, weight_bytes  # noqa:
 
 
 def serve_speed(model_dir: Path, concurrency: list[int], per_client: int, max_tokens: int) -> dict[int, dict]:
-    from lmforge.vllm_server import EngineConfig, TemporaryServer
+    from lmforge.inference.vllm_server import EngineConfig, TemporaryServer
 
     with (
         tempfile.TemporaryDirectory() as work,

@@ -118,7 +118,7 @@ def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens
 def vllm_rows(
     model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int, prefix_words: int
 ) -> list[dict]:
-    from lmforge.vllm_server import EngineConfig, TemporaryServer
+    from lmforge.inference.vllm_server import EngineConfig, TemporaryServer
 
     cfg = EngineConfig(enable_prefix_caching=prefix_caching)
     with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, cfg, Path(work), "bench") as server:
@@ -132,7 +132,7 @@ def speculation_rows(
 ) -> tuple[list[dict], dict[str, dict]]:
     """vLLM without speculation, with the n-gram proposer and (given a draft) with the draft model, on a
     workload where speculation should help (repetition) and one where it should not (distinct)."""
-    from lmforge.vllm_server import EngineConfig, SpeculativeConfig
+    from lmforge.inference.vllm_server import EngineConfig, SpeculativeConfig
 
     proposers: dict[str, SpeculativeConfig | None] = {"off": None, "ngram": SpeculativeConfig(method="ngram")}
     if draft:
@@ -241,7 +241,7 @@ def adapters_report(args: argparse.Namespace) -> None:
     """One vLLM server with the release's N LoRA adapters vs N servers of the merged models."""
     import contextlib
 
-    from lmforge.vllm_server import EngineConfig, LoraModules, TemporaryServer
+    from lmforge.inference.vllm_server import EngineConfig, LoraModules, TemporaryServer
 
     releases = sorted(Path(args.workspace).glob("serve/release/*/release.json"), key=lambda p: p.stat().st_mtime)
     release = next((json.loads(p.read_text()) for p in reversed(releases) if "adapters" in p.read_text()), None)

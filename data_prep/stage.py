@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from data_prep.config import CurateConfig
+from lmforge.engine.stage import ArtifactSpec, Stage
 from lmforge.errors import ConfigError
-from lmforge.stage import ArtifactSpec, Stage
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase

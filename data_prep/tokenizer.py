@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from lmforge.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD
+from lmforge.text.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END]

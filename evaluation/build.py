@@ -25,12 +25,13 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from lmforge.hashing import atomic_write_text, digest, file_sha256
-from lmforge.humaneval import humaneval_items, humaneval_text
 from lmforge.jsonl import read_jsonl, write_jsonl
+from lmforge.text.humaneval import humaneval_items, humaneval_text
 
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 SANDBOX = Path(__file__).resolve().parent / "sandbox.py"
-VERIFY = Path(__file__).resolve().parents[1] / "lmforge" / "verify.py"  # the one answer check, loaded by utils.py
+# the one answer check, loaded by utils.py
+VERIFY = Path(__file__).resolve().parents[1] / "lmforge" / "text" / "verify.py"
 BUILTIN = (
     "lmforge_continuation",
     "lmforge_heldout_ppl",

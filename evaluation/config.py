@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from lmforge.registry import check_roles, role_names
+from lmforge.engine.registry import check_roles, role_names
 
 BUILTIN_TASKS = [
     "lmforge_continuation",
@@ -124,7 +124,7 @@ class EvaluateConfig(StrictModel):
     models: list[str] = runtime_field(
         default_factory=lambda: role_names(),
         description="Models of the lineage to evaluate, by role (those that exist; base: the model given as "
-        "base_model): base, pretrained and one per alignment method that trains a policy (lmforge.registry.roles).",
+        "base_model): base, pretrained and one per alignment method that trains a policy (lmforge.engine.registry.roles).",
     )
     backends: list[Literal["hf", "vllm"]] = runtime_field(
         default_factory=lambda: ["hf", "vllm"], description="hf: transformers in-process; vllm: vLLM's OpenAI server."

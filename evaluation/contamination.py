@@ -3,7 +3,7 @@
 Every training source the lineage used (curated pretraining documents of the training split,
 SFT data, DPO data) gets a hashed word n-gram index, built once as a cached step and reused by
 every evaluation. Each item of every configured task (its prompt and reference answer) is then
-checked against each index with the rule of `lmforge.textmatch`, which curation's
+checked against each index with the rule of `lmforge.text.textmatch`, which curation's
 decontamination applies too:
 
 - the **exact** path (items of at least `ngram` words, 13 by default): at least `min_coverage` of
@@ -18,7 +18,7 @@ decontamination applies too:
   normalised text.
 
 Each finding records the path that fired, the overlap and similarity, the training document and
-the span. Hashing is numpy (`lmforge.textkeys`): an index is two sorted arrays per n-gram size (key,
+the span. Hashing is numpy (`lmforge.text.textkeys`): an index is two sorted arrays per n-gram size (key,
 document number), 12 bytes per (document, distinct n-gram). `benchmarks/contamination.py` measures
 it against a Python set of n-gram strings.
 
@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.textkeys import gram_keys, whole_key, words
-from lmforge.textmatch import CANDIDATE_SHARE, MAX_CANDIDATES, Rule, decide
+from lmforge.text.textkeys import gram_keys, whole_key, words
+from lmforge.text.textmatch import CANDIDATE_SHARE, MAX_CANDIDATES, Rule, decide
 
 COMMON = 1000  # a fuzzy n-gram held by more documents than this says nothing about which one holds the item
 
@@ -162,7 +162,7 @@ class Index:
 
 
 def check_item(tokens: list[str], index: Index, fuzzy: bool = True) -> dict[str, Any]:
-    """The verified match of one item against one source (contaminated or not), by `lmforge.textmatch`'s rule.
+    """The verified match of one item against one source (contaminated or not), by `lmforge.text.textmatch`'s rule.
 
     `fuzzy=False` applies the exact path alone (what the benchmark compares with)."""
     rule = index.rule if fuzzy else replace(index.rule, min_similarity=float("inf"))

@@ -1,6 +1,6 @@
 """One lm-eval process: every task of one model on one backend, each written as soon as it is done.
 
-    python -m evaluation.lmeval_entry --spec <out>/lmeval_spec_<backend>.json   (via lmforge.launch.run_entry)
+    python -m evaluation.lmeval_entry --spec <out>/lmeval_spec_<backend>.json   (via lmforge.processes.launch.run_entry)
 
 Started through lmforge's launcher, so cancelling the stage stops it. For each task in the spec
 it calls `lm_eval.simple_evaluate` (never a loop of its own), with `log_samples`, and writes
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmforge.entry import main
 from lmforge.hashing import atomic_write_text
+from lmforge.processes.entry import main
 
 log = logging.getLogger("evaluation.lmeval")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import stats
+from lmforge.engine.registry import role_names, roles
 from lmforge.jsonl import read_jsonl
-from lmforge.registry import role_names, roles
 
 
 def sources_seen(model: str) -> set[str]:

@@ -39,7 +39,7 @@ def run_reads(config: BaseModel | ConfigView, backend: str) -> tuple[str, ...]:
 
 def engine_config(config: ConfigView) -> Any:
     """The serving stage's vLLM settings when it is registered, else vLLM's defaults."""
-    from lmforge.vllm_server import EngineConfig
+    from lmforge.inference.vllm_server import EngineConfig
 
     return config.serve.engine if has_section(config, "serve") else EngineConfig()
 
@@ -55,7 +55,7 @@ def run_identity(config: ConfigView, backend: str) -> dict[str, Any]:
     """What a metric run's results depend on besides the model and the tasks: every field it reads
     and the versions of what runs it. The quantization gate computes the same for its runs, so
     both find each other's per-task results."""
-    from lmforge.codeprint import library_version
+    from lmforge.engine.codeprint import library_version
 
     ident = pick(config, *run_reads(config, backend))
     ident["backend"] = backend
@@ -88,7 +88,7 @@ def evaluate_model(
     `identity` is `run_identity(config, backend)` as the calling step recorded it; `work_dir` is
     where the run's spec and the temporary server's files go.
     """
-    from lmforge.store import StageStore
+    from lmforge.engine.store import StageStore
 
     store = StageStore(workspace, config.runtime.verify)
     done: dict[str, Path] = {}
@@ -115,8 +115,8 @@ def _run_lmeval(
     store: Any,
     work_dir: Path,
 ) -> None:
-    from lmforge.launch import SINGLE, run_entry
-    from lmforge.vllm_server import TemporaryServer, check_servable
+    from lmforge.inference.vllm_server import TemporaryServer, check_servable
+    from lmforge.processes.launch import SINGLE, run_entry
 
     cfg = config.evaluate
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
@@ -124,7 +124,7 @@ def _run_lmeval(
     max_length = min(engine.max_model_len or context, context)
     if backend == "vllm":
         # lm-eval sends up to batch_size prompts a request, each asking for up to the context: the server's
-        # request bounds (lmforge.vllm_guard) are made to fit the client lmforge itself runs. Only the vLLM
+        # request bounds (lmforge.inference.vllm_guard) are made to fit the client lmforge itself runs. Only the vLLM
         # run starts a server, and only it reads the whole `serve.engine` (the hf run's view holds
         # max_model_len alone, and a view has no model_copy: every hf run failed on it)
         engine = engine.model_copy(

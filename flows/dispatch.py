@@ -14,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from lmforge.engine.executor import graph, plan_step
+from lmforge.engine.store import StageStore
 from lmforge.errors import LmforgeError
-from lmforge.executor import graph, plan_step
-from lmforge.store import StageStore
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase

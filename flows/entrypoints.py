@@ -6,7 +6,7 @@ A deployment names its flow by file and attribute; stage flows are made by one f
 
 from flows.pipeline import pipeline
 from flows.stage import stage_flow
-from lmforge.registry import stage_names
+from lmforge.engine.registry import stage_names
 
 for _name in stage_names():
     globals()[_name.replace("-", "_")] = stage_flow(_name)

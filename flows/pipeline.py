@@ -26,7 +26,7 @@ from flows.dispatch import run_stage_deployment
 from flows.stage import run_subflow, tracking_run, upstream_stages
 from lmforge import tracking
 from lmforge.config import PipelineBase, load_config
-from lmforge.registry import stages as lifecycle
+from lmforge.engine.registry import stages as lifecycle
 from tasks.artifacts import publish_lineage
 from tasks.logs import set_library_log_level
 

@@ -22,10 +22,10 @@ from prefect import Flow, flow
 
 from flows.cancel import stop_launched, unwatch, watch_cancellation
 from lmforge import tracking
-from lmforge.executor import graph, made_by
-from lmforge.registry import get_stage, stages
-from lmforge.stage import ArtifactSpec, Stage
-from lmforge.store import StageStore
+from lmforge.engine.executor import graph, made_by
+from lmforge.engine.registry import get_stage, stages
+from lmforge.engine.stage import ArtifactSpec, Stage
+from lmforge.engine.store import StageStore
 from tasks.artifacts import publish, publish_stage
 from tasks.logs import set_library_log_level
 from tasks.progress import step_images

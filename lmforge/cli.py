@@ -91,7 +91,7 @@ _commands: Commands | None = None
 def build_parser() -> argparse.ArgumentParser:
     global _commands
     from lmforge.console import add_verbose_flag
-    from lmforge.registry import command_plugins, stage_names, stages
+    from lmforge.engine.registry import command_plugins, stage_names, stages
 
     parser = argparse.ArgumentParser(
         prog="lmforge",
@@ -162,7 +162,7 @@ def _print_summary(
     seconds: float,
     api_url: str | None,
 ) -> None:
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     if not steps:
         print("nothing to run: every requested stage is disabled (see `stages` and `<stage>.enabled`)")
@@ -198,7 +198,7 @@ def cmd_run(args: argparse.Namespace, stages: list[str] | None) -> int:
     config = _load(args)
     started = time.time()
     if args.local:
-        from lmforge.executor import run_pipeline_locally
+        from lmforge.engine.executor import run_pipeline_locally
 
         os.environ["LMFORGE_LOG_LEVEL"] = config.runtime.log_level  # for the training ranks
         with terminal(args.verbose, level=config.runtime.log_level):  # one line per step, progress, warnings
@@ -241,7 +241,7 @@ def _stop_launched_on_signals() -> None:
     import signal
     import threading
 
-    from lmforge import launcher
+    from lmforge.processes import launcher
 
     def on_interrupt(signum: int, frame: Any) -> None:
         launcher.stop_all()
@@ -266,8 +266,8 @@ def _stop_launched_on_signals() -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from lmforge.explain import explain, format_explanations
-    from lmforge.registry import stage_names
+    from lmforge.engine.explain import explain, format_explanations
+    from lmforge.engine.registry import stage_names
 
     config = _load(args)
     stages = stage_names() if args.stage == "all" else [args.stage]
@@ -290,7 +290,7 @@ def cmd_prefect(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from lmforge import slurm
+    from lmforge.processes import slurm
 
     config = _load(args, check_paths=False)
     script = slurm.render(config, args.stage, args.config, args.overrides, args.workspace)
@@ -303,11 +303,11 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
-    from lmforge.stagemap import format_stages
+    from lmforge.engine.stagemap import format_stages
 
     config = _load(args, check_paths=False)
     if args.update_readme:
-        from lmforge.stagemap import readme_with_stage_maps
+        from lmforge.engine.stagemap import readme_with_stage_maps
 
         path = Path(args.update_readme)
         path.write_text(readme_with_stage_maps(path.read_text(), config))

@@ -59,7 +59,7 @@ class WithStages(PipelineBase):
 
 
 def _stage_names() -> list[str]:
-    from lmforge.registry import stage_names
+    from lmforge.engine.registry import stage_names
 
     return stage_names()
 
@@ -67,7 +67,7 @@ def _stage_names() -> list[str]:
 @functools.lru_cache(maxsize=1)
 def pipeline_model() -> type[PipelineBase]:
     """The whole pipeline's config model: the top level plus each registered stage's section."""
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     sections: dict[str, Any] = {
         stage.name: (stage.config_model, Field(default_factory=stage.config_model, description=stage.description))
@@ -296,7 +296,7 @@ def _load_config(preset: str, overrides: list[str] | None, workspace: str | None
 
 def check_names(config: PipelineBase, source: str) -> None:
     """Names that must match something that exists: `runtime.step_timeout_s` keys are steps or stages."""
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     known = {step.name for stage in stages() for step in stage.steps()} | set(_stage_names())
     for key in config.runtime.step_timeout_s:
@@ -308,7 +308,7 @@ def check_names(config: PipelineBase, source: str) -> None:
 
 def check_files(config: PipelineBase, source: str) -> None:
     """Paths the config names must exist, so a typo fails now and not an hour into the run."""
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     for stage in stages():
         if stage.check is not None:

@@ -1,7 +1,7 @@
 """What a person sees in the terminal while lmforge runs steps.
 
 A run's full story is in its logs: the Prefect run logs and each computed step's `logs/step.log`
-(`lmforge.steplog`) get every record of lmforge's loggers, every output line of every launched
+(`lmforge.engine.steplog`) get every record of lmforge's loggers, every output line of every launched
 process included. Inside `terminal()` (the CLI's `run` and `stage`) the terminal shows a digest:
 
 - one line per step as it ends: cached, computed, FAILED or stopped, its time, and its output
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from lmforge import steplog
+from lmforge.engine import steplog
 
 PIPE_EVERY_S = 30.0  # a plain progress line at most this often when the terminal is not a TTY
 TICK_S = 0.5  # the live line's redraw

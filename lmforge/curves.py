@@ -17,7 +17,7 @@ Panels = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (title, ((metric
 
 def panels(step: str) -> Panels:
     """The curves `step` declares (`Step.curves`: pretrain/train, each alignment method's step), or ()."""
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     for stage in stages():
         for candidate in stage.steps():

@@ -2,7 +2,7 @@
 `tracking`) and the type every stage's helpers are handed (`PipelineBase`, `ConfigOrView`).
 
 A leaf of the core: it imports no other lmforge module that could import it back, so the stage
-contract (`lmforge.stage`), the step graph and the executor can name the config's type without
+contract (`lmforge.engine.stage`), the step graph and the executor can name the config's type without
 an import ring. `lmforge.config` builds the whole model from the registered stages on top of it.
 """
 

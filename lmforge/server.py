@@ -64,7 +64,7 @@ def _is_our_server(pid: int) -> bool:
     """The pid file can outlive the server and the pid be reused: only ever signal a Prefect server."""
     if not _alive(pid):
         return False
-    from lmforge.launcher import process_arguments
+    from lmforge.processes.launcher import process_arguments
 
     if not Path("/proc/self").exists():  # no /proc (macOS): fall back to trusting the pid file
         return True
@@ -205,12 +205,12 @@ class TemporaryServer:
             "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
             "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
         }
-        # under lmforge.supervise watching this process: a run that is SIGKILLed (no atexit) leaves no
+        # under lmforge.processes.supervise watching this process: a run that is SIGKILLed (no atexit) leaves no
         # server behind, its supervisor stops it within about a second
         supervisor = [
             sys.executable,
             "-m",
-            "lmforge.supervise",
+            "lmforge.processes.supervise",
             "--grace",
             "5",
             "--quiet",

@@ -333,7 +333,7 @@ def _start_pipeline(client: Any, config: PipelineBase, run: PipelineRun, state: 
         if found is not None:
             state.parent_id = found
             return
-    from lmforge.codeprint import code_version
+    from lmforge.engine.codeprint import code_version
 
     tags = {
         "lmforge.kind": "pipeline",
@@ -579,7 +579,7 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 
 def step_tags(config: PipelineBase, run: PipelineRun, manifest: dict[str, Any]) -> dict[str, str]:
-    from lmforge.codeprint import code_version
+    from lmforge.engine.codeprint import code_version
 
     made_by = manifest.get("made_by") or {}
     inputs = manifest.get("inputs") or {}
@@ -587,7 +587,7 @@ def step_tags(config: PipelineBase, run: PipelineRun, manifest: dict[str, Any]) 
         "lmforge.kind": "step",
         "lmforge.pipeline_run": run.id,
         "lmforge.preset": config.name,
-        "lmforge.stage": str(manifest.get("stage", "")),
+        "lmforge.engine.stage": str(manifest.get("stage", "")),
         "lmforge.step": str(manifest["step"]),
         "lmforge.step_key": str(manifest["key"]),
         "lmforge.lineage_key": lineage_key(config, manifest),

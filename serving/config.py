@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from lmforge.registry import check_roles
-from lmforge.vllm_server import EngineConfig, SpeculativeConfig
+from lmforge.engine.registry import check_roles
+from lmforge.inference.vllm_server import EngineConfig, SpeculativeConfig
 from serving import backends
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -79,7 +79,7 @@ class ServeConfigBase(StrictModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, model: str) -> str:
-        """auto or quantized, or a model role of the lineage (lmforge.registry.roles)."""
+        """auto or quantized, or a model role of the lineage (lmforge.engine.registry.roles)."""
         return model if model in ("auto", "quantized") else check_roles([model])[0]
 
     require_evaluation: bool = Field(
@@ -122,7 +122,7 @@ class ServeConfigBase(StrictModel):
     gpu_wait_s: float = runtime_field(
         600.0,
         description="How long a release waits for GPUs that another workspace's or user's served model holds "
-        "(the host-wide registry, lmforge.devices) before it fails; 0: fail at once.",
+        "(the host-wide registry, lmforge.processes.devices) before it fails; 0: fail at once.",
         ge=0,
     )
     inherit_env: list[str] = runtime_field(

@@ -10,9 +10,9 @@ client configured with the documented port broke. With it, vLLM servers listen o
 of their own (never exposed), and a promotion is one atomic write of `target.json`: connections
 opened after it reach the new server, those already open finish on the old one, which is then
 stopped. A plain byte pipe, not an HTTP proxy: streaming, keep-alive and the API key check (in
-each server's `lmforge.vllm_guard`) pass through unchanged. When no server answers, a new
+each server's `lmforge.inference.vllm_guard`) pass through unchanged. When no server answers, a new
 connection gets `503` with a JSON error, so a client sees why. Standard library only, so it starts
-in tens of milliseconds; it runs detached under `lmforge.supervise` like the servers.
+in tens of milliseconds; it runs detached under `lmforge.processes.supervise` like the servers.
 
 Limits, because the front is the one process every client reaches:
 

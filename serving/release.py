@@ -9,7 +9,7 @@ State lives in `<workspace>/serving/`:
 
     front/             the endpoint's front (serving/front.py): target.json, front.json, pid, log
 
-A server runs detached (its own session, a pid file, `lmforge.supervise` as its parent), so it
+A server runs detached (its own session, a pid file, `lmforge.processes.supervise` as its parent), so it
 outlives the flow run that started it; it is stopped by pid, never by name. Clients use the
 endpoint, the front on `serve.host:serve.port`; servers listen on loopback ports of their own.
 A new model starts on a fresh port beside the running one, is smoke-tested (and SLO-checked by
@@ -37,12 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge import devices
 from lmforge.errors import DeterministicError
 from lmforge.hashing import atomic_write_json
-from lmforge.launch import free_port
-from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
-from lmforge.vllm_server import (
+from lmforge.inference.vllm_server import (
     NOISE,
     LoraModules,
     ServerFailed,
@@ -51,6 +48,9 @@ from lmforge.vllm_server import (
     server_env,
     wait_ready,
 )
+from lmforge.processes import devices
+from lmforge.processes.launch import free_port
+from lmforge.processes.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
 from serving import backends
 from serving.config import ServeConfig
 
@@ -85,7 +85,7 @@ def admin_key(workspace: str | Path) -> tuple[str, str]:
 
 
 def _key(workspace: str | Path, name: str, env: str) -> tuple[str, str]:
-    from lmforge.vllm_server import check_key
+    from lmforge.inference.vllm_server import check_key
 
     if env in os.environ:  # set, even to "": an empty key is refused, never taken as "no key"
         return check_key(os.environ[env], env), env
@@ -236,7 +236,7 @@ def start(
 ) -> dict[str, Any]:
     """Start a detached server for `model_dir` on `gpus` and wait until it is ready; returns its record.
     With `lora`, the model is a base and its adapters are served too, one name each. `reservation`:
-    the `lmforge.devices` entry holding `gpus` for it, handed to the server once it runs.
+    the `lmforge.processes.devices` entry holding `gpus` for it, handed to the server once it runs.
 
     With `serve.require_api_key: false` (loopback only) the server takes requests without a key."""
     key, _ = api_key(workspace)
@@ -369,7 +369,7 @@ def smoke_test(record: dict[str, Any], cfg: ServeConfig, workspace: str | Path) 
         problems.append("the answer is empty")
     if "".join(streamed) != answer or finish != "stop":
         problems.append(f"the streamed answer differs ({''.join(streamed)[:60]!r}, finish_reason={finish})")
-    if cfg.require_api_key:  # every path but /health needs the key (lmforge.vllm_guard), /v1 and beyond
+    if cfg.require_api_key:  # every path but /health needs the key (lmforge.inference.vllm_guard), /v1 and beyond
         for method, path in UNGUARDED_BY_VLLM:
             status, _ = request(f"{record['url']}{path}", None, {} if method == "POST" else None)
             if status != 401:
@@ -473,10 +473,10 @@ def promote(workspace: str | Path, record: dict[str, Any], cfg: ServeConfig | No
 def drain(record: dict[str, Any], timeout_s: float) -> float:
     """Let the replaced server finish what it has before it is stopped: the front already sends new
     connections to its successor, but kept-alive ones stay pinned to it. From now on each of its
-    responses closes its connection (`lmforge.vllm_guard`'s drain file), so a client's next request
+    responses closes its connection (`lmforge.inference.vllm_guard`'s drain file), so a client's next request
     opens a new connection, to the new server; wait until it has no connection left (idle ones end
     at the server's keep-alive timeout), at most `timeout_s`. Returns the seconds it took."""
-    from lmforge.launch import open_connections
+    from lmforge.processes.launch import open_connections
 
     started = time.monotonic()
     if not alive(record) or "drain_file" not in record:  # a server started before draining existed
@@ -515,7 +515,7 @@ def placement(usable: list[str], current: list[str], needed: int) -> tuple[str, 
     usable GPUs are free of the current server, so both run at once; ("replace", devices) when there is
     room for one only: the current server is stopped first and started again if the candidate fails.
 
-    `usable`: the GPUs no other holder has (`lmforge.devices`); `current`: those the current server holds.
+    `usable`: the GPUs no other holder has (`lmforge.processes.devices`); `current`: those the current server holds.
     """
     if not usable and not current:
         return "cpu", []
@@ -786,7 +786,7 @@ def ensure_running(workspace: str | Path, cfg: ServeConfig, want: dict[str, Any]
     """
     released = want.get("speculative_config") or want.get("settings", {}).get("speculative")
     if released is not None:  # as the release decided, not as configured (serve.speculative is its key)
-        from lmforge.vllm_server import SpeculativeConfig
+        from lmforge.inference.vllm_server import SpeculativeConfig
 
         cfg = Speculating(cfg, SpeculativeConfig(**released))  # type: ignore[assignment]
     with promotion_lock(workspace):

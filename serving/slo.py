@@ -236,7 +236,7 @@ def speculation_levels(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The speculation workloads (repetition, distinct) at each level on a temporary vLLM server with
     `proposer` (None: no speculation), and the proposer's acceptance figures (vLLM's counters)."""
-    from lmforge.vllm_server import TemporaryServer, speculation_stats
+    from lmforge.inference.vllm_server import TemporaryServer, speculation_stats
 
     with TemporaryServer(model_dir, engine, work, "probe", speculative=proposer) as server:
         rows = run(server.base_url, server.api_key, "probe", concurrency, per_client, max_tokens, prefix_words,

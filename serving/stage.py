@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.stage import ArtifactSpec, Resources, Stage
+from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 from serving.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -99,8 +99,8 @@ def _cli(commands: Any) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace, config: PipelineBase) -> int:
+    from lmforge.engine.store import StageStore
     from lmforge.errors import ConfigError
-    from lmforge.store import StageStore
     from serving import release
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -16,11 +16,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.registry import role_names, roles
+from lmforge.engine.stage import BASE_MODEL, Maybe, Product, has_base, hf_model
 from lmforge.errors import ConfigError, GateFailed
-from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json, atomic_write_text
-from lmforge.registry import role_names, roles
-from lmforge.stage import BASE_MODEL, Maybe, Product, has_base, hf_model
 from serving import backends
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     when its adapter was trained on another's merge), checked against the merged model, served by one
     vLLM server. When that base already runs with adapters, new ones are loaded into it: no restart."""
     from lmforge.errors import ParityError
-    from lmforge.vllm_server import LoraModules
+    from lmforge.inference.vllm_server import LoraModules
     from serving import adapters, release
 
     cfg, workspace = ctx.config.serve, ctx.config.workspace
@@ -422,7 +422,7 @@ RELEASE_STEPS = [
         # every registered backend's modules: which one runs is a read (serve.backend)
         code=(
             "serving.release",
-            "lmforge.vllm_server",
+            "lmforge.inference.vllm_server",
             "serving.slo",
             "serving.adapters",
             *(m for b in backends.backends().values() for m in b.code),

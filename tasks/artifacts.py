@@ -17,7 +17,7 @@ from typing import Any
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from lmforge.stage import ArtifactSpec
+from lmforge.engine.stage import ArtifactSpec
 
 
 def _status(manifest: dict[str, Any], status: str) -> str:

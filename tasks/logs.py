@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from lmforge.console import ConsoleHandler
-from lmforge.executor import domain_loggers
+from lmforge.engine.executor import domain_loggers
 
 CONSOLE_FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
 

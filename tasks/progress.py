@@ -90,7 +90,7 @@ class ProgressReporter:
 
 def step_images(stage: str, manifests: dict[str, dict[str, Any]]) -> list[Any]:
     """Image artifacts of the training curves of the stage's steps in `manifests`."""
-    from lmforge.stage import ArtifactSpec
+    from lmforge.engine.stage import ArtifactSpec
 
     specs = []
     for step, manifest in manifests.items():

@@ -4,7 +4,7 @@
 its time limit. Inside it, each unit (shard) of the step is its own `run_unit` task,
 retryable on its own and visible in the UI; the units execute in a shared pool of worker
 processes. A retry of either skips units whose completion markers verify, so it resumes
-instead of restarting. The computing itself is `lmforge.executor.execute_step`, shared with
+instead of restarting. The computing itself is `lmforge.engine.executor.execute_step`, shared with
 `--local`.
 
 There is one cache, lmforge's content-addressed store, not two: Prefect's own task cache is
@@ -31,7 +31,7 @@ from prefect.futures import as_completed
 from prefect.states import Completed, State
 
 from lmforge.console import step_progress
-from lmforge.executor import (
+from lmforge.engine.executor import (
     UnitRunner,
     capture_level,
     execute_step,
@@ -43,8 +43,8 @@ from lmforge.executor import (
     step_timeout,
     unit_outcome,
 )
-from lmforge.graph import StepContext
-from lmforge.store import StageStore
+from lmforge.engine.graph import StepContext
+from lmforge.engine.store import StageStore
 from tasks.progress import ProgressReporter
 from tasks.retry import should_retry
 

@@ -6,7 +6,7 @@ What must hold for every request:
 - no 5xx, with or without the key;
 - without the key, nothing but the open health checks answers 2xx (the guard's 401);
 - with the key, a 2xx completion never carries more than the guard's bounds allow: choices at most
-  `max_n` x `max_prompts`, generated tokens at most `max_tokens` (lmforge.vllm_guard.Limits), counted
+  `max_n` x `max_prompts`, generated tokens at most `max_tokens` (lmforge.inference.vllm_guard.Limits), counted
   from the response, not from the request, so a request the guard misjudged is still caught.
 """
 
@@ -45,7 +45,7 @@ def _usage_tokens(response: Any) -> tuple[int, int] | None:
 
 
 def fuzz(base_url: str, key: str, limits: Any, *, examples: int, budget_s: float) -> FuzzReport:
-    """Fuzz every operation of the server's schema; `limits` is the server's lmforge.vllm_guard.Limits."""
+    """Fuzz every operation of the server's schema; `limits` is the server's lmforge.inference.vllm_guard.Limits."""
     import requests
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings

@@ -117,7 +117,7 @@ def small_config(workspace: Path, *extra: str):
 @pytest.fixture(scope="session")
 def curated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A workspace with the small demo corpus curated once per session (no Prefect)."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("curated")
     manifests = run_pipeline_locally(small_config(workspace), ["curate"])
@@ -144,7 +144,7 @@ def prefect_server():
 @pytest.fixture(scope="session")
 def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted 2-rank pretraining run of the small model (also the reference for resume tests)."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("trained")
     shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
@@ -154,7 +154,7 @@ def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def aligned(trained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """SFT and DPO of the small pretrained model on 2 ranks, once per session (the reference for resume tests)."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("aligned")
     shutil.copytree(Path(trained["dir"]).parents[2], workspace, dirs_exist_ok=True)
@@ -164,7 +164,7 @@ def aligned(trained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="session")
 def rl_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The small lineage's RL road (reward model, then GRPO from DPO) on 2 ranks, once per session."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("rl")
     shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
@@ -174,7 +174,7 @@ def rl_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="session")
 def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The small lineage evaluated on both backends, once per session."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("evaluated")
     shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
@@ -184,7 +184,7 @@ def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="session")
 def quantized(evaluated: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both schemes of the small DPO model, calibrated (llmcompressor) and gated on vLLM, once per session."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path_factory.mktemp("quantized")
     shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace, dirs_exist_ok=True)

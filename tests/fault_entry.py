@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from lmforge.entry import main
+from lmforge.processes.entry import main
 
 
 def tear_down_badly() -> None:

@@ -82,7 +82,7 @@ def planted_fixture(planted_count: int = 128, seed: int = 0) -> Planted:
     """`planted_count` HumanEval items planted (rates and operations in turn), the rest of HumanEval and 150
     documentation paragraphs clean, amid 1,000 other paragraphs and the code pages."""
     from evaluation.build import item_texts
-    from lmforge.humaneval import humaneval_items
+    from lmforge.text.humaneval import humaneval_items
 
     rng = random.Random(seed)
     humaneval = item_texts("lmforge_humaneval", humaneval_items())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.executor import run_pipeline_locally
+from lmforge.engine.executor import run_pipeline_locally
 from tests.conftest import small_config
 
 STEPS = 12
@@ -69,7 +69,7 @@ def check_lineage_role(name: str) -> None:
     """No edit outside its module: the registry gives the method's model a role, an evaluation run per
     backend, a place in quantization's and serving's auto order and a LoRA adapter when served as one."""
     from evaluation.steps import RUN_STEPS
-    from lmforge.registry import role_names
+    from lmforge.engine.registry import role_names
     from serving.steps import adapter_roles, auto_order
 
     assert name in role_names() and name in adapter_roles()

@@ -29,7 +29,7 @@ LORA = [
 
 
 def _run(workspace: Path, *extra: str) -> dict:
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
     from tests.conftest import small_config
 
     return run_pipeline_locally(small_config(workspace, *LORA, *extra), ["align", "serve"])
@@ -51,7 +51,7 @@ def served(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def test_one_server_answers_as_sft_and_as_dpo(served: tuple[Path, dict]) -> None:
     from openai import OpenAI
 
-    from lmforge.vllm_server import request
+    from lmforge.inference.vllm_server import request
     from serving import release
 
     workspace, manifests = served

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner, run_pipeline_locally
-from lmforge.store import StageStore
+from lmforge.engine.executor import execute_step, graph, make_pool, pool_unit_runner, run_pipeline_locally
+from lmforge.engine.store import StageStore
 from tests.conftest import SMALL_ALIGN, small_config
 
 SFT_STEPS = int(next(o.split("=")[1] for o in SMALL_ALIGN if o.startswith("align.sft.max_steps=")))
@@ -166,7 +166,7 @@ def test_sft_lowers_held_out_assistant_loss_below_the_pretrained_models(aligned:
 
 @pytest.mark.slow
 def test_changing_dpo_beta_reruns_only_dpo(aligned: dict) -> None:
-    from lmforge.explain import explain
+    from lmforge.engine.explain import explain
 
     workspace = Path(aligned["align/sft"]["dir"]).parents[2]
     lines = {e.step: e for e in explain(small_config(workspace, "align.dpo.beta=0.35"), ["align"])}

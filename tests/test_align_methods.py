@@ -53,7 +53,7 @@ def test_the_entry_and_the_training_steps_branch_on_no_method() -> None:
 def test_a_method_step_counts_its_own_module_and_not_the_other_methods() -> None:
     """Code identity follows modules: editing one method re-keys its step alone (and what reads its
     output), and a new method re-keys nothing that exists."""
-    from lmforge.codeprint import closure, step_roots
+    from lmforge.engine.codeprint import closure, step_roots
     from training.align.steps import ALIGN_STEPS
 
     for step in ALIGN_STEPS[1:]:
@@ -111,7 +111,7 @@ def test_model_roles_come_from_the_stages_and_every_consumer_reads_them() -> Non
     """base and pretrained from their stages, then one role per method that trains a policy (not the
     reward model or the draft): evaluation's runs, quantization's and serving's choices follow them."""
     from evaluation.steps import RUN_STEPS
-    from lmforge.registry import roles
+    from lmforge.engine.registry import roles
     from serving.steps import adapter_roles, auto_order
     from training.align.methods import methods
 

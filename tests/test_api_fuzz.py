@@ -21,8 +21,8 @@ BUDGET_S = float(os.environ.get("LMFORGE_FUZZ_BUDGET_S", "60"))
 
 
 def test_the_served_api_fuzzed_from_its_own_schema_with_and_without_the_key(tmp_path: Path) -> None:
-    from lmforge.vllm_guard import Limits
-    from lmforge.vllm_server import EngineConfig, TemporaryServer
+    from lmforge.inference.vllm_guard import Limits
+    from lmforge.inference.vllm_server import EngineConfig, TemporaryServer
     from tests.base_models import build_qwen2_base, demo_texts
 
     model = build_qwen2_base(tmp_path / "model", demo_texts(100), steps=5, hidden_size=128, intermediate_size=256)

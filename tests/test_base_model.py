@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.executor import run_pipeline_locally
+from lmforge.engine.executor import run_pipeline_locally
 from tests.base_models import build_neox_base, build_qwen2_base, corrupt_one_byte, demo_texts
 from tests.conftest import small_config
 
@@ -282,7 +282,7 @@ def test_a_base_template_without_generation_markers_trains_on_the_last_answer_on
 def test_one_byte_of_the_base_reruns_what_reads_it_and_nothing_upstream(
     bases: dict[str, Path], curated_copy: Path, tmp_path: Path
 ) -> None:
-    from lmforge.explain import explain
+    from lmforge.engine.explain import explain
 
     base = _copy(bases["qwen2"], tmp_path / "base")
     config = small_config(curated_copy, f"base_model.path={base}")
@@ -503,7 +503,7 @@ def test_the_gpu_finetune_preset_plans_qlora_of_an_8b_base_from_its_config(
 def test_with_a_base_the_tokenizer_and_architecture_settings_are_not_read(bases: dict[str, Path]) -> None:
     """They would change keys for nothing: the tokenizer is adopted and the architecture is the base's."""
     from lmforge.config import load_config
-    from lmforge.executor import graph
+    from lmforge.engine.executor import graph
 
     g = graph()
     plain = load_config("tiny-cpu")

@@ -12,7 +12,7 @@ import functools
 import pytest
 
 from lmforge.config import load_config
-from lmforge.executor import graph
+from lmforge.engine.executor import graph
 from lmforge.hashing import digest
 
 ALL_STEPS = [
@@ -420,7 +420,7 @@ def test_every_result_changing_field_changes_a_step_key() -> None:
 def test_debug_settings_key_a_step_apart() -> None:
     """Fault injection is no part of a normal run's key, and a step run with one set never shares a
     key with a normal run (what it makes may be broken on purpose)."""
-    from lmforge.graph import key_components, step_key
+    from lmforge.engine.graph import key_components, step_key
 
     plain = load_config("tiny-cpu")
     faulty = load_config("tiny-cpu", ["debug.quantize.break_scale_factor=40"])

@@ -59,7 +59,7 @@ def _ranks(workspace: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if ("training.train_entry" in cmd or "lmforge.supervise" in cmd) and str(workspace) in cmd:
+        if ("training.train_entry" in cmd or "lmforge.processes.supervise" in cmd) and str(workspace) in cmd:
             found.append(proc)
     return found
 
@@ -129,7 +129,7 @@ def _stopped_within(process: subprocess.Popen, workspace: Path, out_dir: Path, s
 
 
 def _resumes(workspace: Path, out_dir: Path) -> None:
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
     from tests.conftest import small_config
 
     checkpoints = sorted(p.name for p in (out_dir / "checkpoints").glob("step-*"))
@@ -216,7 +216,7 @@ def test_a_launcher_that_blocks_sigterm_still_stops_its_commands_gracefully(tmp_
         import signal, sys, time
         from pathlib import Path
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
-        from lmforge.launcher import start_detached, stop_detached
+        from lmforge.processes.launcher import start_detached, stop_detached
         got = {str(tmp_path / "got")!r}
         child = ("import signal, sys, time; "
                  "signal.signal(signal.SIGTERM, lambda *a: (open(%r, 'w').write('term'), sys.exit(0)));\\n"
@@ -239,7 +239,7 @@ def test_a_detached_service_is_alive_the_moment_it_starts_and_stops_by_its_pid_f
     """Right after Popen returns, /proc/PID/cmdline can read empty for a moment; the demo once called a
     starting vLLM server dead on its first check and left it running unstopped. Every start must be seen
     alive, and every stop must leave no process behind."""
-    from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached
+    from lmforge.processes.launcher import detached_alive, read_pid_file, start_detached, stop_detached
 
     pids = []
     for i in range(25):

@@ -145,7 +145,7 @@ def test_the_served_model_is_not_pinned_to_the_cores_every_cpu_server_gets(
     threads set. Before: vLLM's auto binding pinned each server's worker to the same cores (core 0
     of 2 here), so the next server started beside it (a promotion under load) shared that core with
     a busy worker and, 1 time in 3, took over 240 s to import (CI's failed promotion)."""
-    from lmforge.launch import process_tree
+    from lmforge.processes.launch import process_tree
 
     record, _ = served(workspace)
     pid = json.loads(Path(record["pid_file"]).read_text())["pid"]
@@ -387,7 +387,7 @@ def test_a_served_model_whose_supervisor_is_sigkilled_leaves_nothing_running(
 
     import psutil
 
-    from lmforge.launcher import read_pid_file
+    from lmforge.processes.launcher import read_pid_file
 
     record, _ = served(workspace)
     supervisor = read_pid_file(Path(record["pid_file"]))["pid"]  # type: ignore[index]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import lmforge.codeprint as codeprint
-from lmforge.executor import graph, run_pipeline_locally
-from lmforge.explain import explain
+import lmforge.engine.codeprint as codeprint
+from lmforge.engine.executor import graph, run_pipeline_locally
+from lmforge.engine.explain import explain
 from tests.conftest import small_config
 
 
@@ -39,7 +39,7 @@ def test_every_manifest_records_its_code_closure_and_libraries(curated: tuple[Pa
     # the core's helpers count (reached through data_prep modules); its orchestration does not
     ingest = manifests["curate/ingest"]["key_components"]["code"]
     assert "lmforge/inputs.py" in ingest and "data_prep/pii.py" in ingest  # pii: through ingest.py's imports
-    assert not {"lmforge/executor.py", "lmforge/console.py", "lmforge/store.py"} & set(ingest)
+    assert not {"lmforge/engine/executor.py", "lmforge/console.py", "lmforge/engine/store.py"} & set(ingest)
     # data_prep/steps.py defines every curation step: each counts by the part its functions reach
     assert "data_prep/tokenizer.py" not in ingest
     assert ingest["data_prep/steps.py"] != manifests["curate/pack"]["key_components"]["code"]["data_prep/steps.py"]

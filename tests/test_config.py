@@ -98,7 +98,7 @@ def test_cli_bad_config_exits_nonzero_with_one_line_and_no_traceback() -> None:
 
 
 def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
-    from lmforge.executor import graph
+    from lmforge.engine.executor import graph
 
     switches = [
         "near_dedup",

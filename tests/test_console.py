@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from lmforge import console, launcher
+from lmforge import console
 from lmforge.console import Terminal, step_line
-from lmforge.executor import execute_step
-from lmforge.graph import Graph, Step, StepContext
-from lmforge.store import StageStore
+from lmforge.engine.executor import execute_step
+from lmforge.engine.graph import Graph, Step, StepContext
+from lmforge.engine.store import StageStore
+from lmforge.processes import launcher
 
 CHATTER = [
     "[lm-eval] WARNING Overwriting default num_fewshot of lmforge_continuation from None to 0",
@@ -43,8 +44,8 @@ def _run(
     step: Step, workspace: Path, verbose: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[str, dict | None, BaseException | None]:
     """Run `step` (this module's own, not a registered one) the way both run paths do, under a terminal."""
-    from lmforge import executor
     from lmforge.config import load_config
+    from lmforge.engine import executor
 
     monkeypatch.setattr(executor, "graph", lambda: Graph([step]))
     config = load_config("tiny-cpu", [], str(workspace))

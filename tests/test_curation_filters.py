@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 
 from data_prep.filters import filters
 from data_prep.steps import HEURISTICS_READS, SELECT_READS
-from lmforge.executor import run_pipeline_locally
+from lmforge.engine.executor import run_pipeline_locally
 from tests.conftest import small_config
 
 ws = Path(sys.argv[1])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from lmforge.executor import run_pipeline_locally
-from lmforge.explain import explain
+from lmforge.engine.executor import run_pipeline_locally
+from lmforge.engine.explain import explain
 from tests.conftest import small_config
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from evaluation.contamination import Index, build_index, check_tasks
 from lmforge.errors import ConfigError
-from lmforge.textmatch import Rule
+from lmforge.text.textmatch import Rule
 
 
 def _edit(text: str, rate: float, rng: random.Random) -> str:
@@ -141,7 +141,7 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
     from lm_eval.tasks import TaskManager
 
     from evaluation.build import build
-    from lmforge.humaneval import humaneval_items
+    from lmforge.text.humaneval import humaneval_items
 
     problems = {p["prompt"]: p for p in humaneval_items()[: len(HOSTILE) + 2]}
     hostile = dict(zip(list(problems)[2:], HOSTILE.values()))
@@ -258,7 +258,7 @@ def test_the_metric_equals_what_the_lm_eval_command_line_prints(evaluated: dict,
 def test_adding_a_task_computes_only_that_task_and_a_rerun_is_all_cache_hits(evaluated: dict, tmp_path: Path) -> None:
     import shutil
 
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
     from tests.conftest import small_config
 
     workspace = tmp_path / "ws"
@@ -328,8 +328,8 @@ def test_editing_a_user_task_reruns_its_evaluation_and_reuses_the_unchanged_task
     task, and the unchanged task's result is reused inside the run."""
     import shutil
 
-    from lmforge.executor import run_pipeline_locally
-    from lmforge.explain import explain
+    from lmforge.engine.executor import run_pipeline_locally
+    from lmforge.engine.explain import explain
     from tests.conftest import small_config
 
     workspace = tmp_path / "ws"
@@ -381,8 +381,8 @@ def test_the_contamination_gate_fails_naming_the_task_and_the_source(evaluated: 
     import shutil
 
     from evaluation.steps import ContaminationGateFailed
+    from lmforge.engine.executor import run_pipeline_locally
     from lmforge.errors import is_retryable
-    from lmforge.executor import run_pipeline_locally
     from tests.conftest import small_config
 
     workspace = tmp_path / "ws"
@@ -426,8 +426,8 @@ def test_decontamination_index_finds_exact_and_edited_copies_of_items() -> None:
 
 def _run_steps(config, targets: list[str]) -> dict:
     """Execute `targets` and every step they read from (cache hits where outputs exist), nothing else."""
-    from lmforge.executor import execute_step, graph, make_pool, pool_unit_runner
-    from lmforge.store import StageStore
+    from lmforge.engine.executor import execute_step, graph, make_pool, pool_unit_runner
+    from lmforge.engine.store import StageStore
 
     wanted = set(targets)
     for step in reversed(graph().steps):
@@ -473,7 +473,7 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
 
 @pytest.mark.slow
 def test_explain_and_the_card_name_the_rule_that_flagged_each_item(evaluated: dict) -> None:
-    from lmforge.explain import explain
+    from lmforge.engine.explain import explain
     from tests.conftest import small_config
 
     workspace = Path(evaluated["evaluate/report"]["dir"]).parents[2]
@@ -495,7 +495,7 @@ def test_explain_and_the_card_name_the_rule_that_flagged_each_item(evaluated: di
 def test_a_killed_lmeval_run_leaves_nothing_that_passes_for_done(tmp_path: Path) -> None:
     """A truncated result.json (lm-eval killed mid-write before results were atomic) is removed, not finished."""
     from evaluation.runs import keep_finished
-    from lmforge.store import StageStore
+    from lmforge.engine.store import StageStore
 
     store = StageStore(tmp_path)
     good, truncated, no_samples = (tmp_path / n for n in ("good", "truncated", "no-samples"))

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from lmforge.engine.executor import unit_outcome
 from lmforge.errors import ConfigError, TrainingInterrupted
-from lmforge.executor import unit_outcome
 
 
 class _Keep(logging.Handler):
@@ -53,7 +53,7 @@ def test_a_local_run_retries_a_step_as_prefect_does(monkeypatch, errors: list[Ex
     killed or aborted rank, where the Prefect task run retries and resumes; a CI run failed on one SIGABRT."""
     from types import SimpleNamespace
 
-    from lmforge import executor
+    from lmforge.engine import executor
 
     seen: list[int] = []
 

@@ -102,7 +102,7 @@ def test_the_endpoint_keeps_its_port_while_the_server_behind_it_changes(workspac
 
 
 def test_a_configured_port_is_the_endpoint_and_a_changed_one_moves_it(workspace: Path) -> None:
-    from lmforge.launch import free_port
+    from lmforge.processes.launch import free_port
     from serving import release
 
     a, port_a = _backend("A")
@@ -143,7 +143,7 @@ while True:
 @contextlib.contextmanager
 def _front(target: Path, *options: str) -> Iterator[tuple[subprocess.Popen, int]]:
     """`serving.front` on a free loopback port, forwarding to what `target` names."""
-    from lmforge.launch import free_port
+    from lmforge.processes.launch import free_port
 
     port = free_port()
     process = subprocess.Popen(

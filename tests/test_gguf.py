@@ -28,7 +28,7 @@ GGUF = ["quantize.gguf.enabled=true", "quantize.schemes=[]"]
 
 @pytest.fixture(scope="module")
 def gguf_workspace(evaluated: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
     from serving import release
     from tests.conftest import small_config
 
@@ -72,8 +72,8 @@ def test_q8_0_and_q4_k_m_load_in_llama_cpp_and_are_gated_against_bf16(gguf_works
 def test_the_shipped_gguf_is_served_by_llama_cpp_behind_the_key(gguf_workspace: tuple[Path, dict]) -> None:
     from openai import OpenAI
 
-    from lmforge.executor import run_pipeline_locally
-    from lmforge.vllm_server import request
+    from lmforge.engine.executor import run_pipeline_locally
+    from lmforge.inference.vllm_server import request
     from serving import release
     from tests.conftest import small_config
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from lmforge import devices
-from lmforge.vllm_server import ServerFailed
+from lmforge.inference.vllm_server import ServerFailed
+from lmforge.processes import devices
 from serving.release import placement
 
 

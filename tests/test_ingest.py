@@ -231,8 +231,8 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
     import huggingface_hub
 
     from lmforge.config import load_config
+    from lmforge.engine.executor import graph
     from lmforge.errors import SourceUnavailable, is_retryable
-    from lmforge.executor import graph
 
     commit = {"sha": "aaaa"}
 
@@ -262,8 +262,8 @@ def test_hub_inputs_are_keyed_by_their_resolved_revision(tmp_path: Path, monkeyp
 def test_a_glob_is_expanded_once_and_the_expansion_is_what_is_read(tmp_path: Path) -> None:
     from data_prep.steps import _input_paths
     from lmforge.config import load_config
-    from lmforge.executor import graph
-    from lmforge.graph import StepContext
+    from lmforge.engine.executor import graph
+    from lmforge.engine.graph import StepContext
 
     for name in ("a", "b"):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps(GOOD[0]) + "\n")

@@ -143,8 +143,8 @@ def test_the_layering_check_reports_a_planted_import() -> None:
         "serving/planted.py:1 imports evaluation.runs",
         "serving/planted.py:1 imports evaluation.steps",
     ]
-    assert forbidden_imports("from flows.pipeline import pipeline\n", ROOT / "lmforge" / "executor.py") == [
-        "lmforge/executor.py:1 imports flows.pipeline"
+    assert forbidden_imports("from flows.pipeline import pipeline\n", ROOT / "lmforge" / "engine" / "executor.py") == [
+        "lmforge/engine/executor.py:1 imports flows.pipeline"
     ]
 
 
@@ -236,19 +236,21 @@ def test_no_module_imports_itself_back() -> None:
 def test_the_cycle_check_reports_a_planted_ring() -> None:
     """A lazy import and a TYPE_CHECKING one still close a ring; a one-way chain is none."""
     modules = {
-        "lmforge.config": "from lmforge.graph import Graph\n",
-        "lmforge.graph": "def build():\n    from lmforge.stage import Stage\n",
-        "lmforge.stage": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lmforge.config import PipelineBase\n",
+        "lmforge.config": "from lmforge.engine.graph import Graph\n",
+        "lmforge.engine.graph": "def build():\n    from lmforge.engine.stage import Stage\n",
+        "lmforge.engine.stage": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lmforge.config import PipelineBase\n"
+        ),
         "lmforge.hashing": "import lmforge.config\n",
         "training.align.methods": "from training.align.methods.sft import SFT\n",
         "training.align.methods.sft": "from . import AlignMethod\n",
     }
     assert import_cycles(module_imports(modules)) == [
-        ["lmforge.config", "lmforge.graph", "lmforge.stage"],
+        ["lmforge.config", "lmforge.engine.graph", "lmforge.engine.stage"],
         ["training.align.methods", "training.align.methods.sft"],
     ]
     del modules["training.align.methods"]
-    modules["lmforge.stage"] = "import json\n"
+    modules["lmforge.engine.stage"] = "import json\n"
     assert import_cycles(module_imports(modules)) == []
 
 
@@ -257,8 +259,8 @@ def test_the_cycle_check_reports_a_planted_ring() -> None:
 
 def test_readme_stage_maps_are_what_lmforge_stages_prints() -> None:
     """Each stage's section in the README shows `lmforge stages STAGE`, drawn from the step graph."""
-    from lmforge.registry import stage_names
-    from lmforge.stagemap import MARKER, readme_with_stage_maps
+    from lmforge.engine.registry import stage_names
+    from lmforge.engine.stagemap import MARKER, readme_with_stage_maps
 
     text = (ROOT / "README.md").read_text()
     missing = [s for s in stage_names() if MARKER.format(stage=s) not in text]

@@ -16,7 +16,7 @@ MIN_NAME_PX, MIN_KEY_PX, MIN_TEXT_PX = 12.0, 11.0, 9.5
 def lineage(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
     """Manifests shaped like a full pipeline run's, from the real graph; keys and runs made up."""
     from lmforge.config import load_config
-    from lmforge.executor import graph
+    from lmforge.engine.executor import graph
     from lmforge.hashing import digest
 
     config = load_config("tiny-cpu", [], str(tmp_path_factory.mktemp("ws")), check_paths=False)

@@ -86,7 +86,7 @@ def test_slurm_script_is_valid_bash_and_builds_the_hostfile_from_the_nodelist(tm
 def test_slurm_refuses_several_nodes_for_a_single_node_stage() -> None:
     from lmforge.config import load_config
     from lmforge.errors import ConfigError
-    from lmforge.slurm import render
+    from lmforge.processes.slurm import render
 
     config = load_config("tiny-cpu", ["cluster.nodes=2"], "/tmp/lmforge-slurm-test")
     with pytest.raises(ConfigError, match="curate runs on one node"):
@@ -193,7 +193,7 @@ def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
 
     from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
     from lmforge import server
-    from lmforge.launch import free_port
+    from lmforge.processes.launch import free_port
 
     tmp_path = tmp_path_factory.mktemp("pools")
     workspace = tmp_path / "ws"
@@ -340,7 +340,7 @@ def test_curation_on_a_local_dask_cluster_is_byte_identical(
     curated: tuple[Path, dict], tmp_path: Path, prefect_server
 ) -> None:
     from flows.pipeline import pipeline
-    from lmforge.store import StageStore
+    from lmforge.engine.store import StageStore
 
     workspace, reference = curated
     result = pipeline(

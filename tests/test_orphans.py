@@ -34,7 +34,7 @@ STUBBORN = textwrap.dedent(
 
 
 def _supervisor_of(pid_file: Path) -> int:
-    from lmforge.launcher import read_pid_file
+    from lmforge.processes.launcher import read_pid_file
 
     record = read_pid_file(pid_file)
     assert record is not None
@@ -59,7 +59,7 @@ def _tree(pid: int) -> list[int]:
 
 
 def test_a_well_behaved_service_goes_with_its_killed_supervisor(tmp_path: Path) -> None:
-    from lmforge.launcher import start_detached, survivors
+    from lmforge.processes.launcher import start_detached, survivors
 
     pid_file = tmp_path / "svc.pid"
     start_detached([sys.executable, "-c", "import time; time.sleep(300)", "svc"], tmp_path / "svc.log", pid_file)
@@ -69,13 +69,13 @@ def test_a_well_behaved_service_goes_with_its_killed_supervisor(tmp_path: Path) 
     os.kill(supervisor, signal.SIGKILL)
     # the parent-death signal: the command is gone within seconds, nobody has to find it
     assert _wait_for(lambda: not _living(command), 10), "the command outlived its killed supervisor"
-    from lmforge.launcher import read_pid_file
+    from lmforge.processes.launcher import read_pid_file
 
     assert survivors(read_pid_file(pid_file)) == []
 
 
 def test_status_names_the_survivors_of_a_killed_supervisor_and_stop_ends_them(tmp_path: Path) -> None:
-    from lmforge.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
+    from lmforge.processes.launcher import detached_alive, read_pid_file, start_detached, stop_detached, survivors
 
     pid_file = tmp_path / "svc.pid"
     start_detached([sys.executable, "-c", STUBBORN, "stubborn"], tmp_path / "svc.log", pid_file)
@@ -99,7 +99,7 @@ def test_status_names_the_survivors_of_a_killed_supervisor_and_stop_ends_them(tm
 def test_serve_status_says_unsupervised_and_names_the_pids(tmp_path: Path) -> None:
     import json
 
-    from lmforge.launcher import start_detached, stop_detached
+    from lmforge.processes.launcher import start_detached, stop_detached
     from serving.release import status_lines
 
     serving = tmp_path / "serving"
@@ -130,7 +130,7 @@ def test_serve_status_says_unsupervised_and_names_the_pids(tmp_path: Path) -> No
 
 def test_a_launch_whose_supervisor_is_killed_returns_and_leaves_nothing(tmp_path: Path) -> None:
     """Before: the reader blocked forever on the pipe the orphaned command still held."""
-    from lmforge import launcher
+    from lmforge.processes import launcher
 
     seen: list[int] = []
 
@@ -162,7 +162,7 @@ def test_a_launch_whose_supervisor_is_killed_returns_and_leaves_nothing(tmp_path
 
 def test_a_detached_service_inherits_only_the_allow_list_and_what_it_is_told(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The served model answers clients: cloud credentials and tokens of the shell that started it stay out."""
-    from lmforge.launcher import start_detached, stop_detached
+    from lmforge.processes.launcher import start_detached, stop_detached
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
     monkeypatch.setenv("HF_TOKEN", "hf-secret")

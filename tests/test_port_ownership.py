@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.launch import free_port, listening_pids, listening_sockets, owns_port
-from lmforge.vllm_server import ServerFailed, wait_ready
+from lmforge.inference.vllm_server import ServerFailed, wait_ready
+from lmforge.processes.launch import free_port, listening_pids, listening_sockets, owns_port
 
 KEY = "sk-lmforge-0123456789abcdef0123"
 # an HTTP server on 127.0.0.1:PORT answering 200 to everything, with a completion's shape, and
@@ -44,7 +44,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
-# a supervisor's stand-in: the server is its child, as vLLM is `lmforge.supervise`'s
+# a supervisor's stand-in: the server is its child, as vLLM is `lmforge.processes.supervise`'s
 THROUGH_A_CHILD = "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], *sys.argv[2:]])"
 
 

@@ -53,7 +53,7 @@ def test_config_change_recomputes_that_step_and_downstream_only(curated_copy: Pa
 
 def test_a_cache_hit_counts_as_the_latest_use(curated_copy: Path, prefect_server) -> None:
     """Switching back to an earlier config is a cache hit; `explain` must compare against it next time."""
-    from lmforge.store import StageStore
+    from lmforge.engine.store import StageStore
 
     original = _run(curated_copy)
     _run(curated_copy, "curate.tokenizer.vocab_size=1100")
@@ -147,14 +147,14 @@ def test_retry_condition_retries_only_retryable_failures(error: Exception, attem
 def test_worker_process_logs_reach_the_prefect_run_log(tmp_path: Path, prefect_server) -> None:
     """Shard units run in spawned worker processes; what they log must still reach the run's log."""
     from lmforge.config import load_config
-    from lmforge.graph import StepContext
+    from lmforge.engine.graph import StepContext
     from tasks.steps import run_unit_task
 
     bad = tmp_path / "mixed.jsonl"
     bad.write_text('{"id": "a", "text": "good text here"}\n{"id": "b", "text": broken\n')
     config = load_config("tiny-cpu", [f"curate.inputs=[{bad}]"], str(tmp_path / "ws"))
-    from lmforge.executor import graph
-    from lmforge.graph import config_identity
+    from lmforge.engine.executor import graph
+    from lmforge.engine.graph import config_identity
 
     ctx = StepContext(
         "curate/ingest",
@@ -185,8 +185,8 @@ def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
     """--local recomputes the tokenizer with different bytes under the same key (a non-deterministic
     rerun); the next Prefect run must see the new digest, not the manifest Prefect cached before."""
     import data_prep.steps
-    from lmforge.executor import run_pipeline_locally
-    from lmforge.store import StageStore
+    from lmforge.engine.executor import run_pipeline_locally
+    from lmforge.engine.store import StageStore
     from tests.conftest import small_config
 
     before = _run(curated_copy)
@@ -216,14 +216,14 @@ def test_a_step_recomputed_outside_prefect_with_new_bytes_is_not_served_stale(
 def test_each_output_is_hashed_once_per_run(
     curated_copy: Path, prefect_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lmforge.store
+    import lmforge.engine.store
 
     _run(curated_copy)
-    for stamps in curated_copy.rglob(lmforge.store.VERIFIED):  # else files verified by the first run are trusted
+    for stamps in curated_copy.rglob(lmforge.engine.store.VERIFIED):  # else files verified by the first run are trusted
         stamps.unlink()  # by their stat stamps and, timing permitting, nothing is left to hash
     hashed: list[str] = []
-    real = lmforge.store.file_sha256
-    monkeypatch.setattr(lmforge.store, "file_sha256", lambda path: hashed.append(str(path)) or real(path))
+    real = lmforge.engine.store.file_sha256
+    monkeypatch.setattr(lmforge.engine.store, "file_sha256", lambda path: hashed.append(str(path)) or real(path))
     _run(curated_copy)
     assert hashed, "the run verified nothing"
     assert len(hashed) == len(set(hashed)), [h for h in set(hashed) if hashed.count(h) > 1][:5]

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lmforge.executor import run_pipeline_locally
+from lmforge.engine.executor import run_pipeline_locally
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow

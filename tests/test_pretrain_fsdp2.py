@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from lmforge.engine.executor import run_pipeline_locally
 from lmforge.errors import ConfigError
-from lmforge.executor import run_pipeline_locally
 from tests.conftest import small_config
 from tests.test_pretrain_deepspeed import _metrics, pretrain_with_a_killed_rank
 

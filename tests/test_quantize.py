@@ -40,7 +40,7 @@ def test_calibration_is_drawn_by_seed_from_documents_and_chats(curated: tuple[Pa
     other = draw(kept, chats, tokenizer, 12, 0.5, seed=1, max_chars=500)
     assert {s["id"] for s in other} != {s["id"] for s in first}
     sources = [s["source"] for s in first]
-    assert sources.count("sft") == 6 and sources.count("documents") == 6
+    assert sources.count("chat") == 6 and sources.count("documents") == 6
     chat = next(s for s in first if s["source"] == "chat")
     assert chat["text"].startswith("<|im_start|>user\n") and "<|im_end|>" in chat["text"]  # the chat template
     assert all(len(s["text"]) <= 500 for s in first if s["source"] == "documents")
@@ -60,7 +60,7 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
     from serving.quantize.steps import serving_host
 
     calibration = quantized["quantize/calibration"]
-    assert calibration["counts"]["samples"] == 16 and set(calibration["extra"]["ids"]) == {"documents", "sft"}
+    assert calibration["counts"]["samples"] == 16 and set(calibration["extra"]["ids"]) == {"documents", "chat"}
     base_dir = Path(quantized["align/dpo"]["dir"]) / "hf"
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
     batch = torch.tensor([[1, 5, 9, 33, 70, 2, 11, 40]])
@@ -109,8 +109,8 @@ def test_both_schemes_load_in_vllm_and_transformers_and_are_reported(quantized: 
 
 def _serve_choice(config, manifests: dict) -> tuple[str, Path, dict]:
     """What serve/release would serve, read through its own step context (no server is started)."""
-    from lmforge.executor import graph, open_step, plan_step
-    from lmforge.store import StageStore
+    from lmforge.engine.executor import graph, open_step, plan_step
+    from lmforge.engine.store import StageStore
     from serving.steps import _choose
 
     step = graph().get("serve/release")
@@ -121,7 +121,7 @@ def _serve_choice(config, manifests: dict) -> tuple[str, Path, dict]:
 
 @pytest.mark.slow
 def test_a_broken_checkpoint_is_ineligible_and_serving_falls_back(quantized: dict, tmp_path: Path, caplog) -> None:
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
 
     workspace = tmp_path / "ws"
     shutil.copytree(Path(quantized["quantize/gate"]["dir"]).parents[2], workspace)
@@ -151,7 +151,7 @@ def test_a_broken_checkpoint_is_ineligible_and_serving_falls_back(quantized: dic
 
 @pytest.mark.slow
 def test_calibration_samples_change_reruns_only_quantization(quantized: dict) -> None:
-    from lmforge.explain import explain
+    from lmforge.engine.explain import explain
 
     workspace = Path(quantized["quantize/gate"]["dir"]).parents[2]
     lines = {e.step: e for e in explain(small_config(workspace, "quantize.calibration.num_samples=8"), ["quantize"])}

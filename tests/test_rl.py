@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.executor import run_pipeline_locally
+from lmforge.engine.executor import run_pipeline_locally
 from tests.conftest import SMALL_RL, small_config
 
 
@@ -104,7 +104,7 @@ def test_grpo_trains_from_dpo_on_two_ranks_with_its_metrics_watch_and_export(rl_
 
 @pytest.mark.slow
 def test_changing_rl_beta_reruns_only_rl_and_explain_names_it(rl_aligned: dict) -> None:
-    from lmforge.explain import explain
+    from lmforge.engine.explain import explain
 
     config = small_config(_workspace(rl_aligned), *SMALL_RL, "align.rl.beta=0.2")
     lines = {e.step: e for e in explain(config, ["align"])}
@@ -202,7 +202,7 @@ def test_rl_configuration_errors_are_one_line_naming_the_field(tmp_path: Path) -
 
 
 def test_the_verifier_is_the_one_evaluation_scores_with() -> None:
-    from lmforge.verify import is_correct, partial_credit
+    from lmforge.text.verify import is_correct, partial_credit
     from training.align.methods.rl import partial_verifier_reward, verifier_reward
 
     assert is_correct(" 17\n", "17") and is_correct("17\nmore text", "17") and not is_correct("17.", "17")
@@ -211,7 +211,7 @@ def test_the_verifier_is_the_one_evaluation_scores_with() -> None:
     assert partial_credit("Paris", "Paris") == 1.0 and 0 < partial_credit("Pari", "Paris") < 0.5
     assert partial_verifier_reward(["", "12"], ["13", "13"])[0] == 0.0
     built = (Path(__file__).parents[1] / "evaluation" / "tasks" / "lmforge_chat_exact.yaml").read_text()
-    assert "utils.chat_exact_results" in built  # lm-eval scores the chat task with lmforge/verify.py
+    assert "utils.chat_exact_results" in built  # lm-eval scores the chat task with lmforge/text/verify.py
 
 
 @pytest.mark.slow
@@ -250,8 +250,8 @@ def test_a_killed_rank_mid_rl_is_retried_and_resumes_to_the_same_held_out_reward
 def test_evaluation_compares_the_whole_road_and_quantization_takes_the_rl_model(
     rl_aligned: dict, tmp_path: Path
 ) -> None:
-    from lmforge.executor import graph
-    from lmforge.stage import hf_model
+    from lmforge.engine.executor import graph
+    from lmforge.engine.stage import hf_model
     from serving.quantize.steps import model_role
 
     workspace = tmp_path / "ws"

@@ -25,11 +25,11 @@ from typing import Any
 
 import pytest
 
-from lmforge import codeprint
-from lmforge.executor import graph
-from lmforge.explain import diff_components
-from lmforge.graph import key_components, step_key
-from lmforge.store import RACY_NS
+from lmforge.engine import codeprint
+from lmforge.engine.executor import graph
+from lmforge.engine.explain import diff_components
+from lmforge.engine.graph import key_components, step_key
+from lmforge.engine.store import RACY_NS
 from tests.conftest import small_config
 
 PACKAGES = ("lmforge", "training", "data_prep", "evaluation", "serving", "configs")
@@ -100,11 +100,13 @@ def test_editing_verify_py_reruns_its_importers_and_the_task_build_that_copies_i
     project_copy: Path, tmp_path: Path
 ) -> None:
     config = small_config(tmp_path / "ws")
-    importers = {s.name for s in graph().steps if "lmforge/verify.py" in codeprint.closure(*codeprint.step_roots(s))}
+    importers = {
+        s.name for s in graph().steps if "lmforge/text/verify.py" in codeprint.closure(*codeprint.step_roots(s))
+    }
     # RL rewards with it by import; evaluation copies it beside the task YAMLs (no import shows that)
     assert "align/rl" in importers and "evaluate/tasks" not in importers
     before = own_keys(config)
-    _edit(project_copy / "lmforge/verify.py", "\ndef ", "\nEDITED = 1\n\n\ndef ")
+    _edit(project_copy / "lmforge/text/verify.py", "\ndef ", "\nEDITED = 1\n\n\ndef ")
     assert changed(before, own_keys(config)) == importers | {"evaluate/tasks"}
 
 
@@ -118,7 +120,7 @@ def test_every_file_the_task_build_renders_or_copies_is_declared() -> None:
 
 
 def test_a_declared_file_pattern_that_matches_nothing_fails_at_registration() -> None:
-    from lmforge.graph import Step
+    from lmforge.engine.graph import Step
 
     def finalize(ctx: Any, results: Any) -> dict[str, Any]:
         return {}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from evaluation.build import SANDBOX, TEMPLATES, VERIFY
-from lmforge.humaneval import humaneval_items
+from lmforge.text.humaneval import humaneval_items
 
 # Today's forgery: the marker printed after check() sat in the program's own source.
 FORGE_IN_CALL = """    import os, re

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.launch import free_port
+from lmforge.processes.launch import free_port
 
 pytestmark = pytest.mark.slow
 

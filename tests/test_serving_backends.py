@@ -82,7 +82,7 @@ import json, sys, time
 from pathlib import Path
 
 from lmforge.config import load_config
-from lmforge.executor import graph
+from lmforge.engine.executor import graph
 from serving import release
 from serving.backends import backends
 from serving.config import ServeConfig
@@ -107,7 +107,7 @@ while not seen.exists() and time.monotonic() < deadline:
     time.sleep(0.1)
 print("seen", seen.read_text())
 print("settings", json.dumps(record["settings"]["backend"]))
-from lmforge.launcher import stop_detached
+from lmforge.processes.launcher import stop_detached
 print("stopped", stop_detached(Path(record["pid_file"]), wait_s=20))
 """
 

@@ -16,7 +16,7 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
-from lmforge.slurm import render
+from lmforge.processes.slurm import render
 
 REPO = Path(__file__).resolve().parent.parent
 INJECTED = "x\nrm -rf ~"

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from lmforge.errors import ConfigError
-from lmforge.vllm_server import EngineConfig, SpeculativeConfig, TemporaryServer, speculation_stats, speculative_args
+from lmforge.inference.vllm_server import (
+    EngineConfig,
+    SpeculativeConfig,
+    TemporaryServer,
+    speculation_stats,
+    speculative_args,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +58,7 @@ def _greedy(server: TemporaryServer, chats: list[list[dict]]) -> list[list[str]]
 @pytest.fixture(scope="module")
 def distilled(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The small lineage's draft model, distilled from its DPO model on 2 ranks."""
-    from lmforge.executor import run_pipeline_locally
+    from lmforge.engine.executor import run_pipeline_locally
     from tests.conftest import small_config
 
     workspace = tmp_path_factory.mktemp("draft")
@@ -65,7 +71,7 @@ def distilled(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_draft_is_distilled_from_the_served_model(distilled: dict, aligned: dict) -> None:
-    from lmforge.vllm_server import same_tokenizer
+    from lmforge.inference.vllm_server import same_tokenizer
 
     draft = distilled["align/draft"]
     assert distilled["align/dpo"]["key"] == aligned["align/dpo"]["key"]  # the lineage before it is reused

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from lmforge.store import MANIFEST, StageStore, list_outputs, outputs_digest
+from lmforge.engine.store import MANIFEST, StageStore, list_outputs, outputs_digest
 
 
 def _complete(store: StageStore, step: str = "demo/step", key: str = "k1") -> Path:
@@ -106,20 +106,20 @@ def test_latest_points_at_last_used_output(tmp_path: Path) -> None:
 
 
 def _count_hashes(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
-    import lmforge.store
+    import lmforge.engine.store
 
     hashed: list[str] = []
-    real = lmforge.store.file_sha256
-    monkeypatch.setattr(lmforge.store, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    real = lmforge.engine.store.file_sha256
+    monkeypatch.setattr(lmforge.engine.store, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
     return hashed
 
 
 def test_verified_files_are_not_hashed_again_until_they_change(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import os
 
-    import lmforge.store
+    import lmforge.engine.store
 
-    monkeypatch.setattr(lmforge.store, "RACY_NS", 50_000_000)  # files older than 50 ms are trusted
+    monkeypatch.setattr(lmforge.engine.store, "RACY_NS", 50_000_000)  # files older than 50 ms are trusted
     store = StageStore(tmp_path)
     directory = _complete(store)
     time.sleep(0.1)
@@ -146,13 +146,13 @@ def test_a_file_changed_just_before_its_check_is_hashed_again(tmp_path: Path, mo
 
 
 def test_invalidate_forgets_what_was_verified(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import lmforge.store
+    import lmforge.engine.store
 
-    monkeypatch.setattr(lmforge.store, "RACY_NS", 0)
+    monkeypatch.setattr(lmforge.engine.store, "RACY_NS", 0)
     store = StageStore(tmp_path)
     directory = _complete(store)
     assert store.check("demo/step", "k1")[0] is not None
-    assert (directory / lmforge.store.VERIFIED).exists()
-    assert lmforge.store.VERIFIED not in json.loads((directory / MANIFEST).read_text())["outputs"]
+    assert (directory / lmforge.engine.store.VERIFIED).exists()
+    assert lmforge.engine.store.VERIFIED not in json.loads((directory / MANIFEST).read_text())["outputs"]
     store.invalidate(directory)
-    assert not (directory / lmforge.store.VERIFIED).exists()
+    assert not (directory / lmforge.engine.store.VERIFIED).exists()

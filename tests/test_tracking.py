@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from lmforge.config import load_config
-from lmforge.executor import graph, run_pipeline_locally
+from lmforge.engine.executor import graph, run_pipeline_locally
 from tests.conftest import SMALL_ALIGN, SMALL_CURATE, SMALL_EVAL, SMALL_PRETRAIN, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,7 +258,7 @@ def test_what_a_step_output_becomes_in_mlflow(tmp_path: Path) -> None:
 
 def test_summary_artifacts_link_to_the_mlflow_runs() -> None:
     from flows.stage import with_tracking_links
-    from lmforge.stage import ArtifactSpec
+    from lmforge.engine.stage import ArtifactSpec
 
     link = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
     table, card = with_tracking_links(
@@ -338,7 +338,7 @@ def test_the_pipeline_run_and_its_steps_are_read_back_from_mlflow(tracked: dict,
         tags = run.data.tags
         assert tags["mlflow.parentRunId"] == parent.info.run_id
         assert tags["lmforge.step_key"] == manifests[name]["key"]
-        assert tags["lmforge.step"] == name and tags["lmforge.stage"] == name.split("/")[0]
+        assert tags["lmforge.step"] == name and tags["lmforge.engine.stage"] == name.split("/")[0]
         assert tags["lmforge.pipeline_run"] == parent.data.tags["lmforge.pipeline_run"]
         assert run.info.status == "FINISHED"
 

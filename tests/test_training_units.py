@@ -18,7 +18,7 @@ from lmforge.errors import (
     TrainingInterrupted,
     is_retryable,
 )
-from lmforge.launch import RANKS, SINGLE, Launch, build_command, classify, run_entry
+from lmforge.processes.launch import RANKS, SINGLE, Launch, build_command, classify, run_entry
 from training import checkpoint
 from training.config import GuardrailConfig, PretrainConfig
 from training.device import DeviceInfo
@@ -364,8 +364,8 @@ def test_single_process_policy() -> None:
 
 def test_entry_main_records_outcomes(tmp_path: Path) -> None:
     """Every entry module's shared `main` writes one exit record per process, whatever `work` did."""
-    from lmforge.entry import EXIT_CODES, main
-    from lmforge.launch import exit_records, processes_started
+    from lmforge.processes.entry import EXIT_CODES, main
+    from lmforge.processes.launch import exit_records, processes_started
 
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"out_dir": str(tmp_path), "attempt": 1, "attempt_dir": str(tmp_path / "a1")}))

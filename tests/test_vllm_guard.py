@@ -1,4 +1,4 @@
-"""lmforge.vllm_guard in front of an ASGI app, as vLLM's server mounts it (`--middleware`).
+"""lmforge.inference.vllm_guard in front of an ASGI app, as vLLM's server mounts it (`--middleware`).
 
 The end-to-end test (tests/test_cli_end_to_end.py) asserts the same on a real vLLM server."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lmforge.vllm_guard import Guard, Limits, guard_env
+from lmforge.inference.vllm_guard import Guard, Limits, guard_env
 
 KEY = "sk-test-0123456789abcdef"
 ADMIN = "sk-admin-0123456789abcdef"
@@ -170,7 +170,7 @@ def test_adapter_management_needs_the_management_key_and_stays_in_the_adapter_fo
 
 
 def test_without_a_management_key_adapter_management_is_off(client) -> None:  # type: ignore[no-untyped-def]
-    from lmforge.vllm_server import EngineConfig, server_env
+    from lmforge.inference.vllm_server import EngineConfig, server_env
 
     refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}, headers=auth())
     assert refused.status_code == 403 and "off on this server" in refused.text
@@ -218,7 +218,7 @@ def test_every_vllm_process_asks_for_amx_before_its_kernels_run() -> None:
 
     import torch
 
-    from lmforge.vllm_amx import register
+    from lmforge.inference.vllm_amx import register
 
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lmforge_amx"]
     assert plugin.load() is register

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.engine.stage import ArtifactSpec, Resources, Role, Stage
 from lmforge.errors import ConfigError, TrainingDiverged
-from lmforge.stage import ArtifactSpec, Resources, Role, Stage
 from training.config import FaultInjectionConfig, PretrainConfig
 
 if TYPE_CHECKING:

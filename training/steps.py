@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.configbase import ConfigView
+from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.stage import BASE_MODEL, TOKEN_SHARDS, TOKENIZER, fine_tunes_base, has_base, hf_model
 from lmforge.errors import ConfigError, TrainingDiverged
-from lmforge.graph import Step, StepContext
 from lmforge.hashing import atomic_write_json
-from lmforge.stage import BASE_MODEL, TOKEN_SHARDS, TOKENIZER, fine_tunes_base, has_base, hf_model
 from training.metrics import METRICS_FILE, last_logged_step
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
 
 
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-    from lmforge.launch import RANKS, Launch, run_entry
+    from lmforge.processes.launch import RANKS, Launch, run_entry
     from training.device import detect_device, peak_tflops
     from training.planner import devices_used, format_plan, plan_parallelism, resolve_precision
 

@@ -5,7 +5,7 @@
 
 It reads the run spec written by `training.steps`, trains with `training.loop.Trainer`,
 exports the Hugging Face model with a parity check, and records its outcome through
-`lmforge.entry.main` so the launching step can tell retryable from deterministic failures.
+`lmforge.processes.entry.main` so the launching step can tell retryable from deterministic failures.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from lmforge.entry import main
+from lmforge.processes.entry import main
 from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 
 

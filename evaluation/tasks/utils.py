@@ -61,5 +61,5 @@ def humaneval_process_verdict(doc, results):
 
 
 def chat_exact_results(doc, results):
-    """lmforge_chat_exact: the verifier RL rewards with (lmforge/verify.py), on the greedy answer."""
+    """lmforge_chat_exact: the verifier RL rewards with (lmforge/text/verify.py), on the greedy answer."""
     return {"exact_match": 1.0 if verify.is_correct(results[0], doc["answer"]) else 0.0}

@@ -4,7 +4,7 @@ A backend is a `serving.backends.base.ServingBackend` subclass: its name (`serve
 settings section under `serve:`, which model file of the lineage it serves, its server's command
 and environment, and which serving features it supports (LoRA adapters, speculative decoding).
 The release (`serving.release`) and the step (`serving.steps`) read only that interface: neither
-names a backend. Every backend's server sits behind the same guard (`lmforge.vllm_guard`: the
+names a backend. Every backend's server sits behind the same guard (`lmforge.inference.vllm_guard`: the
 key, bounded bodies, draining), smoke test and SLO benchmark, and is promoted the same way.
 
 The built-ins live beside this file (`vllm`, `llamacpp`). Another package adds one without

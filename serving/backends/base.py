@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from lmforge.config import ConfigOrView
-    from lmforge.graph import StepContext
-    from lmforge.stage import Product
-    from lmforge.vllm_server import LoraModules
+    from lmforge.engine.graph import StepContext
+    from lmforge.engine.stage import Product
+    from lmforge.inference.vllm_server import LoraModules
 
 ADAPTERS, SPECULATIVE = "adapters", "speculative"  # the features a backend may support (serve.<feature>)
 
@@ -64,7 +64,7 @@ class ServingBackend:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        """Variables its server needs beyond the guard's (lmforge.vllm_server.server_env)."""
+        """Variables its server needs beyond the guard's (lmforge.inference.vllm_server.server_env)."""
         return {}
 
     def check(self, cfg: Any) -> str | None:

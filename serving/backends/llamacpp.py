@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from lmforge.configbase import StrictModel, runtime_field
+from lmforge.engine.stage import Product
 from lmforge.errors import ConfigError, GateFailed
-from lmforge.stage import Product
 from serving.backends.base import ServingBackend
 
 if TYPE_CHECKING:
     from lmforge.config import ConfigOrView
-    from lmforge.graph import StepContext
-    from lmforge.vllm_server import LoraModules
+    from lmforge.engine.graph import StepContext
+    from lmforge.inference.vllm_server import LoraModules
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-llamacpp"
@@ -119,5 +119,5 @@ class LlamaCpp(ServingBackend):
         return server_command(model, cfg.llamacpp, port=port, host=host, served_name=served_name)
 
     def environment(self) -> dict[str, str]:
-        # serving.backends.llamacpp_server and lmforge.vllm_guard, from this checkout
+        # serving.backends.llamacpp_server and lmforge.inference.vllm_guard, from this checkout
         return {"PYTHONPATH": str(REPO_ROOT)}

@@ -5,7 +5,7 @@
 Run with the llama.cpp environment's Python (.venv-llamacpp) and this repository on PYTHONPATH. It
 is llama-cpp-python's own server app (`llama_cpp.server.app.create_app`: /v1/completions,
 /v1/chat/completions with the chat template the GGUF file carries, /v1/models, streaming), with
-`lmforge.vllm_guard.Guard` outermost: a key on every path but /health, bounded bodies, `n` and
+`lmforge.inference.vllm_guard.Guard` outermost: a key on every path but /health, bounded bodies, `n` and
 concurrency, its settings from the environment (the key never on the command line; llama.cpp's own
 `--api_key` would put it there and guard /v1 only). Standard library and llama.cpp only.
 """
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from lmforge.vllm_guard import Guard
+    from lmforge.inference.vllm_guard import Guard
     from serving.backends.llamacpp_cpu import without_weight_repacking
 
     without_weight_repacking()

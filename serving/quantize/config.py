@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from lmforge.registry import check_roles
+from lmforge.engine.registry import check_roles
 from serving.quantize.schemes import SCHEMES
 
 NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
@@ -137,7 +137,7 @@ class QuantizeConfig(StrictModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, model: str) -> str:
-        """auto, or a model role of the lineage (lmforge.registry.roles)."""
+        """auto, or a model role of the lineage (lmforge.engine.registry.roles)."""
         return model if model in ("auto",) else check_roles([model])[0]
 
     # which scheme steps run (like `stages`); the gate's key follows them through its upstream

@@ -1,6 +1,6 @@
 """The quantizer process: one scheme, one model, one compressed-tensors checkpoint.
 
-    python -m serving.quantize.entry --spec <out>/quantize_spec.json   (via lmforge.launch.run_entry)
+    python -m serving.quantize.entry --spec <out>/quantize_spec.json   (via lmforge.processes.launch.run_entry)
 
 Started through lmforge's launcher with explicit arguments, like training:
 
@@ -14,7 +14,7 @@ Started through lmforge's launcher with explicit arguments, like training:
 The checkpoint is written into `<out>/.partial-model` and renamed to `<out>/model` only when
 complete, so a killed run never leaves a checkpoint that looks finished. Only torch,
 transformers, compressed-tensors, datasets and llmcompressor are imported: nothing of lmforge's
-own beyond `serving.quantize.schemes` and the standard-library-only `lmforge.entry` and
+own beyond `serving.quantize.schemes` and the standard-library-only `lmforge.processes.entry` and
 `lmforge.errors`, so the same file runs in either environment.
 """
 
@@ -28,8 +28,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from lmforge.entry import main
 from lmforge.errors import ConfigError
+from lmforge.processes.entry import main
 from serving.quantize.schemes import IGNORED, SCHEMES
 
 TOKENIZER_FILES = (

@@ -10,7 +10,7 @@
 - Quantization is llama.cpp's quantizer (`llama_model_quantize`), Q8_0 / Q4_K_M by config.
 - The gate runs each file in llama.cpp (serving/quantize/gguf_tool.py, in the llama.cpp environment) on the
   evaluation stage's held-out documents (token perplexity) and held-out verifiable items (greedy
-  exact match, scored by lmforge/verify.py as lm-eval's task scores them), and compares each type
+  exact match, scored by lmforge/text/verify.py as lm-eval's task scores them), and compares each type
   with the bf16 file item by item under the quantization gate's rules (`quantize.gate.max_drop`,
   `max_perplexity_ratio`; serving/quantize/gate.py's `failures`). It also checks what a served GGUF
   needs beyond weights: llama.cpp tokenizes held-out text exactly as the Hugging Face tokenizer
@@ -54,7 +54,7 @@ def converter_dir(python: Path) -> Path:
 
 
 def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> str:
-    from lmforge.launcher import run
+    from lmforge.processes.launcher import run
 
     code, tail = run(command, log, env=env, noise=NOISE, tail_lines=8, what=what)
     if code != 0:
@@ -71,7 +71,7 @@ def staged(model_dir: Path, out: Path) -> Path:
     """The model as the converter should see it: its files (linked) and a chat template any jinja renders."""
     import shutil
 
-    from lmforge.vllm_server import plain_chat_template
+    from lmforge.inference.vllm_server import plain_chat_template
 
     shutil.rmtree(out, ignore_errors=True)  # a retry's or another model's leftovers never mix in
     out.mkdir(parents=True)
@@ -203,7 +203,7 @@ def tokenization_mismatches(model_dir: Path, texts: list[str], llama_ids: list[l
 
 def scored(measured: dict[str, Any], docs: list[dict[str, Any]], items: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-item values as the gate compares them: (log-likelihood, tokens) per document, 0/1 per item."""
-    from lmforge.verify import is_correct
+    from lmforge.text.verify import is_correct
 
     ppl = {d["id"]: (-m["nll"], m["tokens"]) for d, m in zip(docs, measured["documents"], strict=True) if m["tokens"]}
     em = {i["id"]: float(is_correct(c, i["answer"])) for i, c in zip(items, measured["completions"], strict=True)}

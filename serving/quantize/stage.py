@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmforge.stage import ArtifactSpec, Resources, Stage
+from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 from serving.quantize.config import QuantizeConfig, QuantizeFaultConfig
 
 

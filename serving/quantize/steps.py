@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
+from lmforge.engine.graph import Graph, Step, StepContext
+from lmforge.engine.registry import role_names, roles
+from lmforge.engine.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from lmforge.errors import ConfigError
-from lmforge.graph import Graph, Step, StepContext
 from lmforge.hashing import atomic_write_json
 from lmforge.jsonl import write_jsonl
-from lmforge.registry import role_names, roles
-from lmforge.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from serving.quantize.schemes import SCHEMES
 
 if TYPE_CHECKING:
@@ -39,14 +39,14 @@ QUANT_LOCK = REPO_ROOT / "requirements" / "quant.lock"
 
 
 def _graph() -> Graph:
-    from lmforge.executor import graph
+    from lmforge.engine.executor import graph
 
     return graph()
 
 
 def model_role(config: PipelineBase) -> str:
     """The model this lineage quantizes: `quantize.model`, or the last aligned one that exists."""
-    # auto: the lineage's roles from the last made to the first (lmforge.registry.roles)
+    # auto: the lineage's roles from the last made to the first (lmforge.engine.registry.roles)
     wanted = tuple(reversed(role_names())) if config.quantize.model == "auto" else (config.quantize.model,)
     for role in wanted:
         if _graph().has(hf_model(role), config):
@@ -153,7 +153,7 @@ def _scheme_reads(scheme: str) -> Callable[[PipelineBase], tuple[str, ...]]:
 
 def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
     def method(config: ConfigView) -> dict[str, Any]:
-        from lmforge.codeprint import library_version
+        from lmforge.engine.codeprint import library_version
 
         if config.quantize.calibration.enabled:
             return {
@@ -205,7 +205,7 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
     Quantization is short: a retry after a kill starts it again from scratch."""
     import sys
 
-    from lmforge.launch import SINGLE, Launch, run_entry
+    from lmforge.processes.launch import SINGLE, Launch, run_entry
 
     q = ctx.config.quantize
     calibrated = q.calibration.enabled
@@ -583,7 +583,7 @@ QUANTIZE_STEPS = [
             "serving.quantize.gguf_tool",
             "serving.backends.llamacpp_cpu",
             "serving.quantize.gate",
-            "lmforge.verify",
+            "lmforge.text.verify",
         ),
         libraries=("transformers",),  # llama.cpp's version is in verdict.json (its environment is not this one)
     ),

@@ -11,7 +11,7 @@ checkpoint -- never from step 0 into a directory holding progress. Rank 0 then w
 (for LoRA: `adapter/` plus the merged model, checked against the PEFT model's logits), and
 measures the held-out split (`training.align.heldout`) for the model it started from and the
 one it made, so the step's summary can say what alignment changed. Outcomes are recorded by
-`lmforge.entry.main` for the launching step's retry decision.
+`lmforge.processes.entry.main` for the launching step's retry decision.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.entry import main
+from lmforge.processes.entry import main
 from training.align.kit import METRICS, barrier, load_model, sharded
 from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 

@@ -138,8 +138,8 @@ def prompt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def exact_match(model: Any, tokenizer: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Exact match on the records that carry an `answer`, overall and per task (`lmforge.verify`)."""
-    from lmforge.verify import is_correct
+    """Exact match on the records that carry an `answer`, overall and per task (`lmforge.text.verify`)."""
+    from lmforge.text.verify import is_correct
 
     verifiable = [r for r in records if "answer" in r]
     answers = generate_answers(model, tokenizer, verifiable)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.stage import ArtifactSpec, Resources, Stage
+from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 from training.align.config import AlignConfig, AlignFaultConfig
 
 

@@ -10,7 +10,7 @@ Which methods run, and in what order, is `align.recipe` (checked against the reg
 
 Every method's step launches the one rank entry (`training.align.entry`) on N ranks
 (accelerate, torchrun, or the deepspeed launcher for several nodes) through lmforge's one
-launch helper (`lmforge.launch.run_entry`); a killed rank is retried and resumes from the
+launch helper (`lmforge.processes.launch.run_entry`); a killed rank is retried and resumes from the
 newest complete Trainer checkpoint. Their output digests cover `hf/` only, so downstream stages
 follow the weights, not the logs. Past the data step this module names no method: what one reads, starts from
 and makes is its `AlignMethod`.
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.configbase import ConfigView
+from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.stage import left_out_for_base
 from lmforge.errors import ConfigError
-from lmforge.graph import Step, StepContext
-from lmforge.stage import left_out_for_base
 from training.align.methods import (
     CHAT,
     HELDOUT_PREFERENCES,
@@ -240,7 +240,7 @@ def progress(m: AlignMethod):  # type: ignore[no-untyped-def]
 
 def train_finalize(m: AlignMethod):  # type: ignore[no-untyped-def]
     def finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-        from lmforge.launch import RANKS, Launch, run_entry
+        from lmforge.processes.launch import RANKS, Launch, run_entry
 
         d = ctx.config.align.distributed
         launch = Launch(d.launcher, _ranks(ctx.config), d.num_nodes, d.hostfile, d.node_launcher, d.master_port)

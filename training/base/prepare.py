@@ -158,7 +158,7 @@ def prepare_base(source: Path, out_dir: Path, trust_remote_code: bool) -> dict[s
     """Write the prepared base into `out_dir` and return what was done (also saved as base.json)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from lmforge.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, has_generation_markers
+    from lmforge.text.chat import CHAT_TEMPLATE, IM_END, IM_START, PAD, has_generation_markers
 
     config = _read_config(source)
     tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmforge.stage import ArtifactSpec, Role, Stage
+from lmforge.engine.stage import ArtifactSpec, Role, Stage
 from training.base.config import BaseModelConfig
 
 if TYPE_CHECKING:

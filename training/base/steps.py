@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
-from lmforge.graph import Step, StepContext
-from lmforge.stage import BASE_MODEL as BASE
-from lmforge.stage import has_base
+from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.stage import BASE_MODEL as BASE
+from lmforge.engine.stage import has_base
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -95,7 +95,7 @@ BASE_STEPS = [
         finalize=_finalize,
         provides={BASE: "hf"},
         findings=_findings,
-        code=("training.base.prepare", "lmforge.chat"),
+        code=("training.base.prepare", "lmforge.text.chat"),
         libraries=("transformers", "tokenizers"),
     ),
 ]

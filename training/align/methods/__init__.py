@@ -23,12 +23,12 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmforge.stage import BASE_MODEL, Product, Role, fine_tunes_base, hf_model
+from lmforge.engine.stage import BASE_MODEL, Product, Role, fine_tunes_base, hf_model
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
     from lmforge.configbase import ConfigView
-    from lmforge.graph import StepContext
+    from lmforge.engine.graph import StepContext
     from training.align.sections import TrainConfig
 
 GROUP = "lmforge.align_methods"
@@ -48,13 +48,13 @@ HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jso
 PRETRAINED, SFT_MODEL = hf_model("pretrained"), hf_model("sft")
 # modules every method's rank runs, beside its own (the entry loads the other methods' modules by
 # name, but runs only its own): part of every method step's code identity. Not this package as a
-# whole: naming a package counts every module in it (lmforge.codeprint), so a new method would
+# whole: naming a package counts every module in it (lmforge.engine.codeprint), so a new method would
 # re-key every other method's step.
 KIT = (
     "training.align.entry",
     "training.align.kit",
     "training.align.heldout",
-    "lmforge.verify",
+    "lmforge.text.verify",
     "training.align.qlora",
     "training.device_setup",
     "training.export",

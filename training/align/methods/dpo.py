@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import Product
+from lmforge.engine.stage import Product
 from training.align.methods import SFT_MODEL, PreferenceMethod
 from training.align.sections import TrainConfig
 

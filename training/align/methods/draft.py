@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from lmforge.stage import Product, hf_model
+from lmforge.engine.stage import Product, hf_model
 from training.align.methods import AlignMethod
 from training.align.sections import TrainConfig
 

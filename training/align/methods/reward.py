@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from lmforge.engine.stage import Product
 from lmforge.jsonl import read_jsonl
-from lmforge.stage import Product
 from training.align.methods import FromSftOrItsStart
 from training.align.sections import TrainConfig
 

@@ -1,5 +1,5 @@
 """`align/rl`: online RL with TRL's `GRPOTrainer` (or `RLOOTrainer`) from the SFT or DPO model with
-the rewards of `align.rl.rewards`: the verifier (`lmforge.verify`, the check evaluation's exact
+the rewards of `align.rl.rewards`: the verifier (`lmforge.text.verify`, the check evaluation's exact
 match uses), the reward model (`training.align.methods.reward`), a user's `module:function`,
 summed with their weights.
 
@@ -28,10 +28,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from lmforge.engine.stage import Product, hf_model
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.jsonl import read_jsonl
-from lmforge.stage import Product, hf_model
-from lmforge.verify import is_correct, partial_credit
+from lmforge.text.verify import is_correct, partial_credit
 from training.align.methods import SFT_MODEL, AlignMethod
 from training.align.methods.reward import load_reward_model, score
 from training.align.sections import TrainConfig
@@ -44,7 +44,7 @@ class RewardFunction(StrictModel):
     """One term of RL's reward: the built-in verifier, the trained reward model, or a function of the user's."""
 
     kind: Literal["verifier", "partial_verifier", "reward_model", "function"] = Field(
-        description="verifier: 1 when the completion is exactly the verified answer (lmforge.verify, the check "
+        description="verifier: 1 when the completion is exactly the verified answer (lmforge.text.verify, the check "
         "evaluation's exact match uses), else 0; partial_verifier: 1 when exact, else a share below 0.5 of its "
         "character similarity to the answer; reward_model: the score of align/reward's model; function: "
         "`function` below."
@@ -187,7 +187,7 @@ def _text(completion: Any) -> str:
 
 
 def verifier_reward(completions: list[Any], answer: list[str | None], **_: Any) -> list[float | None]:
-    """1.0 when the completion is exactly the verified answer (lmforge.verify), else 0.0; None
+    """1.0 when the completion is exactly the verified answer (lmforge.text.verify), else 0.0; None
     (no opinion, TRL skips it in the sum) for a prompt without a verified answer."""
     return [None if a is None else float(is_correct(_text(c), a)) for c, a in zip(completions, answer)]
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from lmforge.stage import BASE_MODEL, Product
+from lmforge.engine.stage import BASE_MODEL, Product
 from training.align.methods import CHAT, PRETRAINED, AlignMethod, start_model
 from training.align.sections import TrainConfig
 
@@ -101,7 +101,7 @@ def trainable_template(tokenizer: Any) -> bool:
     markers, or TRL has a marked copy of it."""
     from trl.chat_template_utils import get_training_chat_template
 
-    from lmforge.chat import has_generation_markers
+    from lmforge.text.chat import has_generation_markers
 
     if has_generation_markers(tokenizer.chat_template):
         return True

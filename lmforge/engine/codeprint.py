@@ -23,7 +23,7 @@ evaluation/tasks/lmforge_chat_exact.yaml"). One rule decides file or module: wha
 in the project's environment is a module (`Step.code`: entry modules a launch runs with `python
 -m`, packages loaded with `importlib.import_module`, every module of a named package counting);
 what is read or copied by path is a file. So evaluation's `utils.py`, `sandbox.py` and
-`lmforge/verify.py`, copied beside the task YAMLs and loaded there by lm-eval by path, are files:
+`lmforge/text/verify.py`, copied beside the task YAMLs and loaded there by lm-eval by path, are files:
 the copies are part of the output, so their bytes (a comment included) are what must key it, and
 what they load they load by path, which no import closure follows. A pattern that matches no file
 is an error when the step is created, never an empty set.
@@ -37,7 +37,7 @@ names it and `runtime.on_code_drift` decides whether the step warns or reruns).
 
 Digests are remembered across runs by each file's stamp (mtime, ctime, size, inode); a file
 changed within `RACY_NS` of now is digested afresh every time, since a second write in the same
-timestamp tick could leave its whole stamp as it was (the rule `lmforge.store` applies to outputs).
+timestamp tick could leave its whole stamp as it was (the rule `lmforge.engine.store` applies to outputs).
 """
 
 from __future__ import annotations
@@ -53,29 +53,29 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lmforge.store import RACY_NS
+from lmforge.engine.store import RACY_NS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("lmforge", "training", "data_prep", "evaluation", "serving", "configs")
 ORCHESTRATOR = ("flows", "tasks")  # Prefect wrappers: never imported by steps (tests/test_layout.py)
 NOT_STEP_CODE = frozenset(
     {
         "lmforge.cli",
-        "lmforge.codeprint",
+        "lmforge.engine.codeprint",
         "lmforge.console",
         "lmforge.errors",
-        "lmforge.executor",
-        "lmforge.explain",
-        "lmforge.graph",
-        "lmforge.launcher",
-        "lmforge.registry",
+        "lmforge.engine.executor",
+        "lmforge.engine.explain",
+        "lmforge.engine.graph",
+        "lmforge.processes.launcher",
+        "lmforge.engine.registry",
         "lmforge.server",
-        "lmforge.slurm",
-        "lmforge.stage",
-        "lmforge.stagemap",
-        "lmforge.steplog",
-        "lmforge.store",
-        "lmforge.supervise",
+        "lmforge.processes.slurm",
+        "lmforge.engine.stage",
+        "lmforge.engine.stagemap",
+        "lmforge.engine.steplog",
+        "lmforge.engine.store",
+        "lmforge.processes.supervise",
         "lmforge.tracking",
     }
 )
@@ -332,7 +332,7 @@ def step_roots(step: Any) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     sliced: dict[str, set[str]] = {}
     for function in functions:
         module = getattr(function, "__module__", None)
-        if function is not None and module and module != "lmforge.graph":  # the default no-op callables
+        if function is not None and module and module != "lmforge.engine.graph":  # the default no-op callables
             sliced.setdefault(module, set()).add(_function_root(function))
     whole = set(step.code)
     for name in step.code:  # a package named in `code`: every module of it (some are loaded by name)
@@ -459,7 +459,7 @@ def code_version() -> dict[str, Any]:
 
     import lmforge
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     version: dict[str, Any] = {"lmforge": lmforge.__version__}
     try:
         version["git"] = subprocess.run(

@@ -29,7 +29,7 @@ from lmforge.errors import ConfigError
 if TYPE_CHECKING:
     from lmforge.pipelinebase import PipelineBase
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # the stages that run across nodes, and the config section holding their hostfile and node count
 MULTINODE = {"pretrain": "pretrain.distributed", "align": "align.distributed"}
 
@@ -121,7 +121,7 @@ def render(config: PipelineBase, stage: str, preset: str, overrides: list[str], 
 
 
 def _stage_names() -> list[str]:
-    from lmforge.registry import stage_names
+    from lmforge.engine.registry import stage_names
 
     return stage_names()
 

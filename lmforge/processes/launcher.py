@@ -1,6 +1,6 @@
 """One launcher for every long subprocess: training ranks, TRL, lm-eval, the quantizer, vLLM.
 
-`run()` starts a command under `lmforge.supervise` (own process group, stopped with this
+`run()` starts a command under `lmforge.processes.supervise` (own process group, stopped with this
 process, step lock held until the whole tree is gone, the step's time limit), streams its
 output line by line into a logger (which reaches the Prefect run log), and returns the exit
 code with the last lines of output for a one-line failure message. The caller classifies
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from lmforge.errors import RunStopped, StepTimeout
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -47,7 +47,7 @@ QUIET_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
 }
-TIMED_OUT = 124  # lmforge.supervise's exit code when the deadline passed
+TIMED_OUT = 124  # lmforge.processes.supervise's exit code when the deadline passed
 _log = logging.getLogger(__name__)
 
 
@@ -111,7 +111,7 @@ def _start(
 
 
 def _clean_after(process: subprocess.Popen) -> None:
-    from lmforge.supervise import stop_session
+    from lmforge.processes.supervise import stop_session
 
     code = process.wait()
     if left := stop_session(process.pid, grace=5.0):
@@ -156,7 +156,7 @@ def child_env(extra: dict[str, str] | None = None, base: dict[str, str] | None =
 def _supervised(
     command: list[str], watch: bool, scope: StepScope | None, grace: float
 ) -> tuple[list[str], tuple[int, ...]]:
-    shim = [sys.executable, "-m", "lmforge.supervise", "--grace", str(grace)]
+    shim = [sys.executable, "-m", "lmforge.processes.supervise", "--grace", str(grace)]
     if watch:
         shim += ["--watch", str(os.getpid())]
     fds: tuple[int, ...] = ()
@@ -226,7 +226,7 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
     try:
         process.wait(timeout=grace + 60)
     except subprocess.TimeoutExpired:  # the supervisor itself is stuck: take it and its whole tree down hard
-        from lmforge.supervise import kill_from_outside
+        from lmforge.processes.supervise import kill_from_outside
 
         kill_from_outside(process.pid)
         process.wait()
@@ -377,7 +377,9 @@ def detached_alive(record: dict | None) -> bool:
         if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child that exited: reap it
             return False
     cmdline = process_arguments(pid)
-    return cmdline is not None and b"lmforge.supervise" in cmdline and record["command"][-1].encode() in cmdline
+    return (
+        cmdline is not None and b"lmforge.processes.supervise" in cmdline and record["command"][-1].encode() in cmdline
+    )
 
 
 def process_arguments(pid: int, settle_s: float = 2.0) -> list[bytes] | None:
@@ -411,7 +413,7 @@ def survivors(record: dict | None) -> list[int]:
         pass
     except PermissionError:
         return []
-    from lmforge.supervise import session_members
+    from lmforge.processes.supervise import session_members
 
     return session_members(record["pid"])
 
@@ -424,7 +426,7 @@ def stop_detached(pid_file: Path, wait_s: float = 90.0) -> bool:
     if not detached_alive(record):
         left = survivors(record)
         if left:
-            from lmforge.supervise import stop_session
+            from lmforge.processes.supervise import stop_session
 
             stop_session(record["pid"], grace=min(wait_s, 20.0))  # type: ignore[index]
         pid_file.unlink(missing_ok=True)
@@ -436,7 +438,7 @@ def stop_detached(pid_file: Path, wait_s: float = 90.0) -> bool:
     while detached_alive(record) and time.time() < deadline:
         time.sleep(0.2)
     if detached_alive(record):
-        from lmforge.supervise import kill_from_outside
+        from lmforge.processes.supervise import kill_from_outside
 
         kill_from_outside(pid)
     pid_file.unlink(missing_ok=True)

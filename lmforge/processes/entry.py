@@ -3,7 +3,7 @@
     python -m training.train_entry --spec <out>/run_spec.json     (under deepspeed, torchrun,
     accelerate, or plain python: the same shape for every entry module)
 
-`main` reads the spec `lmforge.launch.run_entry` wrote, marks that this process started (so the
+`main` reads the spec `lmforge.processes.launch.run_entry` wrote, marks that this process started (so the
 launcher can tell "the launcher failed" from "a process died"), logs to `logs/rank-<R>.log`
 (rank 0 also to stdout, which the launcher streams into the step's log), runs `work(spec,
 rank)`, and records how it ended in `logs/attempt-<N>/exit-rank<R>.json`: `ok`,
@@ -69,7 +69,7 @@ def _outcome(work: Work, spec: dict[str, Any], rank: int) -> tuple[str, str]:
     except ValueError as exc:
         return "config_error", f"ValueError: {exc}"
     except Exception as exc:  # noqa: BLE001 - classified for the launcher, traceback logged
-        logging.getLogger("lmforge.entry").exception("rank %d crashed", rank)
+        logging.getLogger("lmforge.processes.entry").exception("rank %d crashed", rank)
         return "crash", f"{type(exc).__name__}: {exc}"
     return "ok", ""
 
@@ -86,7 +86,7 @@ def run_recorded(work: Work, spec_path: str, quiet: Sequence[str] = ()) -> int:
     fault = attempt_dir / FAULT_RECORD.format(rank=rank)
     with open(fault, "w") as fault_file:
         # a process killed by a fatal signal (SIGABRT from a C++ library, SIGSEGV, SIGBUS) records no
-        # outcome; faulthandler leaves where every thread was, which the launching step names (lmforge.launch)
+        # outcome; faulthandler leaves where every thread was, which the launching step names (lmforge.processes.launch)
         faulthandler.enable(file=fault_file, all_threads=True)
         try:
             status, message = _outcome(work, spec, rank)
@@ -100,7 +100,7 @@ def run_recorded(work: Work, spec_path: str, quiet: Sequence[str] = ()) -> int:
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)  # a record is whole or absent (absent = the process died)
     if status != "ok":
-        logging.getLogger("lmforge.entry").error("rank %d: %s: %s", rank, status, message)
+        logging.getLogger("lmforge.processes.entry").error("rank %d: %s: %s", rank, status, message)
     shutdown_distributed()
     return EXIT_CODES[status]
 
@@ -121,7 +121,7 @@ def shutdown_distributed() -> None:
 def main(work: Work, argv: Sequence[str] | None = None, quiet: Sequence[str] = ()) -> int:
     """The `main` of every entry module: `sys.exit(main(work))`."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True, help="the JSON spec lmforge.launch.run_entry wrote")
+    parser.add_argument("--spec", required=True, help="the JSON spec lmforge.processes.launch.run_entry wrote")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by some launchers; unused")
     args = parser.parse_args(argv)
     return run_recorded(work, args.spec, quiet)

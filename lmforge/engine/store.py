@@ -246,7 +246,7 @@ class StageStore:
         """An exclusive lock so two runs of the same key do not both compute it; yields its fd.
 
         The subprocesses a step launches are supervised by a process that holds a duplicate of
-        this fd (`lmforge.launcher`), so even if this process dies the lock is only released
+        this fd (`lmforge.processes.launcher`), so even if this process dies the lock is only released
         once every process the step started is gone.
         """
         path = self.lock_path(step, key)

@@ -17,7 +17,7 @@ after a killed server or a release that died half-way.
 
 The folder is world-writable with the sticky bit and the files are shared by every user (the same
 trust as the GPUs themselves: any local user can start a process on them). Launches
-(`lmforge.launch.run_entry`) get `CUDA_VISIBLE_DEVICES` set to what is left, unless the user set it.
+(`lmforge.processes.launch.run_entry`) get `CUDA_VISIBLE_DEVICES` set to what is left, unless the user set it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import DeterministicError
-from lmforge.supervise import pid_alive
+from lmforge.processes.supervise import pid_alive
 
 REGISTRY_ENV = "LMFORGE_DEVICE_REGISTRY"
 POLL_S = 0.5

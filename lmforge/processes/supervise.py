@@ -1,4 +1,4 @@
-"""The supervisor every long subprocess runs under: `python -m lmforge.supervise [opts] -- CMD ...`.
+"""The supervisor every long subprocess runs under: `python -m lmforge.processes.supervise [opts] -- CMD ...`.
 
 It sits between lmforge and the real command (DeepSpeed, accelerate/TRL, lm-eval, vLLM,
 the quantizer) and guarantees what a plain `Popen` cannot:
@@ -188,7 +188,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmforge.supervise")
+    parser = argparse.ArgumentParser(prog="lmforge.processes.supervise")
     parser.add_argument("--watch", type=int, help="stop everything when this process is gone")
     parser.add_argument("--hold-fd", type=int, help="an inherited fd (the step lock) to keep open until the end")
     parser.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             reason = "time limit reached"
         if reason:
             if not (args.quiet and reason == "stopped"):
-                _say(f"lmforge.supervise: {reason}; stopping {' '.join(command[:3])} ...")
+                _say(f"lmforge.processes.supervise: {reason}; stopping {' '.join(command[:3])} ...")
             stop_tree(child, args.grace)
             break
         time.sleep(0.2)

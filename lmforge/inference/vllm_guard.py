@@ -3,9 +3,9 @@
 vLLM's own key check (VLLM_API_KEY) guards only paths under /v1, /v2, /inference and /cohere:
 `POST /invocations`, `/tokenize`, `/detokenize`, `/metrics`, `/version`, `/docs` and
 `/openapi.json` answer anyone. It also accepts any `n`/`best_of` and any body size. vLLM takes
-extra ASGI middleware by import path (`--middleware lmforge.vllm_guard.Guard`, added outermost),
+extra ASGI middleware by import path (`--middleware lmforge.inference.vllm_guard.Guard`, added outermost),
 and this is that middleware; it is written here because no maintained package wraps vLLM's
-server this way. Its settings come from the environment `lmforge.vllm_server.server_env` gives
+server this way. Its settings come from the environment `lmforge.inference.vllm_server.server_env` gives
 the server (the key never appears on a command line):
 
 - LMFORGE_GUARD_KEY_SHA256: SHA-256 of the bearer key (empty: no key is required, loopback only);

@@ -6,7 +6,7 @@ entry-point group in `pyproject.toml`:
     [project.entry-points."lmforge.stages"]
     curate = "data_prep.stage:STAGE"
 
-The core finds stages through that group (`lmforge.registry`) and never imports a stage by
+The core finds stages through that group (`lmforge.engine.registry`) and never imports a stage by
 name, so adding `evaluation/` or `serving/` touches no core file. A stage hands its results
 to later stages as typed `Product`s (the tokenizer, the token shards, a Hugging Face model
 directory, an evaluation verdict), which the graph resolves to whichever enabled step
@@ -101,7 +101,7 @@ def fine_tunes_base(config: PipelineBase) -> bool:
 class Role:
     """A model of the lineage: the role of an `hf-model` product a stage makes (`base`, `pretrained`,
     one per alignment method that trains a policy). Evaluation, quantization and serving take the
-    roles from the registry (`lmforge.registry.roles`), in lifecycle order, never from a list of
+    roles from the registry (`lmforge.engine.registry.roles`), in lifecycle order, never from a list of
     their own.
 
     `saw`: the data sources it was trained on, as far as lmforge knows (its own and those of the

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lmforge.stage import Maybe, Product
+from lmforge.engine.stage import Maybe, Product
 
 if TYPE_CHECKING:
-    from lmforge.graph import Graph, Step
+    from lmforge.engine.graph import Graph, Step
+    from lmforge.engine.stage import Stage
     from lmforge.pipelinebase import PipelineBase
-    from lmforge.stage import Stage
 
 WIDTH = 100
 
@@ -72,8 +72,8 @@ def _wrap(head: str, items: list[str], tail: str) -> list[str]:
 def format_stages(stage: str | None = None, config: PipelineBase | None = None) -> str:
     """`lmforge stages [STAGE]`: every registered stage (or one), in lifecycle order."""
     from lmforge.config import load_config
-    from lmforge.executor import graph
-    from lmforge.registry import get_stage, stages
+    from lmforge.engine.executor import graph
+    from lmforge.engine.registry import get_stage, stages
 
     config = config if config is not None else load_config("tiny-cpu", [], None, check_paths=False)
     chosen = [get_stage(stage)] if stage else list(stages())

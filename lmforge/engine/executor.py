@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge import codeprint, console, launcher, steplog, tracking
-from lmforge.codeprint import code_version
-from lmforge.graph import Graph, Step, StepContext, build_graph, key_components, step_key
-from lmforge.store import StageStore
+from lmforge import console, tracking
+from lmforge.engine import codeprint, steplog
+from lmforge.engine.codeprint import code_version
+from lmforge.engine.graph import Graph, Step, StepContext, build_graph, key_components, step_key
+from lmforge.engine.store import StageStore
+from lmforge.processes import launcher
 
 if TYPE_CHECKING:
     from lmforge.pipelinebase import PipelineBase
@@ -152,7 +154,7 @@ def run_unit(ctx: StepContext, unit: str, verify_mode: str = "checksum") -> dict
 
 
 def domain_loggers() -> tuple[str, ...]:
-    from lmforge.registry import domain_packages
+    from lmforge.engine.registry import domain_packages
 
     return domain_packages()
 
@@ -283,7 +285,7 @@ def execute_step(
 
     `run_units(ctx, todo)` computes the units still to do (in a process pool, or as Prefect
     tasks) and returns their results. The computation holds the step's lock; the processes
-    it launches hold it too, until they are gone (`lmforge.launcher`). What is logged while it
+    it launches hold it too, until they are gone (`lmforge.processes.launcher`). What is logged while it
     computes goes to the output's `logs/step.log` too; a terminal the CLI shows gets the step's
     progress and one line when it ends (`lmforge.console`). A computed step that trains, evaluates
     or quantizes is then logged to MLflow when `tracking.mlflow.enabled` (`lmforge.tracking`).
@@ -427,7 +429,7 @@ def reuse_everything(config: PipelineBase, stages: Iterable[str]) -> dict[str, d
 
 def reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> None:
     """Bring the live state that follows the outputs (a running server) in line with them, stage by stage."""
-    from lmforge.registry import stages as registered
+    from lmforge.engine.registry import stages as registered
 
     for stage in registered():
         if stage.reconcile is not None and any(m["stage"] == stage.name for m in manifests.values()):

@@ -1,17 +1,17 @@
 """The one way a step launches an entry module: `run_entry(module, spec, out_dir, launch, policy)`.
 
 Every long computation that runs in its own processes (DeepSpeed pretraining, TRL alignment,
-lm-eval, the quantizer) is an entry module whose `main` is `lmforge.entry.main(work)`. A step
+lm-eval, the quantizer) is an entry module whose `main` is `lmforge.processes.entry.main(work)`. A step
 hands this module the entry's name and a JSON spec; `run_entry` then
 
 1. opens the next `logs/attempt-N/` of the step's output folder and writes the spec there (and
    beside the output as `spec_name`, the latest one) with the exact launch command;
 2. builds the command for the chosen launcher: plain `python -m`, `torchrun`, `accelerate
    launch`, or DeepSpeed's runner (with a hostfile across nodes);
-3. runs it supervised through `lmforge.launcher.run` (own process group, output streamed into
+3. runs it supervised through `lmforge.processes.launcher.run` (own process group, output streamed into
    the step's logger, stopped on cancel/SIGTERM/the flow's death, the step's time limit);
 4. classifies the ending by a named `ExitPolicy` from the exit records each process writes
-   (`lmforge.entry`), raising the error whose class says whether a retry can help.
+   (`lmforge.processes.entry`), raising the error whose class says whether a retry can help.
 
 A new training method or evaluator adds an entry module and calls `run_entry`; it writes no
 launch code of its own.
@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lmforge import devices, launcher
-from lmforge.entry import EXIT_RECORD, FAULT_RECORD, STARTED_MARK
 from lmforge.errors import (
     PROGRAMMING_ERRORS,
     ConfigError,
@@ -45,6 +43,8 @@ from lmforge.errors import (
     TrainingInterrupted,
 )
 from lmforge.hashing import atomic_write_json
+from lmforge.processes import devices, launcher
+from lmforge.processes.entry import EXIT_RECORD, FAULT_RECORD, STARTED_MARK
 
 log = logging.getLogger(__name__)
 Launcher = Literal["python", "torchrun", "accelerate", "deepspeed"]

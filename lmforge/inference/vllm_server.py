@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.errors import ConfigError, LmforgeError
-from lmforge.vllm_guard import CLIENT_PATHS
+from lmforge.inference.vllm_guard import CLIENT_PATHS
 
 log = logging.getLogger(__name__)
 NOISE = ("Setting accelerator to CPU", "tcmalloc", "libiomp", "Triton", "ulimit")
@@ -153,7 +153,7 @@ class SpeculativeConfig(StrictModel):
 class LoraModules:
     """LoRA adapters served on the base model (`--enable-lora`), one served name each. A released
     server also takes new ones while it runs (`/v1/load_lora_adapter`, open to the management key
-    only: `lmforge.vllm_guard`)."""
+    only: `lmforge.inference.vllm_guard`)."""
 
     adapters: dict[str, str]  # served name -> adapter directory
     max_lora_rank: int  # one of vLLM's choices (serving.adapters.vllm_rank)
@@ -267,7 +267,7 @@ def server_command(
         "auto",
         # a key on every path but /health, bounded bodies, n and concurrency (vLLM's own check covers /v1 only)
         "--middleware",
-        "lmforge.vllm_guard.Guard",
+        "lmforge.inference.vllm_guard.Guard",
     ]
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
@@ -328,7 +328,7 @@ def server_env(
     """The server's environment: the key (never on the command line) and the guard's limits. With a
     management key, vLLM's runtime adapter loading, which the guard opens to that key alone and to
     adapters inside `adapter_roots` (the client key gets 403 there)."""
-    from lmforge.vllm_guard import DRAIN_ENV, Limits, guard_env
+    from lmforge.inference.vllm_guard import DRAIN_ENV, Limits, guard_env
 
     if api_key:
         check_key(api_key, "vLLM server")
@@ -446,10 +446,10 @@ def wait_ready(
 
     The key goes only to a server that `pid` (the process started for it) or its descendants
     listen for: the port was free when chosen, not reserved, and whoever took it meanwhile would
-    answer /health and be sent the key (`lmforge.launch.owns_port`)."""
+    answer /health and be sent the key (`lmforge.processes.launch.owns_port`)."""
     from urllib.parse import urlsplit
 
-    from lmforge.launch import listening_pids, owns_port, process_tree
+    from lmforge.processes.launch import listening_pids, owns_port, process_tree
 
     where = urlsplit(base_url)
     host, port = where.hostname or "127.0.0.1", int(where.port or 80)
@@ -506,8 +506,8 @@ class TemporaryServer:
     ) -> None:
         import secrets
 
-        from lmforge.launch import free_port
-        from lmforge.launcher import Service
+        from lmforge.processes.launch import free_port
+        from lmforge.processes.launcher import Service
 
         self.port, self.api_key, self.served_name = free_port(), f"sk-lmforge-{secrets.token_hex(16)}", served_name
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -521,7 +521,7 @@ class TemporaryServer:
             speculative=speculative,
             lora=lora,
         )
-        from lmforge.devices import launch_env
+        from lmforge.processes.devices import launch_env
 
         # no management key: a temporary server's adapters are fixed at start
         env, placement = launch_env(

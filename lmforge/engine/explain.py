@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmforge.codeprint import code_identity
-from lmforge.executor import graph, plan_step
-from lmforge.graph import config_identity
+from lmforge.engine.codeprint import code_identity
+from lmforge.engine.executor import graph, plan_step
+from lmforge.engine.graph import config_identity
+from lmforge.engine.store import StageStore
 from lmforge.hashing import flatten
-from lmforge.store import StageStore
 
 if TYPE_CHECKING:
     from lmforge.pipelinebase import PipelineBase

@@ -9,7 +9,7 @@ digest of these things, and nothing else:
 - `identity(config)`: the config fields it declares it reads (`Step.reads`), the only ones it
   can read, plus values derived from them,
 - its code: a digest per project module of its import closure, and per project file it
-  declares it reads by path (`Step.files`: task YAML, scripts it copies) (`lmforge.codeprint`),
+  declares it reads by path (`Step.files`: task YAML, scripts it copies) (`lmforge.engine.codeprint`),
 - the output digests of its upstream steps (content, not keys, so an upstream rerun that
   produces identical bytes does not invalidate anything downstream).
 
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView, deep_merge, pick
+from lmforge.engine.stage import Maybe, Product
 from lmforge.errors import ConfigError
 from lmforge.hashing import canonical_json, digest
-from lmforge.stage import Maybe, Product
 
 if TYPE_CHECKING:
     from lmforge.pipelinebase import PipelineBase
@@ -120,7 +120,7 @@ class Step:
     digest_paths: tuple[str, ...] | None = None
     # modules no import reaches that shape the output (entry modules its launches run, packages loaded
     # by name): with the import closure of its functions they are its code identity, in its key
-    # (lmforge.codeprint); and the libraries (distribution names) whose versions shape it (recorded
+    # (lmforge.engine.codeprint); and the libraries (distribution names) whose versions shape it (recorded
     # beside the key: code drift)
     code: tuple[str, ...] = ()
     libraries: tuple[str, ...] = ()
@@ -139,7 +139,7 @@ class Step:
     findings: Callable[[dict[str, Any]], list[str]] | None = None
 
     def __post_init__(self) -> None:
-        from lmforge.codeprint import project_files
+        from lmforge.engine.codeprint import project_files
 
         project_files(self.files, self.name)
 
@@ -186,7 +186,7 @@ def key_components(
     `debug:` settings are no part of a normal run's key; a step run with a fault injected is
     keyed apart, so what it makes is never reused by a run without the fault.
     """
-    from lmforge.codeprint import code_identity
+    from lmforge.engine.codeprint import code_identity
 
     components = {
         "step": step.name,
@@ -281,6 +281,6 @@ class Graph:
 
 def build_graph() -> Graph:
     """Every registered stage's steps, in lifecycle order."""
-    from lmforge.registry import stages
+    from lmforge.engine.registry import stages
 
     return Graph([step for stage in stages() for step in stage.steps()])

@@ -5,7 +5,7 @@ curation's decontamination removes a training document that contains an item
 (`data_prep.decontaminate`), and the evaluation stage's gate flags an item a training source
 contained (`evaluation.contamination`). So a model trained after decontamination passes the gate.
 
-For one (item, document) pair, on word tokens (`lmforge.textkeys.words`: lowercase, runs of
+For one (item, document) pair, on word tokens (`lmforge.text.textkeys.words`: lowercase, runs of
 non-alphanumerics one space, so whitespace and line breaks never matter):
 
 - **whole-text**: items shorter than `fuzzy_ngram` words are contained only in a document whose

@@ -1,6 +1,6 @@
 """Finding the registered stages and putting them in lifecycle order.
 
-Stages register under the `lmforge.stages` entry-point group (see `lmforge.stage`). They
+Stages register under the `lmforge.stages` entry-point group (see `lmforge.engine.stage`). They
 are loaded on first use, not when this module is imported, so importing the core never
 imports a domain package. The lifecycle order is a topological order of each stage's
 `after` (ties keep the order of the names), so a stage added later slots in where it
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from lmforge.engine.stage import Role, Stage
 from lmforge.errors import ConfigError
-from lmforge.stage import Role, Stage
 
 GROUP = "lmforge.stages"
 COMMANDS_GROUP = "lmforge.commands"  # CLI plugins: callables taking `lmforge.cli.Commands` (the orchestrator's)
@@ -28,7 +28,7 @@ def stages() -> tuple[Stage, ...]:
     for point in entry_points(group=GROUP):
         stage = point.load()
         if not isinstance(stage, Stage):
-            raise TypeError(f"entry point {point.name} = {point.value} is not an lmforge.stage.Stage")
+            raise TypeError(f"entry point {point.name} = {point.value} is not an lmforge.engine.stage.Stage")
         if stage.name != point.name:
             raise TypeError(f"entry point {point.name} registers a stage named {stage.name!r}")
         found[stage.name] = stage

@@ -2,7 +2,7 @@
 
 Everything lmforge's loggers record while a step computes is appended there: the step's own
 lines, what its units logged in worker processes (replayed by the executor), and every output
-line of the processes it launched (`lmforge.launcher` streams them into loggers). The file is
+line of the processes it launched (`lmforge.processes.launcher` streams them into loggers). The file is
 written whatever the terminal shows (`lmforge.console`) and whether or not Prefect runs the step
 (its run logs get the same records). `logs/` is never part of an output's digest.
 
@@ -57,7 +57,7 @@ _handler = _StepFiles()
 
 
 def _attach() -> None:
-    from lmforge.registry import domain_packages
+    from lmforge.engine.registry import domain_packages
 
     names = domain_packages()
     # the outermost loggers only: a record propagating from `serving.quantize` to `serving` is written once
