@@ -99,6 +99,9 @@ class AlignMethod:
     # its section's `inputs` are the user's files of its data kind (one method per kind: SFT's chat
     # data, DPO's preferences); align/data writes that kind under `<name>/`
     owns_data: ClassVar[bool] = False
+    # for a trainer that logs no `num_tokens`: the batch's attention masks whose non-padding tokens
+    # the entry counts, so its tokens/s is logged like every other method's
+    token_keys: ClassVar[tuple[str, ...]] = ()
     # its step's training curves (Step.curves): panels of (title, ((metric key, label), ...))
     curves: ClassVar[tuple[tuple[str, tuple[tuple[str, str], ...]], ...]] = ()
     # the data sources its model was trained on, its start's included (the contamination check's
@@ -109,6 +112,11 @@ class AlignMethod:
         super().__init_subclass__(**kwargs)
         if "product" not in cls.__dict__ and "name" in cls.__dict__:
             cls.product = hf_model(cls.name)
+        # what a method owns is its own to say: a subclass of DPO (another package's variant) neither
+        # owns the preference data nor joins the default recipe unless it says so
+        for flag in ("owns_data", "in_default_recipe"):
+            if flag not in cls.__dict__:
+                setattr(cls, flag, False)
 
     # -- the step graph (the process that resolves and runs the pipeline) --------------------------
 
@@ -134,7 +142,8 @@ class AlignMethod:
     def runs(self, align: Any) -> bool:
         """Whether it runs under this `align` section: named in its recipe (and its own section's
         `enabled`, if it has one)."""
-        return self.name in align.recipe and getattr(getattr(align, self.name), "enabled", True)
+        own = "enabled" in self.config.model_fields  # a view of the config raises on a field it lacks
+        return self.name in align.recipe and (not own or bool(getattr(align, self.name).enabled))
 
     def check(self, align: Any) -> None:
         """Raise ValueError when `align` cannot run with this method as configured (beyond its own section)."""
@@ -157,7 +166,7 @@ class AlignMethod:
 
     def lora(self, config: ConfigView | PipelineBase) -> bool:
         """Whether it trains a LoRA adapter (merged for export)."""
-        return bool(getattr(self.section(config), "lora", False))
+        return "lora" in self.config.model_fields and bool(self.section(config).lora)
 
     def training_fields(self) -> list[str]:
         """The fields of `align.<name>` that shape the model (its `inputs` reach it as data, through `align/data`)."""
