@@ -1,6 +1,6 @@
-"""Alignment throughput: SFT, DPO and RL tokens/s through lmforge against TRL called directly.
+"""Alignment throughput: SFT, DPO, RL, KTO, ORPO and SimPO tokens/s through lmforge against TRL called directly.
 
-    .venv/bin/python benchmarks/align.py --workspace WS [--sft-steps 40] [--dpo-steps 30] [--rl-steps 30] [--repeats 2]
+    .venv/bin/python benchmarks/align.py --workspace WS [--kinds sft,dpo,rl,kto,orpo,simpo] [--steps 30] [--repeats 2]
 
 WS is a workspace where `lmforge stage align` ran (it reads the pretrained, SFT and DPO models
 and the alignment data from it; RL needs a run with `rl` in `align.recipe`, e.g. the
@@ -11,12 +11,16 @@ started by `accelerate launch`:
 - lmforge: `training.align.entry` with the spec the align step writes (its callbacks log
   metrics and checkpoint every `save_steps`; held-out generation is switched off here, since it
   is evaluation, not training);
-- plain TRL: a short script a user would write, `SFTTrainer` / `DPOTrainer` / `GRPOTrainer`
-  with the same arguments (GRPO with the same verifiable reward function), no callbacks, no
-  checkpoints.
+- plain TRL: a short script a user would write, `SFTTrainer` / `DPOTrainer` / `GRPOTrainer` /
+  `KTOTrainer` / `ORPOTrainer` / `CPOTrainer` (SimPO) with the same arguments (GRPO with the same
+  verifiable reward function, KTO on the same unpaired rows), no callbacks, no checkpoints.
 
 tokens/s is measured the same way for both: TRL's `num_tokens` counter between consecutive
-logged steps over the wall time between them, averaged from the second step on. The runs alternate (lmforge, TRL,
+logged steps over the wall time between them, averaged from the second step on. TRL's
+experimental ORPO and CPO trainers keep no `num_tokens`; for them both paths count the same
+thing, the non-padding tokens of each pair's chosen and rejected sequences summed over ranks
+(lmforge's entry does it for its curves, `AlignMethod.token_keys`; the plain script's trainer
+subclass does it only for this measurement). The runs alternate (lmforge, TRL,
 lmforge, TRL...), and the best of `--repeats` is kept for each, so a slow moment of the machine
 does not decide the ratio.
 """
@@ -81,6 +85,46 @@ if spec["kind"] == "rl":
 elif spec["kind"] == "sft":
     args = trl.SFTConfig(**common, assistant_only_loss=cfg["assistant_only_loss"], packing=cfg["packing"])
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Times()])
+elif spec["kind"] in ("orpo", "simpo"):
+    import os
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    def counting(base):  # the measurement's instrument: the same count lmforge's entry keeps
+        class Counting(base):
+            tokens = 0.0
+
+            def training_step(self, model, inputs, *a, **k):
+                masks = [inputs[key] for key in ("chosen_attention_mask", "rejected_attention_mask") if key in inputs]
+                self.tokens += float(sum(mask.sum().item() for mask in masks))
+                return super().training_step(model, inputs, *a, **k)
+
+            def log(self, logs, *a, **k):
+                if "train_runtime" not in logs:
+                    local = torch.tensor([self.tokens], dtype=torch.float64)
+                    logs["num_tokens"] = float(self.accelerator.reduce(local, reduction="sum").item())
+                return super().log(logs, *a, **k)
+        return Counting
+
+    common["max_length"] = spec["max_length"]
+    if spec["kind"] == "orpo":
+        args = ORPOConfig(**common, beta=cfg["beta"])
+        trainer = counting(ORPOTrainer)(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                                        callbacks=[Times()])
+    else:
+        args = CPOConfig(**common, loss_type="simpo", beta=cfg["beta"], simpo_gamma=cfg["gamma"],
+                         cpo_alpha=cfg["sft_weight"])
+        trainer = counting(CPOTrainer)(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                                       callbacks=[Times()])
+elif spec["kind"] == "kto":
+    from training.align.methods.kto import unpaired  # the same unpaired rows lmforge trains on
+    args = trl.KTOConfig(**common, beta=cfg["beta"], desirable_weight=cfg["desirable_weight"],
+                         undesirable_weight=cfg["undesirable_weight"])
+    rows = data.map(unpaired, batched=True, remove_columns=["prompt", "chosen", "rejected"])
+    reference = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=dtype)
+    trainer = trl.KTOTrainer(model=model, ref_model=reference, args=args, train_dataset=rows, processing_class=tokenizer,
+                             callbacks=[Times()])
 else:
     weight = cfg.get("sft_weight", 0.0)
     losses = {"loss_type": [cfg["loss_type"]]}
@@ -165,9 +209,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", required=True)
     parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--dpo-steps", type=int, default=30)
-    parser.add_argument("--rl-steps", type=int, default=30)
-    parser.add_argument("--kinds", default="sft,dpo,rl", help="comma-separated: sft, dpo, rl (rl needs align/rl in WS)")
+    parser.add_argument("--steps", type=int, default=30, help="steps of every other method")
+    parser.add_argument(
+        "--kinds",
+        default="sft,dpo,rl",
+        help="comma-separated: sft, dpo, rl, kto, orpo, simpo (each needs its align/<kind> run in WS)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     workspace = Path(args.workspace)
@@ -177,8 +224,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "plain_trl.py"
         script.write_text(PLAIN)
-        steps_of = {"sft": args.sft_steps, "dpo": args.dpo_steps, "rl": args.rl_steps}
-        for kind, steps in ((k, steps_of[k]) for k in args.kinds.split(",")):
+        for kind in args.kinds.split(","):
+            steps = args.sft_steps if kind == "sft" else args.steps
             if not any(workspace.glob(f"align/{kind}/*/run_spec.json")):
                 print(f"skipping {kind}: no align/{kind} run in {workspace} (see align.recipe)", file=sys.stderr)
                 continue

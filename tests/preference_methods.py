@@ -32,9 +32,15 @@ def small(name: str, *extra: str) -> list[str]:
     ]
 
 
-def run_from_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory, name: str, overrides: list[str]) -> dict:
-    """The align stage of a copy of the session's aligned workspace, with `overrides`."""
-    workspace = tmp_path_factory.mktemp(name)
+def run_from_aligned(
+    aligned: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    overrides: list[str],
+    workspace: Path | None = None,
+) -> dict:
+    """The align stage of a copy of the session's aligned workspace (into `workspace`), with `overrides`."""
+    workspace = workspace or tmp_path_factory.mktemp(name)
     shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
     return run_pipeline_locally(small_config(workspace, *overrides), ["align"])
 

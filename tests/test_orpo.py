@@ -25,8 +25,35 @@ def test_orpo_trains_on_two_ranks_from_the_pretrained_model_and_is_measured_like
     logged = check_trained_and_measured(orpo, aligned, "orpo")  # SFT still runs (the recipe starts with it), cached
     started = json.loads((Path(orpo["align/orpo"]["dir"]) / "run_spec.json").read_text())["base_dir"]
     assert "/pretrain/" in started, started  # init: base: from the pretrained model, not SFT's
-    # TRL's ORPO and CPO trainers log no `num_tokens`, so there is no tokens/s row (KTO's and DPO's have one)
-    assert "loss" in logged and any(k.startswith("rewards/") for k in logged), sorted(logged)
+    # TRL's ORPO trainer counts no tokens: the entry does (AlignMethod.token_keys), so tokens/s is logged
+    assert {"loss", "num_tokens", "tokens_per_s"} <= logged, sorted(logged)
+    assert any(k.startswith("rewards/") for k in logged), sorted(logged)
+
+
+@pytest.mark.slow
+def test_a_killed_orpo_rank_is_retried_and_resumes_to_the_same_result(
+    orpo: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TRL's experimental trainers (ORPO's, CPO's for SimPO) resume from lmforge's sealed checkpoints
+    as DPO's does: a rank killed after step 7 costs one retry from checkpoint-6, and the result is the
+    uninterrupted run's."""
+    import threading
+
+    from tests.test_align import _kill_rank_when
+
+    workspace = tmp_path_factory.mktemp("orpo-killed")
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 7, done, "orpo"), daemon=True)
+    killer.start()
+    try:
+        run = run_from_aligned(aligned, tmp_path_factory, "orpo", SMALL_ORPO, workspace=workspace)
+    finally:
+        done.set()
+    resumed, reference = run["align/orpo"], orpo["align/orpo"]
+    assert resumed["key"] == reference["key"] and resumed["counts"]["attempts"] == 2
+    assert "resuming from checkpoint-6" in (Path(resumed["dir"]) / "logs" / "rank-0.log").read_text()
+    for metric in ("preference_accuracy_after", "logprob_margin_after"):  # the held-out figures of the result
+        assert abs(resumed["metrics"][metric] - reference["metrics"][metric]) < 1e-4, metric
 
 
 def test_orpo_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:

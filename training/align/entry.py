@@ -83,6 +83,9 @@ def _callbacks(method: AlignMethod, spec: dict[str, Any], trainer_holder: dict[s
             self.last: tuple[float, float] | None = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            counted = trainer_holder.get("tokens")
+            if counted is not None and logs is not None and "train_runtime" not in logs:  # every rank: a collective
+                logs.setdefault("num_tokens", counted.total(trainer_holder["trainer"]))
             if not state.is_world_process_zero or not logs or "train_runtime" in logs:
                 return
             row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
@@ -140,6 +143,29 @@ def _callbacks(method: AlignMethod, spec: dict[str, Any], trainer_holder: dict[s
     return [JsonlMetrics(), HeldoutGeneration(), SealCheckpoints(), *method.callbacks(spec, trainer_holder)]
 
 
+class TokenCount:
+    """The tokens of the batches every rank trains on, for trainers that log no `num_tokens`: the
+    non-padding positions of the batch's `keys` (attention masks), counted as TRL counts its own
+    trainers' (`num_tokens`: every token the forward pass sees, summed over ranks)."""
+
+    def __init__(self, trainer: Any, keys: tuple[str, ...]) -> None:
+        self.local = 0.0
+        step = trainer.training_step
+
+        def training_step(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            self.local += float(sum(inputs[k].sum().item() for k in keys if k in inputs))
+            return step(model, inputs, *args, **kwargs)
+
+        trainer.training_step = training_step
+
+    def total(self, trainer: Any) -> float:
+        """Summed over ranks (a collective: every rank calls it at the same logged steps)."""
+        import torch
+
+        local = torch.tensor([self.local], dtype=torch.float64, device=trainer.accelerator.device)
+        return float(trainer.accelerator.reduce(local, reduction="sum").item())
+
+
 def train(spec: dict[str, Any], rank: int) -> None:
     """One rank: the method's TRL trainer on the start model, resumed from the newest complete
     checkpoint; rank 0 exports and measures the result (`finish`)."""
@@ -174,6 +200,8 @@ def train(spec: dict[str, Any], rank: int) -> None:
         model = load_model(spec["base_dir"], spec["precision"])
     trainer: Trainer = method.trainer(spec, model, tokenizer, _callbacks(method, spec, holder))
     holder["trainer"] = trainer
+    if method.token_keys:  # a trainer that counts no tokens itself (TRL's experimental ORPO and CPO)
+        holder["tokens"] = TokenCount(trainer, method.token_keys)
     if spec.get("quantized_base"):
         from training.align.qlora import adapters_in_fp32
 

@@ -34,6 +34,9 @@ class ORPO(PreferenceMethod, FromSftOrItsStart):
     config = OrpoConfig
     description = "Odds-ratio preference optimisation with TRL: SFT and preference in one loss, no reference model"
 
+    # TRL's experimental trainer logs no num_tokens: the entry counts the pair's forward tokens
+    token_keys = ("chosen_attention_mask", "rejected_attention_mask")
+
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer

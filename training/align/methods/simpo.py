@@ -39,6 +39,9 @@ class SimPO(PreferenceMethod, FromSftOrItsStart):
     config = SimpoConfig
     description = "SimPO with TRL's CPOTrainer: length-normalised reward with a target margin, no reference model"
 
+    # TRL's experimental trainer logs no num_tokens: the entry counts the pair's forward tokens
+    token_keys = ("chosen_attention_mask", "rejected_attention_mask")
+
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.cpo import CPOConfig, CPOTrainer
