@@ -185,9 +185,11 @@ def run_plain(spec: dict, port: int, script: Path) -> float:
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec))
-    subprocess.run(
-        accelerate([str(script), str(out / "spec.json")], port), check=True, cwd=ROOT, capture_output=True, env=_env()
+    done = subprocess.run(
+        accelerate([str(script), str(out / "spec.json")], port), cwd=ROOT, capture_output=True, text=True, env=_env()
     )
+    if done.returncode:
+        raise SystemExit(f"plain TRL {spec['kind']} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "plain_metrics.jsonl").read_text().splitlines()]
     speeds = [
         (b["num_tokens"] - a["num_tokens"]) / (b["time"] - a["time"])
