@@ -81,3 +81,28 @@ def check_lineage_role(name: str) -> None:
     assert name in role_names() and name in adapter_roles()
     assert {f"evaluate/{name}-hf", f"evaluate/{name}-vllm"} <= {s.name for s in RUN_STEPS}
     assert auto_order()[0] == "quantized" and name in auto_order()  # serve.model auto takes it when present
+
+
+def check_resumes_after_a_killed_rank(
+    reference: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory, name: str, overrides: list[str]
+) -> None:
+    """The method's trainer resumes from lmforge's sealed checkpoints as DPO's does: a rank SIGKILLed
+    after step 7 costs one retry from checkpoint-6, and the result is the uninterrupted run's (the
+    same key, the same held-out figures)."""
+    import threading
+
+    from tests.test_align import _kill_rank_when
+
+    workspace = tmp_path_factory.mktemp(f"{name}-killed")
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 7, done, name), daemon=True)
+    killer.start()
+    try:
+        run = run_from_aligned(aligned, tmp_path_factory, name, overrides, workspace=workspace)
+    finally:
+        done.set()
+    resumed, uninterrupted = run[f"align/{name}"], reference[f"align/{name}"]
+    assert resumed["key"] == uninterrupted["key"] and resumed["counts"]["attempts"] == 2
+    assert "resuming from checkpoint-6" in (Path(resumed["dir"]) / "logs" / "rank-0.log").read_text()
+    for metric in ("preference_accuracy_after", "logprob_margin_after"):  # the held-out figures of the result
+        assert abs(resumed["metrics"][metric] - uninterrupted["metrics"][metric]) < 1e-4, metric

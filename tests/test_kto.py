@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.preference_methods import check_lineage_role, check_trained_and_measured, run_from_aligned, small
+from tests.preference_methods import (
+    check_lineage_role,
+    check_resumes_after_a_killed_rank,
+    check_trained_and_measured,
+    run_from_aligned,
+    small,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +27,10 @@ def test_kto_trains_on_two_ranks_from_the_cached_sft_model_and_is_measured_like_
 
 def test_kto_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:
     check_lineage_role("kto")
+
+
+@pytest.mark.slow
+def test_a_killed_kto_rank_is_retried_and_resumes_to_the_same_result(
+    kto: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    check_resumes_after_a_killed_rank(kto, aligned, tmp_path_factory, "kto", small("kto"))

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.preference_methods import check_lineage_role, check_trained_and_measured, run_from_aligned, small
+from tests.preference_methods import (
+    check_lineage_role,
+    check_resumes_after_a_killed_rank,
+    check_trained_and_measured,
+    run_from_aligned,
+    small,
+)
 
 # ORPO's own use: alignment straight from the model SFT starts from
 SMALL_ORPO = small("orpo", "align.orpo.init=base")
@@ -34,26 +40,7 @@ def test_orpo_trains_on_two_ranks_from_the_pretrained_model_and_is_measured_like
 def test_a_killed_orpo_rank_is_retried_and_resumes_to_the_same_result(
     orpo: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """TRL's experimental trainers (ORPO's, CPO's for SimPO) resume from lmforge's sealed checkpoints
-    as DPO's does: a rank killed after step 7 costs one retry from checkpoint-6, and the result is the
-    uninterrupted run's."""
-    import threading
-
-    from tests.test_align import _kill_rank_when
-
-    workspace = tmp_path_factory.mktemp("orpo-killed")
-    done = threading.Event()
-    killer = threading.Thread(target=_kill_rank_when, args=(workspace, 1, 7, done, "orpo"), daemon=True)
-    killer.start()
-    try:
-        run = run_from_aligned(aligned, tmp_path_factory, "orpo", SMALL_ORPO, workspace=workspace)
-    finally:
-        done.set()
-    resumed, reference = run["align/orpo"], orpo["align/orpo"]
-    assert resumed["key"] == reference["key"] and resumed["counts"]["attempts"] == 2
-    assert "resuming from checkpoint-6" in (Path(resumed["dir"]) / "logs" / "rank-0.log").read_text()
-    for metric in ("preference_accuracy_after", "logprob_margin_after"):  # the held-out figures of the result
-        assert abs(resumed["metrics"][metric] - reference["metrics"][metric]) < 1e-4, metric
+    check_resumes_after_a_killed_rank(orpo, aligned, tmp_path_factory, "orpo", SMALL_ORPO)
 
 
 def test_orpo_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:

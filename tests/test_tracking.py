@@ -117,11 +117,18 @@ class MlflowServer:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether a live process of the group is left. Zombies do not count: once a test made this process
+    a child subreaper (lmforge's launcher does), an orphaned worker that exited stays a zombie here
+    until reaped, and `killpg(pgid, 0)` would call the group alive for as long."""
+    import psutil
+
+    for process in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 def _listening(port: int) -> bool:

@@ -17,8 +17,7 @@ lmforge through the `lmforge.curation_filters` entry-point group:
 from __future__ import annotations
 
 import functools
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from data_prep.filters.base import CurationFilter
@@ -34,25 +33,9 @@ BUILTIN = (
 )
 
 
-def _load(target: Any) -> CurationFilter:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target() if isinstance(target, type) else target  # type: ignore[no-any-return]
-
-
 @functools.cache
 def filters() -> dict[str, CurationFilter]:
     """Every registered filter by name, in reporting order: the built-ins, then entry points by name."""
-    from importlib.metadata import entry_points
+    from lmforge.plugins import registered
 
-    found: dict[str, CurationFilter] = {}
-    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
-    for origin, family in [
-        *((t, _load(t)) for t in BUILTIN),
-        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
-    ]:
-        if family.name in found:
-            raise ValueError(f"curation filter {family.name!r} registered twice ({origin})")
-        found[family.name] = family
-    return found
+    return registered(BUILTIN, GROUP, "curation filter")

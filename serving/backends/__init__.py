@@ -20,8 +20,7 @@ environment, which imports this package on its way.
 from __future__ import annotations
 
 import functools
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from serving.backends.base import ServingBackend
@@ -30,28 +29,12 @@ GROUP = "lmforge.serving_backends"
 BUILTIN = ("serving.backends.vllm:VLLM", "serving.backends.llamacpp:LlamaCpp")
 
 
-def _load(target: Any) -> ServingBackend:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target() if isinstance(target, type) else target  # type: ignore[no-any-return]
-
-
 @functools.cache
 def backends() -> dict[str, ServingBackend]:
     """Every registered backend by name: the built-ins, then the `lmforge.serving_backends` entry points."""
-    from importlib.metadata import entry_points
+    from lmforge.plugins import registered
 
-    found: dict[str, ServingBackend] = {}
-    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
-    for origin, backend in [
-        *((t, _load(t)) for t in BUILTIN),
-        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
-    ]:
-        if backend.name in found:
-            raise ValueError(f"serving backend {backend.name!r} registered twice ({origin})")
-        found[backend.name] = backend
-    return found
+    return registered(BUILTIN, GROUP, "serving backend")
 
 
 def backend(name: str) -> ServingBackend:

@@ -19,7 +19,6 @@ sorted by name. Names must be unique.
 from __future__ import annotations
 
 import functools
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -237,31 +236,12 @@ class FromSftOrItsStart(AlignMethod):
         return SFT_MODEL if self.section(config).init == "sft" else start_model(config)
 
 
-def _load(target: str | Any) -> AlignMethod:
-    if isinstance(target, str):
-        module, _, attribute = target.partition(":")
-        target = getattr(importlib.import_module(module), attribute)
-    method = target() if isinstance(target, type) else target
-    if not isinstance(method, AlignMethod):
-        raise TypeError(f"{target!r} is not an AlignMethod")
-    return method
-
-
 @functools.cache
 def methods() -> dict[str, AlignMethod]:
     """Every registered method by name: the built-ins, then the `lmforge.align_methods` entry points."""
-    from importlib.metadata import entry_points
+    from lmforge.plugins import registered
 
-    found: dict[str, AlignMethod] = {}
-    external = sorted(entry_points(group=GROUP), key=lambda e: e.name)
-    for origin, method in [
-        *((t, _load(t)) for t in BUILTIN),
-        *((f"{e.name} = {e.value}", _load(e.load())) for e in external),
-    ]:
-        if method.name in found:
-            raise ValueError(f"alignment method {method.name!r} registered twice ({origin})")
-        found[method.name] = method
-    return found
+    return registered(BUILTIN, GROUP, "alignment method", AlignMethod)
 
 
 def data_owners() -> dict[str, AlignMethod]:
