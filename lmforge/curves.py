@@ -6,6 +6,7 @@ Shared by the Prefect image artifacts (`tasks.progress.step_images`) and the MLf
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from lmforge.jsonl import read_jsonl
 Panels = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]  # (title, ((metric key, label), ...))
 
 
+@functools.cache  # the registry is read once per process; a stage's steps() builds its steps anew
 def panels(step: str) -> Panels:
     """The curves `step` declares (`Step.curves`: pretrain/train, each alignment method's step), or ()."""
     from lmforge.engine.registry import stages

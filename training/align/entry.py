@@ -149,11 +149,13 @@ class TokenCount:
     trainers' (`num_tokens`: every token the forward pass sees, summed over ranks)."""
 
     def __init__(self, trainer: Any, keys: tuple[str, ...]) -> None:
-        self.local = 0.0
+        self.local: Any = 0  # a tensor on the batch's device once counting starts: no host sync per step
         step = trainer.training_step
 
         def training_step(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            self.local += float(sum(inputs[k].sum().item() for k in keys if k in inputs))
+            for key in keys:
+                if key in inputs:
+                    self.local = self.local + inputs[key].detach().sum()
             return step(model, inputs, *args, **kwargs)
 
         trainer.training_step = training_step
@@ -162,7 +164,7 @@ class TokenCount:
         """Summed over ranks (a collective: every rank calls it at the same logged steps)."""
         import torch
 
-        local = torch.tensor([self.local], dtype=torch.float64, device=trainer.accelerator.device)
+        local = torch.as_tensor(self.local, dtype=torch.float64).reshape(1).to(trainer.accelerator.device)
         return float(trainer.accelerator.reduce(local, reduction="sum").item())
 
 
