@@ -471,3 +471,56 @@ def test_a_memory_bound_run_takes_fsdp2_full_shard_over_zero3_only_when_preferre
     assert plan_parallelism(cfg, 50304, gpu((full + zero3) / 2)).label == "FSDP2 full offload=none"
     only_ds = load_config("gpu-1node", [*base, "pretrain.distributed.backend=deepspeed"], check_paths=False)
     assert plan_parallelism(only_ds.pretrain, 50304, gpu(zero3 * 1.001)).backend == "deepspeed"
+
+
+def test_a_resume_from_the_final_checkpoint_trains_no_further_step(tmp_path: Path) -> None:
+    """transformers' loop takes a step before it checks max_steps: a retry resumed from the last
+    checkpoint (a rank that died in the export) trained step max_steps+1 (CI saw `assert 41 == 40`)."""
+    import torch
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from training.align.entry import logged_train_loss, stop_at_max_steps
+
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5, 6]] * 32, "labels": [[1, 2, 3, 4, 5, 6]] * 32})
+    steps: list[int] = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            steps.append(state.global_step)
+
+    def trainer(guarded: bool) -> Trainer:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=16, n_positions=8))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "checkpoints"), max_steps=4, save_steps=2, logging_steps=1, use_cpu=True,
+            report_to=[], per_device_train_batch_size=2, save_total_limit=2, disable_tqdm=True,
+        )  # fmt: skip
+        made = Trainer(model=model, args=args, train_dataset=data, callbacks=[Steps()])
+        if guarded:
+            stop_at_max_steps(made)
+        return made
+
+    trainer(guarded=True).train()
+    assert steps == [1, 2, 3, 4]
+    final = tmp_path / "checkpoints" / "checkpoint-4"
+    unguarded = trainer(guarded=False)
+    unguarded.train(resume_from_checkpoint=str(final))
+    assert unguarded.state.global_step == 5  # the library's behaviour this guards against
+    steps.clear()
+    resumed = trainer(guarded=True)
+    resumed.train(resume_from_checkpoint=str(final))
+    assert steps == [] and resumed.state.global_step == 4
+    from safetensors.torch import load_file
+
+    saved = load_file(str(final / "model.safetensors"))
+    for name, tensor in resumed.model.state_dict().items():  # the checkpoint's weights, not a fresh model's
+        if name in saved:
+            assert torch.equal(tensor, saved[name]), name
+
+    rows = [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 2.0}, {"step": 2, "heldout_exact_match": 0.5},
+            {"step": 3, "loss": 9.0}, {"step": 2, "loss": 3.0}, {"step": 3, "loss": 1.0}]  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert logged_train_loss(metrics, 3, 0.0) == pytest.approx((4.0 + 3.0 + 1.0) / 3)
+    assert logged_train_loss(tmp_path / "none.jsonl", 3, 0.5) == 0.5

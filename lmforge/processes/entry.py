@@ -17,6 +17,7 @@ other environments (the quantizer's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -25,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_CODES = {"ok": 0, "crash": 1, "config_error": 2, "diverged": 3, "parity_failed": 4, "deterministic": 5}
 EXIT_RECORD = "exit-rank{rank}.json"
@@ -124,4 +125,20 @@ def main(work: Work, argv: Sequence[str] | None = None, quiet: Sequence[str] = (
     parser.add_argument("--spec", required=True, help="the JSON spec lmforge.processes.launch.run_entry wrote")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by some launchers; unused")
     args = parser.parse_args(argv)
-    return run_recorded(work, args.spec, quiet)
+    code = run_recorded(work, args.spec, quiet)
+    if argv is None:  # the process's own entry point, not a test calling it
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process once its outcome is recorded and its process group destroyed, without the
+    interpreter's finalization: C++ threads left by the libraries a rank ran (gloo's, a trainer's
+    helpers) can meet a half-finalized interpreter there and abort ("terminate called without an
+    active exception", SIGABRT). A rank that ended first while rank 0 still exported did exactly that,
+    and the launcher then killed rank 0 mid-export and the step retried. Logs and stdio are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

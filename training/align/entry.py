@@ -168,6 +168,40 @@ class TokenCount:
         return float(trainer.accelerator.reduce(local, reduction="sum").item())
 
 
+def stop_at_max_steps(trainer: Any) -> None:
+    """Make a resume from the final checkpoint train nothing more.
+
+    transformers' loop (5.x `Trainer._inner_training_loop`) takes an optimizer step before it first
+    checks `max_steps`, so a retry resumed from `checkpoint-<max_steps>` (a rank that died after the
+    last save, in the export or at exit) trained step max_steps+1 and exported a model the config does
+    not describe. Every epoch is skipped once `global_step` has reached `max_steps`; the checkpoint's
+    weights are still loaded (by the Trainer, DeepSpeed's or FSDP's path alike) and exported."""
+    run_epoch = getattr(trainer, "_run_epoch", None)
+    if run_epoch is None:
+        raise RuntimeError("transformers' Trainer has no _run_epoch: check training.align.entry.stop_at_max_steps")
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if trainer.state.global_step >= trainer.state.max_steps > 0:
+            trainer.control.should_training_stop = True
+            return None
+        return run_epoch(*args, **kwargs)
+
+    trainer._run_epoch = guarded
+
+
+def logged_train_loss(metrics: Path, final_step: int, fallback: float) -> float:
+    """The mean training loss over steps 1..final_step, from the per-step rows (the last row of a step
+    logged twice, by an attempt and its resume). transformers' own figure counts the resumed attempt's
+    losses only, divided by every step."""
+    losses: dict[int, float] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if "loss" in row and 0 < row["step"] <= final_step:
+                losses[row["step"]] = float(row["loss"])
+    return sum(losses.values()) / len(losses) if losses else fallback
+
+
 def train(spec: dict[str, Any], rank: int) -> None:
     """One rank: the method's TRL trainer on the start model, resumed from the newest complete
     checkpoint; rank 0 exports and measures the result (`finish`)."""
@@ -216,6 +250,7 @@ def train(spec: dict[str, Any], rank: int) -> None:
         log.info(
             "distributed: %s over %d rank(s)", trainer.accelerator.distributed_type, trainer.accelerator.num_processes
         )
+    stop_at_max_steps(trainer)
     started = time.time()
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.time() - started
@@ -235,7 +270,7 @@ def finish(
         (export / "training_args.bin").unlink(missing_ok=True)
     summary: dict[str, Any] = {
         "final_step": trainer.state.global_step,
-        "train_loss": result.training_loss,
+        "train_loss": logged_train_loss(out_dir / METRICS, trainer.state.global_step, result.training_loss),
         "train_seconds": round(seconds, 2),
     }
     summary.update(method.export(spec, tokenizer, hf))
