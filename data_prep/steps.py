@@ -39,6 +39,7 @@ from data_prep.select import AttributeDirs, run_selection, shard_inputs
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.remote import local_workspace
 from lmforge.engine.stage import BASE_MODEL, DOCUMENTS, TOKEN_SHARDS, has_base
 from lmforge.engine.stage import TOKENIZER as TOKENIZER_DIR
 from lmforge.errors import ConfigError, DeterministicError
@@ -108,7 +109,7 @@ def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     """Inputs are keyed by content: local files by SHA-256 (cached by size/mtime/inode), hub
     datasets by their resolved revision, built-in sources by what generates them. The glob
     expansion itself is part of the key."""
-    cache = fingerprints(config.workspace)
+    cache = fingerprints(local_workspace(config))
 
     def fingerprint(path: str) -> Any:
         if sources.is_builtin(path):
@@ -367,7 +368,7 @@ def _reference_files(config: ConfigView) -> dict[str, Any]:
     qc = config.curate.quality_classifier
     if not qc.reference:
         return {"reference_files": "builtin:pydoc_data.topics"}
-    cache = fingerprints(config.workspace)
+    cache = fingerprints(local_workspace(config))
     return {"reference_files": {p: cache.path_fingerprint(p) for p in qc.reference}}
 
 

@@ -90,7 +90,7 @@ def evaluate_model(
     """
     from lmforge.engine.store import StageStore
 
-    store = StageStore(workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     done: dict[str, Path] = {}
     todo: dict[str, Path] = {}
     for name, task in tasks.items():

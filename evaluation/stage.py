@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation.config import EvaluateConfig
+from lmforge.engine.remote import local_workspace
 from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 
 if TYPE_CHECKING:
@@ -104,10 +105,12 @@ def _cmd_report(args: argparse.Namespace, config: PipelineBase) -> int:
     from lmforge.engine.store import StageStore
     from lmforge.errors import ConfigError
 
-    latest = StageStore(config.workspace).latest("evaluate/report")
+    latest = StageStore(local_workspace(config)).latest("evaluate/report")
     if latest is None:
         raise ConfigError(f"no evaluation in {config.workspace} yet: run `lmforge stage evaluate`")
-    print((StageStore(config.workspace).step_dir("evaluate/report", latest["key"]) / "comparison.md").read_text())
+    print(
+        (StageStore(local_workspace(config)).step_dir("evaluate/report", latest["key"]) / "comparison.md").read_text()
+    )
     return 0
 
 

@@ -42,7 +42,7 @@ def collect(
     stage: str, config: PipelineBase, manifests: dict[str, dict[str, Any]], started: float, child: str
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """The manifests of the stage's steps, found in the workspace after its child run."""
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     found: dict[str, dict[str, Any]] = {}
     status: dict[str, str] = {}
     for step in graph().active(config, [stage]):

@@ -86,7 +86,7 @@ def pipeline(
     return {
         "workspace": config.workspace,
         "steps": {
-            name: {"key": m["key"], "dir": m["dir"], "status": status[name], "counts": m["counts"]}
+            name: {"key": m["key"], "dir": m["dir"], "url": m.get("url"), "status": status[name], "counts": m["counts"]}
             for name, m in manifests.items()
         },
         "manifests": manifests,

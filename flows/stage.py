@@ -57,7 +57,7 @@ def run_stage_steps(
         futures[step.name] = step_task(step.name, config).submit(step.name, opaque(config), upstream)
     results = {name: future.result() for name, future in futures.items()}
     status = {name: "cached" if futures[name].state.name == "Cached" else "computed" for name in results}
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     for name, manifest in results.items():
         store.record_use(name, manifest)  # what `lmforge explain` compares against next time
     return results, status

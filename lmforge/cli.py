@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmforge.engine.remote import local_workspace
 from lmforge.errors import ConfigError, LmforgeError
 
 # Prefect's temporary server would try to send telemetry, and fail loudly on machines without
@@ -297,7 +298,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     if args.action == "render":
         print(script, end="")
         return 0
-    path, answer = slurm.submit(script, Path(args.workspace or config.workspace).resolve() / "slurm")
+    ws = config.model_copy(update={"workspace": args.workspace}) if args.workspace else config
+    path, answer = slurm.submit(script, local_workspace(ws).resolve() / "slurm")
     print(f"{answer}  (script: {path})")
     return 0
 

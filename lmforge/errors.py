@@ -17,6 +17,11 @@ class ConfigError(LmforgeError):
     """A configuration problem: unknown key, wrong type, missing file."""
 
 
+class StoreUnreachable(LmforgeError):
+    """A remote workspace's store cannot be reached, or refuses this machine's credentials (one line
+    naming the URL, before any step runs)."""
+
+
 class UndeclaredConfigRead(LmforgeError):
     """A step read a config field it did not declare in its `reads` (a programming error).
 

@@ -14,6 +14,61 @@ from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import RUNTIME_MARK, ConfigView, StrictModel, runtime_field
 
+SECRET_OPTIONS = ("key", "secret", "token", "password", "account_key", "sas_token", "connection_string",
+                  "client_secret", "aws_secret_access_key", "aws_session_token", "credentials")  # fmt: skip
+
+
+class StorageConfig(StrictModel):
+    """A workspace on object storage (`workspace: s3://bucket/prefix`, `gs://`, `az://`): how this machine
+    reaches it and where its local working copy lives (`lmforge.engine.remote`). Credentials are never
+    here: each cloud's own chain (environment, profile, instance role, application default credentials)."""
+
+    options: dict[str, Any] = runtime_field(
+        default_factory=dict,
+        description="fsspec storage options that are not secrets, e.g. {endpoint_url: http://127.0.0.1:9000} "
+        "for an S3-compatible server, {client_kwargs: {region_name: eu-west-1}}.",
+    )
+    local_copy: str | None = runtime_field(
+        None,
+        description="This machine's working copy of a remote workspace (steps read and write local files; "
+        "outputs are uploaded when they finish); None: ~/.cache/lmforge/workspaces/<digest of the URL>.",
+    )
+    local_copy_max_gb: float | None = runtime_field(
+        None,
+        gt=0,
+        description="Bound on the working copy: outputs already on the store, least recently used first, "
+        "are removed to stay under it (they are downloaded again when needed); None: unbounded.",
+    )
+    keep_checkpoints: int = runtime_field(
+        2,
+        ge=1,
+        description="Training checkpoints kept on the store per step (uploaded in the background as each is "
+        "sealed; a run on a machine without them resumes from the newest).",
+    )
+    lease_s: float = runtime_field(
+        120.0,
+        ge=10,
+        description="A machine computing a step holds a lease on it in the store, renewed every third of this; "
+        "another machine waits for it, and takes a lease not renewed for this long over.",
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        def walk(item: Any, path: str) -> None:
+            if isinstance(item, dict):
+                for k, v in item.items():
+                    if str(k).lower() in SECRET_OPTIONS:
+                        raise ValueError(
+                            f"runtime.storage.options.{path}{k}: credentials never go in the config (it is logged, "
+                            "tracked and kept in manifests); use the store's own chain: environment, profile, "
+                            "instance role, application default credentials"
+                        )
+                    walk(v, f"{path}{k}.")
+
+        walk(value, "")
+        return value
+
 
 class RuntimeConfig(StrictModel):
     workers: int = runtime_field(2, description="Local worker processes for sharded steps.", ge=1)
@@ -35,6 +90,7 @@ class RuntimeConfig(StrictModel):
         description="Wall-clock limit in seconds per step or stage name, e.g. "
         "{pretrain/train: 86400, curate: 3600}; a step over its limit is stopped.",
     )
+    storage: StorageConfig = StorageConfig()
     dispatch: Literal["local", "deployments"] = runtime_field(
         "local",
         description="local: the pipeline runs every stage in its own process; deployments: each stage "
@@ -138,7 +194,11 @@ class PipelineBase(StrictModel):
     stage, and the registered stages as `stages`' default."""
 
     name: str = runtime_field("custom", description="Preset name, shown in the UI.")
-    workspace: str = runtime_field("./workspace", description="Where stage outputs live (content-addressed).")
+    workspace: str = runtime_field(
+        "./workspace",
+        description="Where stage outputs live (content-addressed): a folder, or an object-store URL "
+        "(s3://bucket/prefix, gs://, az://) every machine of the pipeline shares (runtime.storage).",
+    )
     stages: list[str] = Field(
         default_factory=list,
         json_schema_extra=RUNTIME_MARK,
@@ -154,6 +214,22 @@ class PipelineBase(StrictModel):
         def __getattr__(self, name: str) -> Any: ...
 
     _single_line_name = field_validator("name")(_one_line)
+
+    @field_validator("workspace")
+    @classmethod
+    def _workspace_url(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep:
+            return value
+        if scheme == "file":
+            return rest or "/"
+        import fsspec
+
+        if scheme not in fsspec.available_protocols():
+            raise ValueError(f"workspace {value}: no fsspec filesystem for {scheme}:// (s3://, gs://, az://, a folder)")
+        if not rest.strip("/"):
+            raise ValueError(f"workspace {value}: name a bucket (and a prefix): {scheme}://bucket/prefix")
+        return value.rstrip("/")
 
 
 # What a stage's config-reading helpers may be handed: the whole pipeline config, or a running

@@ -73,6 +73,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from lmforge.engine.remote import is_remote, local_workspace
+
 if TYPE_CHECKING:
     from lmforge.pipelinebase import PipelineBase
 
@@ -131,7 +133,7 @@ def enabled(config: PipelineBase) -> bool:
 
 def tracking_uri(config: PipelineBase) -> str:
     """The configured tracking URI, or the workspace's own SQLite store."""
-    return config.tracking.mlflow.tracking_uri or f"sqlite:///{Path(config.workspace).resolve() / 'mlflow.db'}"
+    return config.tracking.mlflow.tracking_uri or f"sqlite:///{local_workspace(config).resolve() / 'mlflow.db'}"
 
 
 def experiment_name(config: PipelineBase) -> str:
@@ -322,7 +324,7 @@ def _experiment(client: Any, config: PipelineBase, uri: str) -> str:
 
 
 def _local_artifacts(config: PipelineBase) -> str:
-    return (Path(config.workspace).resolve() / "mlflow-artifacts").as_uri()
+    return (local_workspace(config).resolve() / "mlflow-artifacts").as_uri()
 
 
 def _start_pipeline(client: Any, config: PipelineBase, run: PipelineRun, state: _State) -> None:
@@ -339,8 +341,10 @@ def _start_pipeline(client: Any, config: PipelineBase, run: PipelineRun, state: 
         "lmforge.kind": "pipeline",
         "lmforge.pipeline_run": run.id,
         "lmforge.preset": config.name,
-        "lmforge.workspace": str(Path(config.workspace).resolve()),
-        "mlflow.note.content": f"lmforge pipeline run of preset {config.name} in {Path(config.workspace).resolve()}",
+        "lmforge.workspace": config.workspace
+        if is_remote(config.workspace)
+        else str(local_workspace(config).resolve()),
+        "mlflow.note.content": f"lmforge pipeline run of preset {config.name} in {local_workspace(config).resolve()}",
         **_code_tags(code_version()),
     }
     if run.orchestrated:
@@ -474,7 +478,7 @@ def _end_recorded(client: Any, record: dict[str, Any], path: Path) -> None:
 
 
 def _unended_path(config: PipelineBase) -> Path:
-    return Path(config.workspace).resolve() / ".tracking" / "mlflow-unended.json"
+    return local_workspace(config).resolve() / ".tracking" / "mlflow-unended.json"
 
 
 @contextlib.contextmanager
@@ -657,7 +661,7 @@ def _makes_model(manifest: dict[str, Any]) -> bool:
 
 def _input_manifest(config: PipelineBase, name: str, reference: dict[str, Any]) -> dict[str, Any] | None:
     """An input's manifest, found in this workspace by its step and key (<workspace>/<stage>/<step>/<key>)."""
-    for directory in (Path(config.workspace) / name / str(reference.get("key")), Path(str(reference.get("dir")))):
+    for directory in (local_workspace(config) / name / str(reference.get("key")), Path(str(reference.get("dir")))):
         try:
             return dict(json.loads((directory / "manifest.json").read_text()))
         except (OSError, ValueError):

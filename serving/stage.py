@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.engine.remote import local_workspace
 from lmforge.engine.stage import ArtifactSpec, Resources, Stage
 from serving.config import ServeConfig
 
@@ -29,7 +30,7 @@ def _reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> li
     manifest = manifests.get("serve/release")
     if manifest is None:
         return []
-    outcome, record = release.ensure_running(config.workspace, config.serve, manifest["extra"])
+    outcome, record = release.ensure_running(local_workspace(config), config.serve, manifest["extra"])
     if outcome == "kept":
         log.info(
             "%s is current at %s (pid file %s): kept, not restarted",
@@ -104,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace, config: PipelineBase) -> int:
     from serving import release
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    workspace = config.workspace
+    workspace = local_workspace(config)  # the serving folder is this machine's
     if args.action == "stop":
         print("stopped" if release.stop(workspace) else "not running")
         return 0

@@ -142,7 +142,7 @@ def _from_base(ctx: StepContext) -> str:
 def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving import release
 
-    cfg, workspace = ctx.config.serve, ctx.config.workspace
+    cfg, workspace = ctx.config.serve, ctx.workspace
     if cfg.adapters.enabled:
         return _finalize_adapters(ctx)
     server = backends.backend(cfg.backend)
@@ -210,7 +210,7 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     from lmforge.inference.vllm_server import LoraModules
     from serving import adapters, release
 
-    cfg, workspace = ctx.config.serve, ctx.config.workspace
+    cfg, workspace = ctx.config.serve, ctx.workspace
     chains = [
         a
         for role in adapter_roles()
@@ -315,7 +315,7 @@ def _slo_check(ctx: StepContext, cfg: Any, record: dict[str, Any], model_dir: Pa
 
     if not cfg.slo.enabled:
         return []
-    key, _ = release.api_key(ctx.config.workspace)
+    key, _ = release.api_key(ctx.workspace)
     words = slo.fit_prefix_words(model_dir, cfg.slo.max_tokens, cfg.slo.system_prompt_words, cfg.engine.max_model_len)
     rows = slo.run(
         record["url"],

@@ -59,7 +59,7 @@ def publish_stage(
     """`<stage>-steps` and `<stage>-card`; `links`: the MLflow run of each step logged in this run."""
     links = links or {}
     rows = [
-        {"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m["dir"]}
+        {"step": name, "status": _status(m, status[name]), "key": m["key"], "output": m.get("url") or m["dir"]}
         | ({"mlflow": links.get(name, "")} if links else {})
         for name, m in manifests.items()
         if m["stage"] == stage
@@ -110,6 +110,9 @@ def publish_lineage(
             f"| `{name}` | `{m['key']}` | {reads} | `{m['digest'][:12]}` | {_status(m, status[name])} | "
             f"{made_by(m, runs)} |"
         )
+    urls = [m["url"] for m in manifests.values() if m.get("url")]
+    if urls:  # a workspace on object storage: every output above is under it
+        lines += ["", f"Workspace: `{urls[0].rsplit('/', 3)[0]}` (`<step>/<key>/` under it)"]
     if runs:
         lines += [
             "",

@@ -175,7 +175,7 @@ def _unit_tasks(config: PipelineBase, progress: ProgressReporter) -> UnitRunner:
     retry_condition_fn=should_retry,
 )
 def run_step(step_name: str, config: PipelineBase, upstream: dict[str, dict[str, Any]]) -> State:
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     step = graph().get(step_name)
     progress = ProgressReporter(step_name)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.s3server import s3, s3_endpoint  # noqa: F401 - fixtures: a real S3 server on 127.0.0.1 (test_remote_workspace)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

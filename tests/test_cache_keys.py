@@ -252,6 +252,12 @@ ROWS = [
     ("runtime.task_runner=dask", set()),
     ("runtime.dask_address=tcp://127.0.0.1:8786", set()),
     ("runtime.dask_allow_plain_tcp=true", set()),
+    # object storage: where outputs are kept and how this machine reaches them, never what they are
+    ("runtime.storage.options={endpoint_url: http://127.0.0.1:9000}", set()),
+    ("runtime.storage.local_copy=/tmp/elsewhere", set()),
+    ("runtime.storage.local_copy_max_gb=5", set()),
+    ("runtime.storage.lease_s=60", set()),
+    ("runtime.storage.keep_checkpoints=4", set()),
     ("cluster.nodes=4", set()),
     ("cluster.gpus_per_node=4", set()),
     ("cluster.cpus_per_task=8", set()),

@@ -135,9 +135,10 @@ def _api_url() -> str:
     return PREFECT_API_URL.value()
 
 
-def _start_worker(pool: str, log: Path) -> subprocess.Popen:
+def _start_worker(pool: str, log: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {
         **os.environ,
+        **(env_extra or {}),
         "PREFECT_API_URL": _api_url(),
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

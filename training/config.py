@@ -162,6 +162,9 @@ class FaultInjectionConfig(StrictModel):
         description="Global micro-batch indices whose gradients (not loss) are made NaN, as a broken "
         "attention kernel does.",
     )
+    step_delay_s: float = Field(
+        0.0, ge=0, description="Seconds each rank sleeps after every step: a tiny run as slow as a real one."
+    )
 
 
 class PretrainConfig(StrictModel):

@@ -57,8 +57,11 @@ class Trainer:
         nan_at_batches: tuple[int, ...] = (),
         base_dir: Path | None = None,
         nan_grad_at_batches: tuple[int, ...] = (),
+        step_delay_s: float = 0.0,
     ):
         import torch
+
+        self.step_delay_s = step_delay_s  # debug.pretrain: a tiny run as slow as a real one
 
         self.nan_at_batches = set(nan_at_batches)  # debug.pretrain: a reproducible divergence
         self.nan_grad_at_batches = set(nan_grad_at_batches)  # ... and a finite loss with NaN gradients
@@ -459,6 +462,8 @@ class Trainer:
             self.note_loss_after(outcome)
             if self.step % self.cfg.checkpoint.every_steps == 0 or self.step == self.cfg.max_steps:
                 self.save_checkpoint()
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
         metrics.close()
         count = self.progress["tps_count"]
         mean_tps = self.progress["tps_sum"] / count if count else None

@@ -68,6 +68,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         tuple(spec["debug"]["nan_at_batches"]),
         Path(spec["base_dir"]) if spec.get("base_dir") else None,
         tuple(spec["debug"]["nan_grad_at_batches"]),
+        spec["debug"].get("step_delay_s", 0.0),
     )
     summary = trainer.run()
     state = consolidated_state(trainer.engine, plan.zero_stage)

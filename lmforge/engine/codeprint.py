@@ -69,6 +69,7 @@ NOT_STEP_CODE = frozenset(
         "lmforge.engine.graph",
         "lmforge.processes.launcher",
         "lmforge.engine.registry",
+        "lmforge.engine.remote",
         "lmforge.server",
         "lmforge.processes.slurm",
         "lmforge.engine.stage",

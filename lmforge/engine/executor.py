@@ -117,7 +117,7 @@ def open_step(
         log.warning("%s/%s: %s; recomputing", plan.step.name, plan.key, plan.reason)
         store.invalidate(plan.directory)
     plan.directory.mkdir(parents=True, exist_ok=True)
-    needed = {name: upstream[name] for name in plan.upstream_names}
+    needed = {name: local_copy(store, name, upstream[name]) for name in plan.upstream_names}
     return StepContext(
         plan.step.name,
         plan.key,
@@ -128,6 +128,23 @@ def open_step(
         identity=plan.components["config"],
         products=graph().products(plan.step, config),
     )
+
+
+def local_copy(store: StageStore, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """An upstream output as this machine holds it. In a remote workspace the manifest may come from
+    another machine (a parent flow run's, naming its own folder): the output is taken from this
+    machine's working copy, fetched from the store first when it is not there."""
+    if store.remote is None:
+        return manifest
+    directory = store.step_dir(name, manifest["key"])
+    if Path(manifest["dir"]) == directory and (directory / "manifest.json").exists():
+        return manifest
+    here, reason = store.check(name, manifest["key"])
+    if here is None:
+        from lmforge.errors import RetryableError
+
+        raise RetryableError(f"{name}/{manifest['key']}: not available from {store.remote.url}: {reason}")
+    return here
 
 
 def split_units(ctx: StepContext, store: StageStore) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -329,9 +346,21 @@ def _plan_and_compute(
             done, todo = split_units(ctx, store)
             if done:
                 log.info("%s: resuming; %d of %d units already complete", step.name, len(done), len(done) + len(todo))
+            # a remote workspace: checkpoints come back from the store before, and go to it during, training
+            mirror = store.checkpoint_mirror(step.name, plan.key, step.bookkeeping)
             with launcher.step_scope(step.name, lock_fd, step_timeout(step, config)):
-                results = {**done, **run_units(ctx, todo)}
-                manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
+                if mirror is not None:
+                    mirror.restore()
+                    mirror.start()
+                try:  # training runs in units or in the step's finalize
+                    results = {**done, **run_units(ctx, todo)}
+                    manifest = close_step(plan, ctx, results, store, started, units_reused=len(done))
+                except BaseException:
+                    if mirror is not None:  # what the failed attempt sealed is durable for the next one, anywhere
+                        mirror.stop(final_scan=True)
+                    raise
+                if mirror is not None:
+                    mirror.stop(final_scan=False)  # the output is committed: its checkpoints are no longer needed
     log.info("%s: computed in %.1fs -> %s", step.name, manifest["timings"]["seconds"], manifest["dir"])
     return manifest, False
 
@@ -388,7 +417,7 @@ def execute_with_retries(
 
 def run_pipeline_locally(config: PipelineBase, stages: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Run the selected stages without Prefect (tests, notebooks, debugging)."""
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     manifests: dict[str, dict[str, Any]] = {}
     with tracking.pipeline_run(config), make_pool(config.runtime.workers) as pool:  # one MLflow run, if any
         for step in graph().active(config, list(stages)):
@@ -409,7 +438,7 @@ def reuse_everything(config: PipelineBase, stages: Iterable[str]) -> dict[str, d
     one line per step, the record `lmforge explain` compares against, and the live state that
     follows the outputs (a served model that stopped is started again).
     """
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     plans: list[StepPlan] = []
     manifests: dict[str, dict[str, Any]] = {}
     for step in graph().active(config, list(stages)):

@@ -71,7 +71,7 @@ def diff_components(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def explain(config: PipelineBase, stages: list[str]) -> list[Explanation]:
-    store = StageStore(config.workspace, config.runtime.verify)
+    store = StageStore.for_config(config)
     manifests: dict[str, dict[str, Any]] = {}
     rerun: set[str] = set()
     out: list[Explanation] = []

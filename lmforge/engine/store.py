@@ -28,9 +28,13 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from lmforge.engine.remote import PUBLISHED
 from lmforge.hashing import atomic_write_json, digest, file_sha256
+
+if TYPE_CHECKING:
+    from lmforge.engine.remote import CheckpointMirror, RemoteWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +152,33 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]], mode: Verify
     return None
 
 
-class StageStore:
-    """Locates, verifies and records step outputs under one workspace."""
+_REACHED: set[str] = set()  # remote workspaces this process has checked (one probe per URL per process)
 
-    def __init__(self, workspace: str | os.PathLike[str], verify: VerifyMode = "checksum"):
-        self.root = Path(workspace).resolve()
+
+class StageStore:
+    """Locates, verifies and records step outputs under one workspace: a folder, or this machine's
+    working copy of a remote one (`remote`, `lmforge.engine.remote`), which outputs are fetched from
+    when the working copy lacks them and published to when they are made here."""
+
+    def __init__(
+        self, workspace: str | os.PathLike[str], verify: VerifyMode = "checksum", remote: RemoteWorkspace | None = None
+    ):
+        self.root = Path(workspace).expanduser().resolve()
         self.verify_mode: VerifyMode = verify
+        self.remote = remote
+        self.used: set[Path] = set()  # outputs this run reused or made: never evicted from the working copy
+
+    @classmethod
+    def for_config(cls, config: Any) -> StageStore:
+        """The store of `config.workspace`; a remote one is checked once per process (reachable, writable,
+        conditional creates), failing in one line naming the URL before any step runs."""
+        from lmforge.engine.remote import local_workspace, remote_workspace
+
+        remote = remote_workspace(config)
+        if remote is not None and remote.url not in _REACHED:
+            remote.check_access()
+            _REACHED.add(remote.url)
+        return cls(local_workspace(config), config.runtime.verify, remote)
 
     def step_dir(self, step: str, key: str) -> Path:
         return self.root / step / key
@@ -168,7 +193,60 @@ class StageStore:
             return None
 
     def check(self, step: str, key: str) -> tuple[dict[str, Any] | None, str]:
-        """(manifest, reason): the manifest when the output is complete and intact, else None and why."""
+        """(manifest, reason): the manifest when the output is complete and intact, else None and why.
+        With a remote workspace, an output the working copy lacks is fetched from the store when it is
+        there; one made here that is not on the store yet (its upload failed) is published."""
+        manifest, reason = self._check_local(step, key)
+        if self.remote is None:
+            return manifest, reason
+        directory = self.step_dir(step, key)
+        if manifest is not None:
+            if not (directory / PUBLISHED).exists():
+                manifest = self._publish(step, key, directory, manifest)
+        else:
+            stored = self.remote.manifest(step, key)
+            if stored is None:
+                return None, reason
+            problem = self.remote.fetch(step, key, directory, stored)
+            if problem:
+                return None, f"output on the store is damaged: {problem}"
+            manifest, reason = self._check_local(step, key)
+            if manifest is not None:
+                reason = f"fetched from {self.remote.url}"
+        if manifest is not None:
+            self._used(directory)
+            manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
+        return manifest, reason
+
+    def checkpoint_mirror(self, step: str, key: str, bookkeeping: tuple[str, ...]) -> CheckpointMirror | None:
+        """For a step that checkpoints (`checkpoints/` in its bookkeeping) in a remote workspace: the
+        mirror that restores the store's newest checkpoint before it runs and uploads new ones as it does."""
+        from lmforge.engine.remote import CHECKPOINTS, CheckpointMirror
+
+        if self.remote is None or CHECKPOINTS not in bookkeeping:
+            return None
+        return CheckpointMirror(self.remote, step, key, self.step_dir(step, key), self.remote.keep_checkpoints)
+
+    def _used(self, directory: Path) -> None:
+        from lmforge.engine.remote import touch_used
+
+        touch_used(directory)
+        self.used.add(directory)
+        if self.remote is not None:
+            self.remote.bound(self.root, self.used)
+
+    def _publish(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        assert self.remote is not None
+        committed = self.remote.publish(step, key, directory, manifest)
+        if committed.get("digest") == manifest.get("digest"):
+            return manifest
+        # another machine committed this key first (a lease taken over): the store's output is the lineage's
+        problem = self.remote.fetch(step, key, directory, committed)
+        if problem:
+            raise RuntimeError(f"{step}/{key}: {problem}")
+        return {**committed, "dir": str(directory)}
+
+    def _check_local(self, step: str, key: str) -> tuple[dict[str, Any] | None, str]:
         directory = self.step_dir(step, key)
         if not directory.exists():
             return None, "no output with this key yet"
@@ -198,6 +276,10 @@ class StageStore:
         manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs, digest_prefixes)}
         _write_stamps(directory, stamps)  # before the manifest, which makes the output complete
         atomic_write_json(directory / MANIFEST, manifest)
+        if self.remote is not None:
+            step, key = manifest["step"], manifest["key"]
+            manifest = {**self._publish(step, key, directory, manifest), "url": self.remote.url_of(step, key)}
+            self._used(directory)
         return manifest
 
     def invalidate(self, directory: Path) -> None:
@@ -257,4 +339,10 @@ class StageStore:
             except BlockingIOError:
                 log.info("%s/%s is being computed by another run; waiting for it", step, key)
                 fcntl.flock(handle, fcntl.LOCK_EX)
-            yield handle.fileno()
+            if self.remote is None:
+                yield handle.fileno()
+                return
+            # other machines: a lease in the store (held, or released because one of them committed the key)
+            remote = self.remote
+            with remote.lease(step, key, lambda: remote.manifest(step, key) is not None):
+                yield handle.fileno()

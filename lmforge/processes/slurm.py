@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmforge.engine.remote import is_remote, local_workspace
 from lmforge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,8 +67,10 @@ def render(config: PipelineBase, stage: str, preset: str, overrides: list[str], 
         raise ConfigError(f"slurm: no stage named {stage!r} (stages: {', '.join(_stage_names())})")
     if c.nodes > 1 and stage not in MULTINODE:
         raise ConfigError(f"slurm: {stage} runs on one node; cluster.nodes={c.nodes} is for {' and '.join(MULTINODE)}")
-    ws = str(Path(checked("workspace", workspace or config.workspace)).resolve())
-    logs = f"{ws}/slurm"
+    given = checked("workspace", workspace or config.workspace)
+    # an object-store workspace is passed on as its URL; the job's logs go to the working copy's folder
+    ws = given if is_remote(given) else str(Path(given).resolve())
+    logs = f"{local_workspace(config.model_copy(update={'workspace': given})).resolve()}/slurm"
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={sbatch_word('name', f'lmforge-{stage}-{config.name}')}",

@@ -26,6 +26,7 @@ from typing import Any
 
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.remote import local_workspace
 from lmforge.engine.stage import left_out_for_base
 from lmforge.errors import ConfigError
 from training.align.methods import (
@@ -50,7 +51,7 @@ DATA = "align/data"
 # -- data ---------------------------------------------------------------------------------------------
 
 
-def _input_files(paths: list[str], workspace: str) -> dict[str, str]:
+def _input_files(paths: list[str], workspace: str | Path) -> dict[str, str]:
     from lmforge.hashing import fingerprints
     from lmforge.inputs import expand_inputs
 
@@ -67,7 +68,7 @@ def _input_fingerprints(config: ConfigView) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for m in data_owners().values():
         inputs = m.section(config).inputs
-        found[f"{m.name}_inputs"] = _input_files(inputs, config.workspace) if inputs else "builtin"
+        found[f"{m.name}_inputs"] = _input_files(inputs, local_workspace(config)) if inputs else "builtin"
     return found
 
 

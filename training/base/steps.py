@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Step, StepContext
+from lmforge.engine.remote import local_workspace
 from lmforge.engine.stage import BASE_MODEL as BASE
 from lmforge.engine.stage import has_base
 
@@ -51,7 +52,7 @@ def _content(config: ConfigView) -> dict[str, Any]:
     b = config.base_model
     if not b.path:  # no base model: the step is off, its identity empty
         return {}
-    identity: dict[str, Any] = {"content": fingerprint(b.path, b.revision, config.workspace)}
+    identity: dict[str, Any] = {"content": fingerprint(b.path, b.revision, local_workspace(config))}
     if b.trust_remote_code and not is_hub(b.path):
         identity["remote_code"] = remote_code(resolve(b.path, b.revision))
     return {"base_model": identity}

@@ -1,0 +1,342 @@
+"""A workspace on object storage (`lmforge.engine.remote`), against a real S3 server on 127.0.0.1
+(moto's, started by the tests): outputs published with the manifest last, fetched and verified on
+another machine's working copy, one winner when two machines commit one key, leases, the bounded
+working copy, and one-line refusals of an unreachable store or credentials in the config."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.engine.remote import PUBLISHED, RemoteWorkspace, StoreUnreachable, local_workspace
+from lmforge.engine.store import MANIFEST, StageStore
+from lmforge.errors import ConfigError
+from tests.s3server import S3
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _machine(s3: S3, local: Path, lease_s: float = 120.0, budget: int | None = None) -> StageStore:
+    """One machine's view of the bucket's workspace: its own working copy."""
+    return StageStore(local, "checksum", RemoteWorkspace(s3.url(), {"endpoint_url": s3.endpoint}, lease_s, budget))
+
+
+def _make(store: StageStore, step: str = "demo/step", key: str = "k1", text: str = "alpha") -> dict:
+    directory = store.step_dir(step, key)
+    (directory / "sub").mkdir(parents=True, exist_ok=True)
+    (directory / "a.txt").write_text(text)
+    (directory / "sub" / "b.bin").write_bytes(os.urandom(3000))
+    (directory / "logs").mkdir(exist_ok=True)
+    (directory / "logs" / "step.log").write_text("not an output")
+    return store.finish(directory, {"key": key, "step": step, "key_components": {}}, ("logs",))
+
+
+def test_an_output_made_on_one_machine_is_fetched_and_verified_on_another(s3: S3, tmp_path: Path) -> None:
+    one = _machine(s3, tmp_path / "one")
+    made = _make(one)
+    fs = s3.fs()
+    listed = sorted(p.split("/ws/demo/step/k1/")[1] for p in fs.find(f"{s3.bucket}/ws/demo/step/k1"))
+    assert listed == ["a.txt", MANIFEST, "sub/b.bin"]  # the outputs and the manifest; no logs, no bookkeeping
+    assert "dir" not in json.loads(fs.cat_file(f"{s3.bucket}/ws/demo/step/k1/{MANIFEST}"))  # a machine's path
+
+    two = _machine(s3, tmp_path / "two")
+    manifest, reason = two.check("demo/step", "k1")
+    assert manifest is not None and reason == f"fetched from {s3.url()}"
+    assert manifest["digest"] == made["digest"] and manifest["dir"] == str(tmp_path / "two" / "demo" / "step" / "k1")
+    for rel in ("a.txt", "sub/b.bin"):
+        assert (tmp_path / "two/demo/step/k1" / rel).read_bytes() == (tmp_path / "one/demo/step/k1" / rel).read_bytes()
+    assert two.check("demo/step", "k1")[1] == "complete and verified"  # the working copy is reused from now on
+
+    # a damaged object on the store is caught by its digest, never handed to a step
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/a.txt", b"alphA")
+    manifest, reason = _machine(s3, tmp_path / "three").check("demo/step", "k1")
+    assert (
+        manifest is None
+        and reason == f"output on the store is damaged: {s3.url()}/demo/step/k1/a.txt does not match its manifest"
+    )
+
+    # a damaged working copy is repaired from the store (here: the store is whole again first)
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/a.txt", b"alpha")
+    (tmp_path / "two/demo/step/k1/sub/b.bin").write_bytes(b"x")
+    assert two.check("demo/step", "k1")[0] is not None
+    assert (tmp_path / "two/demo/step/k1/sub/b.bin").stat().st_size == 3000
+
+
+def test_when_two_machines_commit_one_key_the_first_manifest_wins_and_the_other_takes_its_output(
+    s3: S3, tmp_path: Path
+) -> None:
+    first = _make(_machine(s3, tmp_path / "one"), text="first")
+    second_store = _machine(s3, tmp_path / "two")
+    second = _make(second_store, text="other")  # made without a lease: the commit rule alone decides
+    assert second["digest"] == first["digest"] != "" and second["dir"] == str(tmp_path / "two/demo/step/k1")
+    assert (tmp_path / "two/demo/step/k1/a.txt").read_text() == "first"  # its working copy now holds the winner's
+    assert second_store.check("demo/step", "k1")[0]["digest"] == first["digest"]
+
+
+def test_a_lease_makes_a_second_machine_wait_and_reuse_and_a_dead_machines_lease_is_taken_over(
+    s3: S3, tmp_path: Path
+) -> None:
+    one, two = _machine(s3, tmp_path / "one"), _machine(s3, tmp_path / "two", lease_s=10)
+    events: list[str] = []
+    holding = threading.Event()
+
+    def compute_on_one() -> None:
+        with one.lock("demo/step", "k1"):
+            events.append("one computes")
+            holding.set()
+            time.sleep(3)
+            _make(one)
+            events.append("one committed")
+
+    worker = threading.Thread(target=compute_on_one)
+    worker.start()
+    holding.wait(30)
+    with two.lock("demo/step", "k1"):
+        events.append("two has the lock")
+        manifest, reason = two.check("demo/step", "k1")
+    worker.join()
+    assert events == ["one computes", "one committed", "two has the lock"]
+    assert manifest is not None and reason.startswith("fetched from")
+    assert not s3.fs().exists(f"{s3.bucket}/ws/demo/step/.k1.lease")  # released
+
+    # a machine that died holding a lease: not renewed for lease_s, it is taken over
+    stale = {"owner": "gone:1:x", "renewed_at": time.time() - 60, "lease_s": 10}
+    s3.fs().pipe_file(f"{s3.bucket}/ws/demo/step/.k2.lease", json.dumps(stale).encode())
+    started = time.time()
+    with two.lock("demo/step", "k2"):
+        held = json.loads(s3.fs().cat_file(f"{s3.bucket}/ws/demo/step/.k2.lease"))
+    assert held["owner"] != "gone:1:x" and time.time() - started < 10
+
+
+def test_the_working_copy_stays_under_its_bound_removing_least_recently_used_published_outputs(
+    s3: S3, tmp_path: Path
+) -> None:
+    maker = _machine(s3, tmp_path / "maker")
+    for key in ("k1", "k2", "k3"):
+        _make(maker, key=key)
+    bounded = _machine(s3, tmp_path / "small", budget=8000)  # room for two outputs of ~3 kB (and their manifests)
+    for key in ("k1", "k2", "k3"):
+        assert bounded.check("demo/step", key)[0] is not None
+        time.sleep(0.05)
+    bounded.used.clear()  # a later run: nothing of it in use yet
+    assert bounded.check("demo/step", "k1")[0] is not None  # fetched again; k2 (least recently used) leaves
+    kept = sorted(p.parent.name for p in (tmp_path / "small/demo/step").glob(f"*/{MANIFEST}"))
+    assert kept == ["k1", "k3"]
+    local_only = StageStore(tmp_path / "small")  # an output never published is never evicted
+    assert all((tmp_path / "small/demo/step" / k / PUBLISHED).exists() for k in kept)
+    assert local_only.check("demo/step", "k3")[0] is not None
+
+
+def test_an_unreachable_store_or_credentials_in_the_config_fail_in_one_line(s3: S3, tmp_path: Path) -> None:
+    from lmforge.config import load_config
+
+    config = load_config("tiny-cpu", [*s3.overrides()], f"s3://{s3.bucket}-missing/ws")
+    with pytest.raises(StoreUnreachable) as missing:
+        StageStore.for_config(config)
+    assert str(missing.value).startswith(f"workspace s3://{s3.bucket}-missing/ws: cannot write to the store (")
+    assert "\n" not in str(missing.value)
+    closed = load_config("tiny-cpu", ["runtime.storage.options={endpoint_url: http://127.0.0.1:9}"], s3.url())
+    with pytest.raises(StoreUnreachable, match=r"^workspace s3://lmforge-\w+/ws: cannot write to the store"):
+        StageStore.for_config(closed)
+    with pytest.raises(ConfigError, match=r"runtime.storage.options.secret: credentials never go in the config"):
+        load_config("tiny-cpu", ["runtime.storage.options={secret: abc}"], s3.url())
+    with pytest.raises(ConfigError, match=r"workspace nope://x: no fsspec filesystem for nope://"):
+        load_config("tiny-cpu", [], "nope://x")
+    ok = load_config("tiny-cpu", [*s3.overrides()], s3.url() + "/")
+    assert ok.workspace == s3.url() and StageStore.for_config(ok).root == local_workspace(ok).resolve()
+    assert local_workspace(ok).is_relative_to(Path("~/.cache/lmforge/workspaces").expanduser())
+    assert load_config("tiny-cpu", [], f"file://{tmp_path}").workspace == str(tmp_path)
+
+
+RUN = """
+import json, logging, sys
+from lmforge.config import load_config
+from lmforge.engine.executor import run_pipeline_locally
+from tests.conftest import SMALL_CURATE
+logging.basicConfig(level=logging.INFO)
+workspace, local, endpoint = sys.argv[1:4]
+config = load_config("tiny-cpu", [*SMALL_CURATE, f"runtime.storage.options={{endpoint_url: {endpoint}}}",
+                                  f"runtime.storage.local_copy={local}", "runtime.workers=1"], workspace)
+manifests = run_pipeline_locally(config, ["curate"])
+print(json.dumps({name: m["digest"] for name, m in manifests.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_two_machines_curating_one_workspace_at_once_compute_each_step_once_and_both_succeed(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Two processes, each with its own working copy and HOME (two machines), run the curation stage
+    against one bucket at the same time: every step is computed by one of them and reused by the other."""
+    runs = []
+    for name in ("one", "two"):
+        home = tmp_path / f"home-{name}"
+        home.mkdir()
+        env = {**s3.env(), "HOME": str(home), "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-c", RUN, s3.url(), str(tmp_path / f"copy-{name}"), s3.endpoint]
+        runs.append(subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True))  # fmt: skip
+    outputs = [run.communicate(timeout=900) for run in runs]
+    for run, (_, err) in zip(runs, outputs):
+        assert run.returncode == 0, err[-3000:]
+    digests = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert digests[0] == digests[1]  # one lineage
+    computed = [err.count(": computed in ") for _, err in outputs]
+    assert sum(computed) == len(digests[0]), computed  # each step once, whichever machine got its lease
+    fetched = sum(err.count("downloaded") for _, err in outputs)
+    assert fetched >= len(digests[0]) - 1  # the other machine took each output from the store
+    fs = s3.fs()
+    for step, value in digests[0].items():
+        (manifest_path,) = fs.glob(f"{s3.bucket}/ws/{step}/*/{MANIFEST}")
+        assert json.loads(fs.cat_file(manifest_path))["digest"] == value
+    assert not fs.glob(f"{s3.bucket}/ws/**/.*.lease")  # every lease released
+    # a third machine reuses everything: nothing computed, nothing but downloads
+    env = {**s3.env(), "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    third = subprocess.run([sys.executable, "-c", RUN, s3.url(), str(tmp_path / "copy-three"), s3.endpoint],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert ": computed in " not in third.stderr and json.loads(third.stdout.strip().splitlines()[-1]) == digests[0]
+
+
+PRETRAIN = """
+import json, logging, sys
+from lmforge.config import load_config
+from lmforge.engine.executor import run_pipeline_locally
+from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
+logging.basicConfig(level=logging.INFO)
+workspace, local, endpoint, *more = sys.argv[1:]
+config = load_config("tiny-cpu", [*SMALL_CURATE, *SMALL_PRETRAIN, f"runtime.storage.options={{endpoint_url: {endpoint}}}",
+                                  f"runtime.storage.local_copy={local}", *more], workspace)
+manifest = run_pipeline_locally(config, ["curate", "pretrain"])["pretrain/train"]
+print(json.dumps({"dir": manifest["dir"], "metrics": manifest["metrics"]}))
+"""
+
+
+def _kill_everything_of(folder: Path) -> None:
+    """SIGKILL every process that names `folder` (the run, its launcher, its ranks), as a machine that dies."""
+    import psutil
+
+    for _ in range(50):
+        found = [p for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or [])]
+        if not found:
+            return
+        for proc in found:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        time.sleep(0.2)
+    raise AssertionError(f"processes of {folder} outlived SIGKILL")
+
+
+@pytest.mark.slow
+def test_a_machine_lost_mid_pretraining_resumes_on_another_from_the_checkpoint_on_the_store(
+    s3: S3, curated: tuple[Path, dict], trained: dict, tmp_path: Path
+) -> None:
+    """A rank and its whole machine SIGKILLed after a checkpoint reached the store, its disk then gone:
+    a run on another machine resumes from the store's checkpoint and ends where an uninterrupted run does."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    first, second = tmp_path / "machine-one", tmp_path / "machine-two"
+    shutil.copytree(curated[0], first)  # its curation outputs are published as the run finds them
+    env = {**s3.env(), "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    slow = "debug.pretrain.step_delay_s=0.1"  # 16 s of steps: time to see checkpoints reach the store
+    run = subprocess.Popen([sys.executable, "-c", PRETRAIN, s3.url(), str(first), s3.endpoint, slow], env=env, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    fs, deadline = s3.fs(), time.time() + 600
+    while not fs.glob(f"{s3.bucket}/ws/pretrain/train/*/checkpoints/step-00000040/CHECKSUMS.json"):
+        assert run.poll() is None and time.time() < deadline, (run.stdout.read() if run.stdout else "")[-3000:]
+        time.sleep(0.2)
+    _kill_everything_of(first)
+    run.wait(timeout=60)
+    log = run.stdout.read() if run.stdout else ""
+    assert "checkpoint step-00000020 is durable on" in log and "checkpoint step-00000040 is durable on" in log
+    shutil.rmtree(first)  # the machine and its disk are gone
+
+    resumed = subprocess.run([sys.executable, "-c", PRETRAIN, s3.url(), str(second), s3.endpoint, slow], env=env,
+                             cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ": computed in " in resumed.stderr and "downloaded from" in resumed.stderr
+    result = json.loads(resumed.stdout.strip().splitlines()[-1])
+    rank0 = (Path(result["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-000000" in rank0 and "resumed from step-00000000 " not in rank0
+    assert abs(result["metrics"]["final_val_loss"] - trained["metrics"]["final_val_loss"]) < 1e-4
+    ours, reference = (load_file(str(Path(d) / "hf" / "model.safetensors")) for d in (result["dir"], trained["dir"]))
+    assert max(float((ours[n] - reference[n]).abs().max()) for n in reference) < 1e-4
+    kept = sorted(p.split("/")[-2] for p in fs.glob(f"{s3.bucket}/ws/pretrain/train/*/checkpoints/*/CHECKSUMS.json"))
+    assert kept == ["step-00000140", "step-00000160"]  # the newest runtime.storage.keep_checkpoints (2)
+
+
+@pytest.mark.slow
+def test_a_deployment_run_over_two_workers_that_share_no_folder(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prefect deployment run` of the pipeline with curation on the CPU pool's worker and training on
+    the GPU pool's, each with its own HOME and working copy: the bucket is all they share."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import apply_deployments, deployment_specs, ensure_gpu_limit, ensure_pools
+    from lmforge import server
+    from lmforge.processes.launch import free_port
+    from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
+    from tests.s3server import FAKE_CREDENTIALS
+    from tests.test_orchestration import _child_runs, _start_worker, _stop
+
+    overrides = [
+        *SMALL_CURATE,
+        *SMALL_PRETRAIN,
+        *s3.overrides(),
+        "runtime.dispatch=deployments",
+        "stages=[curate, pretrain]",
+        "runtime.deployment=object-store-test",
+    ]
+    monkeypatch.setenv("LMFORGE_HOME", str(tmp_path / "prefect-home"))
+    url = server.start("127.0.0.1", free_port())
+    machines = {pool: tmp_path / f"machine-{pool}" for pool in ("lmforge-cpu", "lmforge-gpu")}
+    workers: list[subprocess.Popen] = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            ensure_pools("process")
+            ensure_gpu_limit(1)
+            apply_deployments(deployment_specs("object-store-test", "tiny-cpu", overrides, s3.url()))
+            for pool, home in machines.items():
+                home.mkdir()
+                env = {"HOME": str(home), **FAKE_CREDENTIALS}
+                workers.append(_start_worker(pool, tmp_path / f"{pool}.log", env))
+            run = run_deployment("lmforge-pipeline/object-store-test", timeout=900)
+            logs = (tmp_path / "lmforge-gpu.log").read_text()[-3000:]
+            assert run.state.is_completed(), (run.state, logs)
+            children = _child_runs(run.id)
+            assert children["lmforge-curate"].work_pool_name == "lmforge-cpu"
+            assert children["lmforge-pretrain"].work_pool_name == "lmforge-gpu"
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                artifacts = client.read_artifacts()
+                pretrain_steps = [a for a in artifacts if a.key == "pretrain-steps"][-1]
+                lineage = [a for a in artifacts if a.key == "pipeline-lineage"][-1]
+    finally:
+        _stop(*workers)
+        server.stop()
+    fs = s3.fs()
+    (trained,) = fs.glob(f"{s3.bucket}/ws/pretrain/train/*/manifest.json")
+    manifest = json.loads(fs.cat_file(trained))
+    assert manifest["made_by"]["work_pool"] == "lmforge-gpu"
+    assert f"{s3.url()}/pretrain/train/{manifest['key']}" in str(pretrain_steps.data)  # artifacts name the store
+    assert f"Workspace: `{s3.url()}`" in str(lineage.data)
+    # each machine holds what it computed or needed, in its own HOME; nothing else was shared
+    copies = {pool: next((home / ".cache/lmforge/workspaces").iterdir()) for pool, home in machines.items()}
+    gpu_steps = {p.parent.parent.name + "/" + p.parent.name for p in copies["lmforge-gpu"].glob("*/*/*/manifest.json")}
+    assert f"train/{manifest['key']}" in gpu_steps and any(s.startswith("pack/") for s in gpu_steps)
+    (ingest,) = fs.glob(f"{s3.bucket}/ws/curate/ingest/*/manifest.json")
+    assert json.loads(fs.cat_file(ingest))["made_by"]["work_pool"] == "lmforge-cpu"
+    assert list(copies["lmforge-cpu"].glob("curate/ingest/*/manifest.json"))
