@@ -23,6 +23,23 @@ def _steps() -> list[Any]:
     return RELEASE_STEPS
 
 
+def _here(config: PipelineBase, released: dict[str, Any]) -> dict[str, Any]:
+    """The release's record with its model (and distilled draft) where they are on this machine: a
+    release reused from another machine or folder names that one's paths (fetched first from a store)."""
+    from lmforge.engine.store import StageStore
+
+    store = StageStore.for_config(config)
+    model = released.get("lineage", {}).get("model", {})
+    if not model.get("step"):
+        return released
+    here = {**released, "model_dir": str(store.here(model["step"], model["key"], released["model_dir"]))}
+    draft, speculative = released.get("lineage", {}).get("draft"), released.get("speculative_config")
+    if draft and speculative and speculative.get("draft_model"):
+        path = store.here(draft["step"], draft["key"], speculative["draft_model"])
+        here["speculative_config"] = {**speculative, "draft_model": str(path)}
+    return here
+
+
 def _reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> list[str]:
     """After `serve/release` (computed or cached): the released model is the one running."""
     from serving import release
@@ -30,7 +47,7 @@ def _reconcile(config: PipelineBase, manifests: dict[str, dict[str, Any]]) -> li
     manifest = manifests.get("serve/release")
     if manifest is None:
         return []
-    outcome, record = release.ensure_running(local_workspace(config), config.serve, manifest["extra"])
+    outcome, record = release.ensure_running(local_workspace(config), config.serve, _here(config, manifest["extra"]))
     if outcome == "kept":
         log.info(
             "%s is current at %s (pid file %s): kept, not restarted",

@@ -79,6 +79,16 @@ def _distilled_draft(config: ConfigOrView) -> bool:
     return True
 
 
+def _here(ctx: StepContext, step: str, key: str, recorded: str) -> Path:
+    """A path an output recorded (on the machine, in the folder, that made it) as it is here."""
+    from lmforge.engine.store import StageStore
+
+    try:
+        return StageStore.for_config(ctx.config).here(step, key, recorded)
+    except FileNotFoundError as exc:
+        raise GateFailed(f"serve: the checkpoint the gate chose is not available: {exc}") from exc
+
+
 def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint the quantization gate chose, or None (and why) when none passed."""
     verdict = json.loads((ctx.path(QUANT_VERDICT) / "verdict.json").read_text())
@@ -89,7 +99,7 @@ def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
         log.warning("%s", verdict["decision"])
         return None
     outcome = verdict["schemes"][chosen]
-    return Path(outcome["model_dir"]), {
+    return _here(ctx, outcome["step"], outcome["key"], outcome["model_dir"]), {
         "step": outcome["step"],
         "key": outcome["key"],
         "digest": outcome["digest"],

@@ -54,6 +54,14 @@ def test_an_output_made_on_one_machine_is_fetched_and_verified_on_another(s3: S3
     for rel in ("a.txt", "sub/b.bin"):
         assert (tmp_path / "two/demo/step/k1" / rel).read_bytes() == (tmp_path / "one/demo/step/k1" / rel).read_bytes()
     assert two.check("demo/step", "k1")[1] == "complete and verified"  # the working copy is reused from now on
+    # a path an output recorded on the machine that made it (a gate's chosen checkpoint), found here
+    recorded = str(tmp_path / "one/demo/step/k1/sub/b.bin")
+    fresh = _machine(s3, tmp_path / "fresh")
+    assert fresh.here("demo/step", "k1", recorded) == tmp_path / "fresh/demo/step/k1/sub/b.bin"
+    assert (tmp_path / "fresh/demo/step/k1/sub/b.bin").stat().st_size == 3000  # fetched to be there
+    looking = _machine(s3, tmp_path / "explain")
+    looking.fetch = False  # what `lmforge explain` does: the store's record is enough, nothing is downloaded
+    assert looking.check("demo/step", "k1")[1] == "on the store" and not (tmp_path / "explain").exists()
 
     # a damaged object on the store is caught by its digest, never handed to a step
     fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/a.txt", b"alphA")
@@ -340,3 +348,52 @@ def test_a_deployment_run_over_two_workers_that_share_no_folder(
     (ingest,) = fs.glob(f"{s3.bucket}/ws/curate/ingest/*/manifest.json")
     assert json.loads(fs.cat_file(ingest))["made_by"]["work_pool"] == "lmforge-cpu"
     assert list(copies["lmforge-cpu"].glob("curate/ingest/*/manifest.json"))
+
+
+@pytest.mark.slow
+def test_the_lifecycle_in_a_bucket_is_served_from_another_machine_that_recomputes_nothing(
+    s3: S3, quantized: dict, tmp_path: Path
+) -> None:
+    """The session's lineage (curation to quantization) published from one machine's working copy;
+    `lmforge run` on a second machine (its own HOME, an empty working copy) reuses every output from
+    the bucket, releases the model from what it downloaded, and it answers through the official client."""
+    import shutil
+
+    from openai import OpenAI
+
+    from tests.test_cli_end_to_end import small, statuses
+
+    first, second = tmp_path / "machine-one", tmp_path / "machine-two"
+    shutil.copytree(Path(quantized["quantize/gate"]["dir"]).parents[2], first / "copy")
+    storage = ["--set", f"runtime.storage.options={{endpoint_url: {s3.endpoint}}}"]
+
+    def lmforge(home: Path, *args: str) -> subprocess.CompletedProcess:
+        home.mkdir(exist_ok=True)
+        env = {**s3.env(), "HOME": str(home), "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "lmforge.cli", *args, "--workspace", s3.url(), *small(), *storage]
+        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+
+    published = lmforge(first, "run", "--local", "--set", f"runtime.storage.local_copy={first / 'copy'}",
+                        "--set", "stages=[curate,pretrain,align,evaluate,quantize]")  # fmt: skip
+    assert published.returncode == 0, published.stderr[-3000:]
+    assert set(statuses(published.stdout).values()) == {"cached"}  # nothing computed: only uploaded
+    try:
+        run = lmforge(second, "run", "--local")
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = statuses(run.stdout)
+        assert rows.pop("serve/release") == "computed" and set(rows.values()) == {"cached"}, rows
+        copy = next((second / ".cache/lmforge/workspaces").iterdir())
+        record = json.loads((copy / "serving" / "current.json").read_text())
+        assert record["model_dir"].startswith(str(copy))  # served from this machine's working copy
+        key = (copy / "serving" / "api_key").read_text().strip()
+        client = OpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(model=record["served_name"], max_tokens=16, temperature=0,
+                                               messages=[{"role": "user", "content": "What is 4 + 5?"}])  # fmt: skip
+        assert reply.choices[0].message.content
+        assert key not in run.stdout + run.stderr
+        again = lmforge(second, "run", "--local")  # a rerun: every output reused, the server kept
+        assert again.returncode == 0 and set(statuses(again.stdout).values()) == {"cached"}, again.stderr[-2000:]
+    finally:
+        lmforge(second, "serve", "stop")
+    (release,) = s3.fs().glob(f"{s3.bucket}/ws/serve/release/*/manifest.json")
+    assert json.loads(s3.fs().cat_file(release))["made_by"]["host"]  # the release is in the bucket too

@@ -71,7 +71,7 @@ def diff_components(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def explain(config: PipelineBase, stages: list[str]) -> list[Explanation]:
-    store = StageStore.for_config(config)
+    store = StageStore.for_config(config, fetch=False)  # explaining downloads nothing
     manifests: dict[str, dict[str, Any]] = {}
     rerun: set[str] = set()
     out: list[Explanation] = []

@@ -152,6 +152,15 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]], mode: Verify
     return None
 
 
+def relocated(recorded: str | os.PathLike[str], key: str, directory: Path) -> Path:
+    """A path an output recorded inside itself (`.../<key>/...`, as the machine and folder that made it
+    wrote it), under `directory`: where that output is here. A path outside the output is kept."""
+    parts = Path(recorded).parts
+    if key not in parts:
+        return Path(recorded)
+    return directory.joinpath(*parts[parts.index(key) + 1 :])
+
+
 _REACHED: set[str] = set()  # remote workspaces this process has checked (one probe per URL per process)
 
 
@@ -161,15 +170,20 @@ class StageStore:
     when the working copy lacks them and published to when they are made here."""
 
     def __init__(
-        self, workspace: str | os.PathLike[str], verify: VerifyMode = "checksum", remote: RemoteWorkspace | None = None
+        self,
+        workspace: str | os.PathLike[str],
+        verify: VerifyMode = "checksum",
+        remote: RemoteWorkspace | None = None,
+        fetch: bool = True,
     ):
         self.root = Path(workspace).expanduser().resolve()
         self.verify_mode: VerifyMode = verify
         self.remote = remote
+        self.fetch = fetch  # False: an output on the store counts as there, nothing is downloaded (explain)
         self.used: set[Path] = set()  # outputs this run reused or made: never evicted from the working copy
 
     @classmethod
-    def for_config(cls, config: Any) -> StageStore:
+    def for_config(cls, config: Any, fetch: bool = True) -> StageStore:
         """The store of `config.workspace`; a remote one is checked once per process (reachable, writable,
         conditional creates), failing in one line naming the URL before any step runs."""
         from lmforge.engine.remote import local_workspace, remote_workspace
@@ -178,7 +192,7 @@ class StageStore:
         if remote is not None and remote.url not in _REACHED:
             remote.check_access()
             _REACHED.add(remote.url)
-        return cls(local_workspace(config), config.runtime.verify, remote)
+        return cls(local_workspace(config), config.runtime.verify, remote, fetch)
 
     def step_dir(self, step: str, key: str) -> Path:
         return self.root / step / key
@@ -207,6 +221,8 @@ class StageStore:
             stored = self.remote.manifest(step, key)
             if stored is None:
                 return None, reason
+            if not self.fetch:
+                return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
             problem = self.remote.fetch(step, key, directory, stored)
             if problem:
                 return None, f"output on the store is damaged: {problem}"
@@ -217,6 +233,14 @@ class StageStore:
             self._used(directory)
             manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
         return manifest, reason
+
+    def here(self, step: str, key: str, recorded: str | os.PathLike[str]) -> Path:
+        """`relocated` into this workspace's copy of `<step>/<key>`, fetched from the store first if need be."""
+        if self.remote is not None and self.read_manifest(self.step_dir(step, key)) is None:
+            manifest, reason = self.check(step, key)
+            if manifest is None:
+                raise FileNotFoundError(f"{step}/{key}: {reason}")
+        return relocated(recorded, key, self.step_dir(step, key))
 
     def checkpoint_mirror(self, step: str, key: str, bookkeeping: tuple[str, ...]) -> CheckpointMirror | None:
         """For a step that checkpoints (`checkpoints/` in its bookkeeping) in a remote workspace: the

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.engine.stage import Product
+from lmforge.engine.store import relocated
 from lmforge.errors import ConfigError, GateFailed
 from serving.backends.base import ServingBackend
 
@@ -87,7 +88,7 @@ class LlamaCpp(ServingBackend):
         manifest = ctx.manifest(GGUF_MODEL)
         return (
             f"{verdict['model']}-gguf-{verdict['chosen']}",
-            Path(verdict["file"]),
+            relocated(verdict["file"], manifest["key"], Path(manifest["dir"])),  # recorded where it was made
             {
                 "step": manifest["step"],
                 "key": manifest["key"],

@@ -361,6 +361,13 @@ def _gate_upstream(config: PipelineBase) -> tuple[Any, ...]:
     )
 
 
+def _model_dir(manifest: dict[str, Any]) -> Path:
+    """A quantized checkpoint's folder here (its manifest records where the machine that made it put it)."""
+    from lmforge.engine.store import relocated
+
+    return relocated(manifest["extra"]["model_dir"], manifest["key"], Path(manifest["dir"]))
+
+
 def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving.quantize.gate import decide, evaluate_all
 
@@ -372,7 +379,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         if name.startswith("quantize/") and name != CALIBRATION
     }
     reports = {
-        s: {**json.loads((Path(m["dir"]) / "report.json").read_text()), "model_dir": m["extra"]["model_dir"]}
+        s: {**json.loads((Path(m["dir"]) / "report.json").read_text()), "model_dir": str(_model_dir(m))}
         for s, m in checkpoints.items()
     }
     comparisons: dict[str, list[dict[str, Any]]] = {}
@@ -391,7 +398,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             ctx.identity["run"],
             ctx.out_dir,
             (role, ctx.path(model), ctx.manifest(model)["digest"]),
-            {s: (Path(m["extra"]["model_dir"]), m["digest"]) for s, m in checkpoints.items() if s not in unservable},
+            {s: (_model_dir(m), m["digest"]) for s, m in checkpoints.items() if s not in unservable},
         )
     verdict = decide(
         cfg.gate,
