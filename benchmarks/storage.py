@@ -121,6 +121,7 @@ def rerun(endpoint: str, scratch: Path, repeats: int) -> dict[str, float]:
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(bucket)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    scratch.mkdir(parents=True, exist_ok=True)
 
     def run(workspace: str, local: Path) -> float:
         done = subprocess.run([sys.executable, "-c", RERUN, workspace, str(local), endpoint], env=env, cwd=scratch,

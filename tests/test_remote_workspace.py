@@ -258,8 +258,9 @@ def test_a_machine_lost_mid_pretraining_resumes_on_another_from_the_checkpoint_o
     env = {**s3.env(), "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     slow = "debug.pretrain.step_delay_s=0.05"  # 8 s of steps: time to see checkpoints reach the store
     lease = "runtime.storage.lease_s=10"  # the dead machine's lease on the step lapses after 10 s, not 120
-    run = subprocess.Popen([sys.executable, "-c", PRETRAIN, s3.url(), str(first), s3.endpoint, slow, lease], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    command = [sys.executable, "-c", PRETRAIN, s3.url(), str(first), s3.endpoint, slow, lease]
+    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)  # fmt: skip
     fs, deadline = s3.fs(), time.time() + 600
     while not fs.glob(f"{s3.bucket}/ws/pretrain/train/*/checkpoints/step-00000040/CHECKSUMS.json"):
         assert run.poll() is None and time.time() < deadline, (run.stdout.read() if run.stdout else "")[-3000:]
