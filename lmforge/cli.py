@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmforge.engine.remote import local_workspace
+from lmforge.engine.remote import is_remote, local_workspace
 from lmforge.errors import ConfigError, LmforgeError
 
 # Prefect's temporary server would try to send telemetry, and fail loudly on machines without
@@ -174,7 +174,7 @@ def _print_summary(
         print(f"{name.ljust(width)}  {info['status']:9}  {info['key']:16}  {info['dir']}")
     hits = sum(i["status"] != "computed" for i in steps.values())
     print(f"\n{len(steps)} steps, {hits} cache hits, {len(steps) - hits} computed, {seconds:.1f}s")
-    print(f"results: {os.path.abspath(workspace)}")
+    print(f"results: {workspace if is_remote(str(workspace)) else os.path.abspath(workspace)}")
     for stage in stages():
         if stage.summary is not None:
             for line in stage.summary(manifests):

@@ -384,12 +384,25 @@ def _canonical_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+# Optional extras' distributions (the object-storage clients of `lmforge[s3]`, gcsfs, adlfs, and the
+# test extra's S3 server) are never corpus: installing `lmforge[s3]` must not change the demo corpus,
+# and with it every model of the demo lineage.
+NOT_CORPUS = frozenset(
+    {
+        "adlfs", "aiobotocore", "aioitertools", "azure-core", "azure-datalake-store", "azure-identity",
+        "azure-storage-blob", "blinker", "boto3", "botocore", "flask", "flask-cors", "gcsfs", "google-auth",
+        "google-cloud-storage", "itsdangerous", "moto", "py-partiql-parser", "responses", "s3fs", "s3transfer",
+        "wrapt", "xmltodict",
+    }
+)  # fmt: skip
+
+
 def _package_descriptions(limit: int) -> list[tuple[str, str, str]]:
     """(name, version, long description) of installed distributions by canonical name, over 500 chars."""
     entries = []
     for dist in importlib.metadata.distributions():
         meta = dist.metadata  # parsed from disk on every access: read it once
-        if meta["Name"]:
+        if meta["Name"] and _canonical_name(meta["Name"]) not in NOT_CORPUS:
             entries.append((_canonical_name(meta["Name"]), meta["Version"] or "", meta))
     entries.sort(key=lambda e: e[:2])
     seen: set[str] = set()
