@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from evaluation.backends import BACKENDS, BackendName
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.engine.registry import check_roles, role_names
 
@@ -126,8 +127,9 @@ class EvaluateConfig(StrictModel):
         description="Models of the lineage to evaluate, by role (those that exist; base: the model given as "
         "base_model): base, pretrained and one per alignment method that trains a policy (lmforge.engine.registry.roles).",
     )
-    backends: list[Literal["hf", "vllm"]] = runtime_field(
-        default_factory=lambda: ["hf", "vllm"], description="hf: transformers in-process; vllm: vLLM's OpenAI server."
+    backends: list[BackendName] = runtime_field(
+        default_factory=lambda: list(BACKENDS),
+        description="; ".join(f"{b.name}: {b.description}" for b in BACKENDS.values()) + " (evaluation.backends).",
     )
     limit: dict[str, int] = Field(
         default_factory=dict,

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from evaluation.backends import backend
 from lmforge.hashing import atomic_write_text
 from lmforge.processes.entry import main
 
@@ -32,14 +33,7 @@ log = logging.getLogger("evaluation.lmeval")
 
 
 def model_arguments(spec: dict[str, Any]) -> tuple[str, str]:
-    context = spec["max_length"]
-    if spec["backend"] == "hf":
-        return "hf", f"pretrained={spec['model_dir']},dtype=float32,max_length={context - 2}"
-    return "local-completions", (
-        f"model={spec['served_name']},base_url={spec['base_url']}/v1/completions,tokenizer={spec['model_dir']},"
-        f"tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent={spec['num_concurrent']},"
-        f"max_retries=3,max_length={context},timeout=600"
-    )
+    return backend(spec["backend"]).lm_eval_model(spec)
 
 
 def _plain(value: Any) -> Any:

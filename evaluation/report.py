@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import stats
+from evaluation.backends import REFERENCE, SERVED
 from lmforge.engine.registry import role_names, roles
 from lmforge.jsonl import read_jsonl
 
@@ -91,8 +92,8 @@ def backend_agreement(rows: list[dict[str, Any]], tolerance: dict[str, float]) -
     by_key = {(r["model"], r["task"], r["backend"]): r for r in rows}
     out = []
     for (model, task, backend), row in by_key.items():
-        other = by_key.get((model, task, "vllm"))
-        if backend != "hf" or other is None:
+        other = by_key.get((model, task, SERVED))
+        if backend != REFERENCE or other is None:
             continue
         metric = row["metric"]
         diff = abs(row["value"] - other["value"])
@@ -106,8 +107,8 @@ def backend_agreement(rows: list[dict[str, Any]], tolerance: dict[str, float]) -
                 "model": model,
                 "task": task,
                 "metric": metric,
-                "hf": row["value"],
-                "vllm": other["value"],
+                REFERENCE: row["value"],
+                SERVED: other["value"],
                 "difference": round(diff, 6),
                 "relative": metric in stats.RATIO_METRICS,
                 "tolerance": limit,
@@ -159,14 +160,14 @@ def card(
     if agreement:
         lines += [
             "",
-            "## hf vs vLLM",
+            f"## {REFERENCE} vs {SERVED}",
             "",
-            "| model | task | metric | hf | vLLM | difference | within tolerance |",
+            f"| model | task | metric | {REFERENCE} | {SERVED} | difference | within tolerance |",
             "|---|---|---|---|---|---|---|",
         ]
         for a in agreement:
             lines.append(
-                f"| {a['model']} | {a['task']} | {a['metric']} | {_fmt(a['hf'])} | {_fmt(a['vllm'])} | "
+                f"| {a['model']} | {a['task']} | {a['metric']} | {_fmt(a[REFERENCE])} | {_fmt(a[SERVED])} | "
                 f"{_fmt(a['difference'])}{' (rel.)' if a['relative'] else ''} | {'yes' if a['agree'] else 'NO'} |"
             )
     if contamination_summary:

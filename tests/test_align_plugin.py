@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from lmforge.engine.stage import Product
-from training.align.methods import SFT_MODEL, PreferenceMethod
+from training.align.methods import PreferenceMethod
+from training.align.methods.sft import SFT_MODEL
 from training.align.sections import TrainConfig
 
 

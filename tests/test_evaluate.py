@@ -567,3 +567,12 @@ def test_model_code_runs_only_in_the_sandbox_unless_a_task_is_named(tmp_path: Pa
             task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
             confirm_run_unsafe_code=False,
         )
+
+
+def test_the_backends_field_accepts_exactly_the_registered_backends() -> None:
+    from typing import get_args
+
+    from evaluation.backends import BACKENDS, REFERENCE, SERVED, BackendName
+
+    assert set(get_args(BackendName)) == set(BACKENDS)
+    assert REFERENCE != SERVED and {REFERENCE, SERVED} <= set(BACKENDS)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report, stats
+from evaluation.backends import SERVED
 from lmforge.configbase import ConfigView
 from serving.quantize.config import NOT_SIGNIFICANTLY_WORSE
 
@@ -53,7 +54,7 @@ def evaluate_all(
 
     def measure(role_: str, model_dir: Path, model_digest: str, where: Path) -> dict[str, tuple[str, float, Any]]:
         return _per_task(
-            evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, "vllm", role_, where)
+            evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, SERVED, role_, where)
         )
 
     # on CPU the unquantized model and the checkpoints are measured side by side (a server each; a vLLM

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from evaluation.backends import SERVED
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Graph, Step, StepContext
 from lmforge.engine.registry import role_names, roles
@@ -328,7 +329,7 @@ def _gate_reads(config: PipelineBase) -> tuple[str, ...]:
 
     if not config.quantize.gate.enabled:
         return ("quantize.gate", "quantize.schemes")
-    return ("quantize.gate", "quantize.schemes", "evaluate.tasks", *run_reads(config, "vllm"))
+    return ("quantize.gate", "quantize.schemes", "evaluate.tasks", *run_reads(config, SERVED))
 
 
 def _unservable(config: ConfigView) -> dict[str, str]:
@@ -346,7 +347,7 @@ def _gate_run(config: ConfigView) -> dict[str, Any]:
     is not reused here, and the other way round); on a host that serves every scheme nothing is added."""
     from evaluation.runs import run_identity
 
-    identity = {"run": run_identity(config, "vllm") if config.quantize.gate.enabled else None}
+    identity = {"run": run_identity(config, SERVED) if config.quantize.gate.enabled else None}
     if unservable := _unservable(config):
         identity["unservable_here"] = unservable
     return identity

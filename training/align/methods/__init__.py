@@ -44,7 +44,7 @@ BUILTIN = (
 CHAT, PREFERENCE = "chat", "preference"  # the data kinds: messages; prompt, chosen, rejected
 CHAT_DATA, PREFERENCE_DATA = Product("chat-data"), Product("preference-data")
 HELDOUT_SFT, HELDOUT_PREFERENCES = "heldout_sft.jsonl", "heldout_preferences.jsonl"
-PRETRAINED, SFT_MODEL = hf_model("pretrained"), hf_model("sft")
+PRETRAINED = hf_model("pretrained")  # the pretrain stage's product (training.stage)
 # modules every method's rank runs, beside its own (the entry loads the other methods' modules by
 # name, but runs only its own): part of every method step's code identity. Not this package as a
 # whole: naming a package counts every module in it (lmforge.engine.codeprint), so a new method would
@@ -226,16 +226,6 @@ class PreferenceMethod(AlignMethod):
         return before_and_after(spec, tokenizer, hf, preference_figures, paired_metric="preference_accuracy")
 
 
-class FromSftOrItsStart(AlignMethod):
-    """A method whose section's `init` says where it starts: `sft`, the SFT model; `base`, the model
-    SFT starts from (the base or the pretrained model)."""
-
-    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
-
-    def start(self, config: Any) -> Product:
-        return SFT_MODEL if self.section(config).init == "sft" else start_model(config)
-
-
 @functools.cache
 def methods() -> dict[str, AlignMethod]:
     """Every registered method by name: the built-ins, then the `lmforge.align_methods` entry points."""
@@ -276,9 +266,7 @@ __all__ = [
     "HELDOUT_SFT",
     "HELDOUT_PREFERENCES",
     "PRETRAINED",
-    "SFT_MODEL",
     "PreferenceMethod",
-    "FromSftOrItsStart",
     "start_model",
     "precision",
     "methods",

@@ -14,7 +14,8 @@ from pydantic import Field
 
 from lmforge.configbase import runtime_field
 from lmforge.engine.stage import Product
-from training.align.methods import SFT_MODEL, PreferenceMethod
+from training.align.methods import PreferenceMethod
+from training.align.methods.sft import SFT_MODEL
 from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")

@@ -9,19 +9,20 @@ with paired intervals.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from training.align.methods import FromSftOrItsStart, PreferenceMethod
+from training.align.methods import PreferenceMethod
+from training.align.methods.sft import FROM_SFT, AfterSftOrItsStart, Init
 from training.align.sections import TrainConfig
 
 
 class OrpoConfig(TrainConfig):
     enabled: bool = runtime_field(True, description="Run ORPO when align.recipe names it.")
-    init: Literal["sft", "base"] = Field(
-        "sft", description="Start from the SFT model, or from the model SFT starts from (ORPO needs no SFT step)."
+    init: Init = Field(
+        FROM_SFT, description="Start from the SFT model, or from the model SFT starts from (ORPO needs no SFT step)."
     )
     beta: float = Field(0.1, gt=0, description="Weight of the odds-ratio term (lambda in the paper; TRL's beta).")
     lora: bool = Field(False, description="Train ORPO as a LoRA adapter (merged for export).")
@@ -29,7 +30,7 @@ class OrpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class ORPO(PreferenceMethod, FromSftOrItsStart):
+class ORPO(PreferenceMethod, AfterSftOrItsStart):
     name = "orpo"
     config = OrpoConfig
     description = "Odds-ratio preference optimisation with TRL: SFT and preference in one loss, no reference model"

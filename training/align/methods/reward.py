@@ -7,21 +7,21 @@ as the reward-hacking watch's proxy."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from lmforge.engine.stage import Product
 from lmforge.jsonl import read_jsonl
-from training.align.methods import FromSftOrItsStart
+from training.align.methods.sft import FROM_SFT, AfterSftOrItsStart, Init
 from training.align.sections import TrainConfig
 
 
 class RewardModelConfig(TrainConfig):
     """`align/reward`: a Bradley-Terry reward model (TRL's RewardTrainer) on the lineage's preference data."""
 
-    init: Literal["sft", "base"] = Field(
-        "sft", description="Start from the SFT model (the usual choice) or from the model SFT started from."
+    init: Init = Field(
+        FROM_SFT, description="Start from the SFT model (the usual choice) or from the model SFT started from."
     )
     lora: bool = Field(False, description="Train a LoRA adapter (merged for export) instead of every weight.")
     center_rewards_coefficient: float | None = Field(
@@ -31,7 +31,7 @@ class RewardModelConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class Reward(FromSftOrItsStart):
+class Reward(AfterSftOrItsStart):
     name = "reward"
     config = RewardModelConfig
     description = "Reward model with TRL's RewardTrainer (Bradley-Terry on chosen/rejected), full or LoRA"

@@ -28,16 +28,18 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
-from lmforge.engine.stage import Product, hf_model
+from lmforge.engine.stage import Product
 from lmforge.errors import ConfigError, DeterministicError
 from lmforge.jsonl import read_jsonl
 from lmforge.text.verify import is_correct, partial_credit
-from training.align.methods import SFT_MODEL, AlignMethod
-from training.align.methods.reward import load_reward_model, score
+from training.align.methods import CHAT, PREFERENCE, AlignMethod
+from training.align.methods.dpo import DPO
+from training.align.methods.reward import Reward, load_reward_model, score
+from training.align.methods.sft import SFT_MODEL
 from training.align.sections import TrainConfig
 
 log = logging.getLogger("training.align")
-DPO_MODEL, REWARD_MODEL = hf_model("dpo"), Product("reward-model")
+DPO_MODEL, REWARD_MODEL = DPO.product, Reward.product
 
 
 class RewardFunction(StrictModel):
@@ -616,23 +618,24 @@ class RL(AlignMethod):
     starts: ClassVar[tuple[Product, ...]] = (DPO_MODEL, SFT_MODEL)
     generates = False  # its watch measures the held-out answers (HackingWatch)
     # prompts from the chat data; through DPO or the reward model, the preference data
-    saw = ("documents", "sft", "dpo")
+    saw = ("documents", CHAT, PREFERENCE)
 
     def check(self, align: Any) -> None:
         if (
             self.runs(align)
             and any(f.kind == "reward_model" for f in align.rl.rewards)
-            and "reward" not in align.recipe
+            and Reward.name not in align.recipe
         ):
             raise ValueError("rl.rewards uses the reward model: add reward to align.recipe before rl")
 
     def start(self, config: Any) -> Product:
         """The policy RL starts from: DPO's model when the recipe has DPO before RL, else SFT's."""
-        return DPO_MODEL if "dpo" in config.align.recipe and config.align.dpo.enabled else SFT_MODEL
+        dpo = DPO.name in config.align.recipe and DPO().section(config).enabled
+        return DPO_MODEL if dpo else SFT_MODEL
 
     def upstream(self, config: Any) -> tuple[Product, ...]:
         # the reward model, when the recipe trains one: a reward term, or else the watch's proxy
-        return (*super().upstream(config), *((REWARD_MODEL,) if "reward" in config.align.recipe else ()))
+        return (*super().upstream(config), *((REWARD_MODEL,) if Reward.name in config.align.recipe else ()))
 
     def identity(self, config: Any) -> dict[str, Any]:
         """Its precision, and the source of each user reward `module:function` (the function runs

@@ -4,7 +4,7 @@ export), loss on the assistant turns only; measured by held-out assistant loss a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -117,3 +117,19 @@ def as_prompt_completion(record: dict[str, Any]) -> dict[str, Any]:
     messages = record["messages"]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return {"prompt": messages[:last], "completion": [messages[last]]}
+
+
+SFT_MODEL = SFT.product  # hf-model:sft, what the methods after SFT start from
+# a section's `init`: `sft`, the SFT model; `base`, the model SFT itself starts from
+Init = Literal["sft", "base"]
+FROM_SFT: Init = "sft"
+
+
+class AfterSftOrItsStart(AlignMethod):
+    """A method whose section's `init: Init` says where it starts: `sft`, the SFT model; `base`, the
+    model SFT starts from (the base or the pretrained model)."""
+
+    starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL, BASE_MODEL, PRETRAINED)
+
+    def start(self, config: Any) -> Product:
+        return SFT_MODEL if self.section(config).init == FROM_SFT else start_model(config)

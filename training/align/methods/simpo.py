@@ -8,20 +8,19 @@ match before and after, with paired intervals.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from lmforge.configbase import runtime_field
-from training.align.methods import FromSftOrItsStart, PreferenceMethod
+from training.align.methods import PreferenceMethod
+from training.align.methods.sft import FROM_SFT, AfterSftOrItsStart, Init
 from training.align.sections import TrainConfig
 
 
 class SimpoConfig(TrainConfig):
     enabled: bool = runtime_field(True, description="Run SimPO when align.recipe names it.")
-    init: Literal["sft", "base"] = Field(
-        "sft", description="Start from the SFT model, or from the model SFT starts from."
-    )
+    init: Init = Field(FROM_SFT, description="Start from the SFT model, or from the model SFT starts from.")
     beta: float = Field(2.0, gt=0, description="Scale of the length-normalised reward (2.0-2.5 in the paper).")
     gamma: float = Field(0.5, ge=0, description="Target reward margin, TRL's simpo_gamma.")
     sft_weight: float = Field(
@@ -34,7 +33,7 @@ class SimpoConfig(TrainConfig):
     max_steps: int = Field(150, ge=1)
 
 
-class SimPO(PreferenceMethod, FromSftOrItsStart):
+class SimPO(PreferenceMethod, AfterSftOrItsStart):
     name = "simpo"
     config = SimpoConfig
     description = "SimPO with TRL's CPOTrainer: length-normalised reward with a target margin, no reference model"
