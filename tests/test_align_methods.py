@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -173,3 +174,50 @@ def test_no_role_or_backend_name_is_spelled_outside_the_module_that_defines_it()
     found = [f for f in found if not f.endswith("'hf'") or "evaluation" in f or "serving" in f]
     found = [f for f in found if not f.startswith("training/align/methods/dpo.py") or not f.endswith("'sft'")]
     assert not found, found
+
+
+def _chat_tokenizer(template: str) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["user", "assistant", "Add", "2", "and", "3.", "5", "6", "Name", "a", "colour.", "red", "blue"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "[UNK]"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_pair_is_tokenized_as_sft_sees_it_the_assistant_turn_labelled_and_nothing_appended() -> None:
+    """ORPO and SimPO rows (kit.pair_tokens): the chat template's tokens, labels on the assistant turn
+    its generation markers mark (the answer and its end-of-turn), no BOS before it and no EOS after
+    the template's tail: TRL's own rows scored `\\n<|endoftext|>` too, most of ORPO's NLL."""
+    from lmforge.text.chat import CHAT_TEMPLATE, PLAIN_CHAT_TEMPLATE
+    from training.align.kit import pair_tokens
+
+    feature = {
+        "chat_prompt": [{"role": "user", "content": "Add 2 and 3."}],
+        "chat_chosen": [{"role": "assistant", "content": "5"}],
+        "chat_rejected": [{"role": "assistant", "content": "6"}],
+    }
+    tokenizer = _chat_tokenizer(CHAT_TEMPLATE)
+    row = pair_tokens(tokenizer, feature, max_length=64)
+    ids = tokenizer.convert_tokens_to_ids
+    for side, answer in (("chosen", "5"), ("rejected", "6")):
+        tokens = row[f"{side}_input_ids"]
+        assert tokens[: len(row["prompt_input_ids"])] == row["prompt_input_ids"]  # the prompt, then the answer
+        assert tokens[0] == ids("<|im_start|>") and tokenizer.eos_token_id not in tokens  # no BOS/EOS added
+        labelled = [t for t in row[f"{side}_labels"] if t != -100]
+        assert labelled == [ids(answer), ids("<|im_end|>")], tokenizer.convert_ids_to_tokens(labelled)
+        assert row[f"{side}_attention_mask"] == [1] * len(tokens)
+    # a template without generation markers: everything after the prompt is the completion
+    plain = pair_tokens(_chat_tokenizer(PLAIN_CHAT_TEMPLATE), feature, max_length=64)
+    assert [t for t in plain["chosen_labels"] if t != -100] == plain["chosen_input_ids"][
+        len(plain["prompt_input_ids"]) :
+    ]
+    # truncated to max_length like every other row
+    assert len(pair_tokens(tokenizer, feature, max_length=5)["chosen_input_ids"]) == 5

@@ -120,6 +120,45 @@ def dataset(path: str, columns: list[str]) -> Any:
     return data.select_columns(columns)
 
 
+PAIR_SIDES = ("prompt", "chosen", "rejected")
+
+
+def pair_dataset(path: str) -> Any:
+    """Preference pairs for TRL's experimental pair trainers (ORPO, CPO/SimPO), with each side's
+    messages kept beside the strings those trainers template them into (`chat_<side>`), for
+    `pair_tokens`."""
+    data = dataset(path, list(PAIR_SIDES))
+    return data.map(lambda row: {f"chat_{side}": row[side] for side in PAIR_SIDES})
+
+
+def pair_tokens(tokenizer: Any, feature: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """One pair tokenized as SFT and the held-out measures see it: the chat template's tokens, with
+    labels on the assistant turn its generation markers mark (without markers: every token after
+    the prompt).
+
+    Written here because TRL's experimental ORPO and CPO trainers (`tokenize_row`) tokenize the
+    templated strings, then score every token after the prompt: the template's tail after the
+    end-of-turn token, and an EOS appended after it that the template never writes. On a model SFT
+    taught to stop at its end-of-turn, those two tokens carried most of ORPO's NLL term (on tiny-cpu
+    7.8 and 13.2 nats against 2.6 for the answer's first token) and so most of its update, and ORPO
+    lowered held-out preference accuracy at every learning rate tried. Their forward pass and loss
+    are TRL's; only the rows change."""
+    from training.align.heldout import _masked
+
+    prompt = tokenizer.apply_chat_template(
+        list(feature["chat_prompt"]), add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"][:max_length]
+    row: dict[str, Any] = {"prompt_input_ids": prompt, "prompt_attention_mask": [1] * len(prompt)}
+    for side in ("chosen", "rejected"):
+        ids, marked = _masked(tokenizer, list(feature["chat_prompt"]) + list(feature[f"chat_{side}"]), max_length)
+        if not any(marked):  # a template without generation markers: the completion is what follows the prompt
+            marked = [int(i >= len(prompt)) for i in range(len(ids))]
+        row[f"{side}_input_ids"] = ids
+        row[f"{side}_attention_mask"] = [1] * len(ids)
+        row[f"{side}_labels"] = [token if keep else -100 for token, keep in zip(ids, marked)]
+    return row
+
+
 # -- the export ---------------------------------------------------------------------------------------
 
 

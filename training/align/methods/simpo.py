@@ -45,16 +45,21 @@ class SimPO(PreferenceMethod, AfterSftOrItsStart):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-        from training.align.kit import dataset, peft_config, training_args
+        from training.align.kit import pair_dataset, pair_tokens, peft_config, training_args
+
+        class Trainer(CPOTrainer):
+            def tokenize_row(self, feature: dict[str, Any], model: Any = None) -> dict[str, Any]:
+                # pairs tokenized as SFT and the held-out measures see them (kit.pair_tokens says why)
+                return pair_tokens(self.processing_class, feature, self.max_length)
 
         cfg = spec["config"]
         args = training_args(
             spec, CPOConfig, loss_type="simpo", beta=cfg["beta"], simpo_gamma=cfg["gamma"], cpo_alpha=cfg["sft_weight"]
         )
-        return CPOTrainer(
+        return Trainer(
             model=model,
             args=args,
-            train_dataset=dataset(spec["train"], ["prompt", "chosen", "rejected"]),
+            train_dataset=pair_dataset(spec["train"]),
             processing_class=tokenizer,
             peft_config=peft_config(spec),
             callbacks=callbacks,
