@@ -8,6 +8,7 @@
     lmforge deployments              work pools and deployments (pipeline + one per stage) on a Prefect server
     lmforge slurm render|submit S    an sbatch script running stage S across a SLURM job's nodes
     lmforge config show|validate     the resolved configuration
+    lmforge config describe FIELD    one field: type, default, allowed values, cache key
 
 Stages add their own commands (e.g. `lmforge plan` from pretraining, `lmforge serve` from
 serving), and so does the orchestrator (`flows.cli`: the Prefect run and `deployments`), through
@@ -118,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing.add_argument("stage", nargs="?", choices=stage_names(), help="only this stage")
     listing.add_argument(
+        "--update-docs",
         "--update-readme",
+        dest="update_docs",
         metavar="PATH",
-        help="redraw the stage maps in a README (after each `<!-- lmforge stages S -->`)",
+        help="redraw the stage maps (after each `<!-- lmforge stages S -->`) in a Markdown file, or in every one under a folder",
     )
     _common(listing)
     _commands = Commands(sub)
@@ -139,8 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("action", choices=["render", "submit"])
     slurm.add_argument("stage", choices=stage_names())
     _common(slurm)
-    config = sub.add_parser("config", help="show or validate the resolved configuration")
-    config.add_argument("action", choices=["show", "validate"])
+    config = sub.add_parser(
+        "config", help="show or validate the resolved configuration, or describe one field (`describe FIELD`)"
+    )
+    config.add_argument("action", choices=["show", "validate", "describe"])
+    config.add_argument(
+        "field", nargs="?", help="describe: a field's dotted path (type, default, allowed values, cache key)"
+    )
     _common(config)
     config.add_argument(
         "--skip-path-checks",
@@ -308,12 +316,16 @@ def cmd_stages(args: argparse.Namespace) -> int:
     from lmforge.engine.stagemap import format_stages
 
     config = _load(args, check_paths=False)
-    if args.update_readme:
+    if args.update_docs:
         from lmforge.engine.stagemap import readme_with_stage_maps
 
-        path = Path(args.update_readme)
-        path.write_text(readme_with_stage_maps(path.read_text(), config))
-        print(f"redrew the stage maps in {path}")
+        root = Path(args.update_docs)
+        for path in sorted(root.rglob("*.md")) if root.is_dir() else [root]:
+            text = path.read_text()
+            redrawn = readme_with_stage_maps(text, config)
+            if redrawn != text:
+                path.write_text(redrawn)
+                print(f"redrew the stage maps in {path}")
         return 0
     print(format_stages(args.stage, config))
     return 0
@@ -322,6 +334,15 @@ def cmd_stages(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
+    if args.action == "describe":
+        from lmforge.fields import describe
+
+        if not args.field:
+            raise ConfigError("config describe: name a field, e.g. `lmforge config describe pretrain.optim.lr`")
+        print(describe(args.field))
+        return 0
+    if args.field:
+        raise ConfigError(f"config {args.action} takes no field (did you mean `config describe {args.field}`?)")
     config = _load(args, check_paths=not args.skip_path_checks)
     if args.action == "show":
         print(yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False))

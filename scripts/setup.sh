@@ -13,6 +13,8 @@
 # And .venv-mlflow from requirements/mlflow.lock: full mlflow for `mlflow server` / `mlflow ui`
 # (lmforge logs with mlflow-skinny from .venv; full mlflow needs a pyarrow .venv cannot have). The
 # tracking tests start a real server from it. LMFORGE_SKIP_MLFLOW_ENV=1 skips it.
+# And .venv-docs from requirements/docs.lock: MkDocs with the Material theme, for the docs site the
+# lint step builds (mkdocs build --strict). LMFORGE_SKIP_DOCS_ENV=1 skips it.
 # With LMFORGE_LLAMACPP_ENV=1 (scripts/test.sh sets it), also .venv-llamacpp from
 # requirements/llamacpp.lock: llama.cpp built from source (about 3 minutes) for GGUF export and
 # `serve.engine.name: llamacpp`.
@@ -75,6 +77,12 @@ setup_mlflow_env() {
   side_env .venv-mlflow requirements/mlflow.lock requirements/mlflow.lock \
     "the MLflow server; about 0.8 GB the first time" \
     "import mlflow.server; print('mlflow', mlflow.__version__, 'environment OK')" --no-deps -r requirements/mlflow.lock
+}
+
+setup_docs_env() {  # MkDocs (Material) for the docs site: its own venv, so its packages never join .venv (or the demo corpus)
+  [ "${LMFORGE_SKIP_DOCS_ENV:-0}" = 1 ] && return 0
+  side_env .venv-docs requirements/docs.lock requirements/docs.lock "MkDocs for the docs site; about 30 MB" \
+    "import mkdocs, material; print('mkdocs', mkdocs.__version__, 'environment OK')" --no-deps -r requirements/docs.lock
 }
 
 setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_LLAMACPP_ENV=1; scripts/test.sh sets it)
@@ -143,6 +151,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "
   start_llamacpp_env
   setup_quant_env
   setup_mlflow_env
+  setup_docs_env
   finish_llamacpp_env
   exit 0
 fi
@@ -178,5 +187,6 @@ PY
 echo "$want" > "$stamp"
 setup_quant_env
 setup_mlflow_env
+setup_docs_env
 finish_llamacpp_env
 exit 0

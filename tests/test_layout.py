@@ -257,16 +257,18 @@ def test_the_cycle_check_reports_a_planted_ring() -> None:
 # -- the stage maps ------------------------------------------------------------------------------
 
 
-def test_readme_stage_maps_are_what_lmforge_stages_prints() -> None:
-    """Each stage's section in the README shows `lmforge stages STAGE`, drawn from the step graph."""
+def test_docs_stage_maps_are_what_lmforge_stages_prints() -> None:
+    """Each stage's page (docs/stages/) shows `lmforge stages STAGE`, drawn from the step graph."""
     from lmforge.engine.registry import stage_names
     from lmforge.engine.stagemap import MARKER, readme_with_stage_maps
 
-    text = (ROOT / "README.md").read_text()
+    pages = sorted((ROOT / "docs" / "stages").glob("*.md"))
+    text = "".join(page.read_text() for page in pages)
     missing = [s for s in stage_names() if MARKER.format(stage=s) not in text]
-    assert not missing, f"README.md has no stage map for {missing} (add `{MARKER}` before a code block)"
-    assert readme_with_stage_maps(text) == text, (
-        "README.md's stage maps differ from the step graph: run `lmforge stages --update-readme README.md`"
+    assert not missing, f"docs/stages/ has no stage map for {missing} (add `{MARKER}` before a code block)"
+    drifted = [page.name for page in pages if readme_with_stage_maps(page.read_text()) != page.read_text()]
+    assert not drifted, (
+        f"the stage maps in docs/stages/{drifted} differ from the step graph: run `lmforge stages --update-docs docs`"
     )
 
 
