@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
     .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serve.py --model DIR --speculative [--draft DRAFT_DIR]
-    .venv/bin/python benchmarks/serve.py --workspace WS --adapters [--concurrency 8,32]
+    .venv/bin/python benchmarks/serve.py --workspace WS --adapters [--concurrency 1,8] [--lora-ops both]
 
 Rows, for the `shared-prefix` workload (a long system prompt shared by every request, then a
 short question) and the `distinct` one (prompts of the same length with nothing shared):
@@ -167,6 +167,15 @@ def main() -> None:
         action="store_true",
         help="one server with the workspace's LoRA adapters vs one merged server each",
     )
+    parser.add_argument(
+        "--lora-ops",
+        choices=["both", "grouped", "upstream"],
+        default="both",
+        help="--adapters: the CPU LoRA ops of the adapter server (lmforge's grouped ones, vLLM's own: upstream, or both)",
+    )
+    parser.add_argument(
+        "--workloads", default="shared-prefix,distinct", help="--adapters: the SLO workloads to run (comma-separated)"
+    )
     args = parser.parse_args()
     if args.adapters:
         return adapters_report(args)
@@ -238,8 +247,10 @@ def _rss_gib(pid: int) -> float:
 
 
 def adapters_report(args: argparse.Namespace) -> None:
-    """One vLLM server with the release's N LoRA adapters vs N servers of the merged models."""
+    """One vLLM server with the release's N LoRA adapters (with lmforge's grouped CPU LoRA ops, and with
+    vLLM's own: `--lora-ops`) vs N servers of the merged models, on the SLO's workloads."""
     import contextlib
+    import os
 
     from lmforge.inference.vllm_server import EngineConfig, LoraModules, TemporaryServer
 
@@ -253,34 +264,53 @@ def adapters_report(args: argparse.Namespace) -> None:
     merged = {role: workspace / a["step"] / a["key"] / "hf" for role, a in roles.items()}
     levels = [int(c) for c in args.concurrency.split(",")]
     words = slo.fit_prefix_words(Path(release["model_dir"]), args.max_tokens, args.prefix_words)
-    shape = (levels, args.requests_per_client, args.max_tokens, words, ("distinct",))
+    shape = (levels, args.requests_per_client, args.max_tokens, words, tuple(args.workloads.split(",")))
     rank = max(a["rank"] for a in roles.values())
     lora = LoraModules({role: str(folder / role) for role in roles}, max_lora_rank=max(8, 1 << (rank - 1).bit_length()),
                        max_loras=len(roles))  # fmt: skip
-    print(f"{len(roles)} fine-tunes ({', '.join(roles)}) of {release['model_dir']}; levels {levels}\n", flush=True)
+    print(f"{len(roles)} fine-tunes ({', '.join(roles)}, rank up to {rank}) of {release['model_dir']}; "
+          f"levels {levels}\n", flush=True)  # fmt: skip
     results = {}
+    ops = ["grouped", "upstream"] if args.lora_ops == "both" else [args.lora_ops]
     with tempfile.TemporaryDirectory() as work:
-        with TemporaryServer(Path(release["model_dir"]), EngineConfig(), Path(work) / "lora", "base", lora=lora) as one:
-            memory = _rss_gib(one.service.process.pid)
-            rows = slo.run_mixed([(one.base_url, one.api_key, role) for role in roles], *shape)
-            results["1 server, LoRA adapters"] = (memory, rows)
+        for which in ops:  # the server's environment picks the ops (lmforge.inference.vllm_cpu_lora)
+            os.environ["LMFORGE_VLLM_LORA_OPS"] = which
+            name = (
+                f"1 server, {len(roles)} LoRA adapters, {'lmforge grouped' if which == 'grouped' else 'vLLM torch'} ops"
+            )
+            with TemporaryServer(
+                Path(release["model_dir"]), EngineConfig(), Path(work) / which, "base", lora=lora
+            ) as one:
+                targets = [(one.base_url, one.api_key, role) for role in roles]
+                slo.run_mixed(targets, [len(roles)], 1, args.max_tokens, words, ("distinct",))  # warm-up, not counted
+                memory = _rss_gib(one.service.process.pid)
+                rows = slo.run_mixed(targets, *shape)
+                results[name] = (memory, rows)
+        os.environ.pop("LMFORGE_VLLM_LORA_OPS", None)
         with contextlib.ExitStack() as stack:
             servers = [
                 stack.enter_context(TemporaryServer(path, EngineConfig(), Path(work) / role, role))
                 for role, path in merged.items()
             ]
+            targets = [(s.base_url, s.api_key, s.served_name) for s in servers]
+            slo.run_mixed(targets, [len(servers)], 1, args.max_tokens, words, ("distinct",))  # warm-up, not counted
             memory = sum(_rss_gib(s.service.process.pid) for s in servers)
-            rows = slo.run_mixed([(s.base_url, s.api_key, s.served_name) for s in servers], *shape)
+            rows = slo.run_mixed(targets, *shape)
             results[f"{len(servers)} servers, merged"] = (memory, rows)
     table = [{"engine": name, **r} for name, (_, rows) in results.items() for r in rows]
     print(slo.table(table))
-    (lora_mem, lora_rows), (merged_mem, merged_rows) = results.values()
-    print(f"\nresident memory: {lora_mem:.2f} GiB (one server, {len(roles)} adapters) vs {merged_mem:.2f} GiB "
-          f"({len(roles)} merged servers): {merged_mem / lora_mem:.2f}x")  # fmt: skip
-    for a, b in zip(lora_rows, merged_rows, strict=True):
-        ours, theirs = a["output_tokens_per_s"], b["output_tokens_per_s"]
-        print(f"output tok/s at {a['clients']} clients: {ours:.0f} (adapters) vs {theirs:.0f} (merged servers): "
-              f"{ours / theirs:.2f}x")  # fmt: skip
+    merged_mem, merged_rows = results[f"{len(merged)} servers, merged"]
+    for name, (memory, rows) in results.items():
+        if name.endswith("merged"):
+            continue
+        print(
+            f"\n{name}: resident memory {memory:.2f} GiB vs {merged_mem:.2f} GiB merged: {merged_mem / memory:.2f}x less"
+        )
+        for a, b in zip(rows, merged_rows, strict=True):
+            ours, theirs = a["output_tokens_per_s"], b["output_tokens_per_s"]
+            print(f"  {a['workload']} x{a['clients']}: tok/s {ours:.0f} vs {theirs:.0f} merged ({ours / theirs:.2f}x), "
+                  f"TTFT p90 {a['ttft_ms_p90']:.0f} vs {b['ttft_ms_p90']:.0f} ms, "
+                  f"TPOT p90 {a['tpot_ms_p90']:.1f} vs {b['tpot_ms_p90']:.1f} ms")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"memory_gib": {k: m for k, (m, _) in results.items()}, "rows": table}))
 

@@ -131,7 +131,7 @@ SERVICE_ENV = (
 )  # fmt: skip
 SERVICE_ENV_PREFIXES = (
     "LC_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "HF_", "TRANSFORMERS_", "VLLM_", "TORCH", "TRITON_",
-    "NCCL_", "MKL_", "KMP_", "LMFORGE_LOG",
+    "NCCL_", "MKL_", "KMP_", "LMFORGE_LOG", "LMFORGE_VLLM_",
 )  # fmt: skip
 SERVICE_ENV_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
 

