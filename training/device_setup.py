@@ -23,7 +23,7 @@ def safe_attention_kernels() -> bool:
     plain PyTorch loop went NaN, while the same model's gradients on a CPU were finite. cuDNN's bf16
     SDPA backward returning NaN on H100/H200 is a known regression since torch 2.11
     (pytorch/pytorch#196678; trl#7181 for DPO, fixed there by this same switch). That this switch
-    cures the run above is not yet confirmed on a GPU (see README, "Running on GPUs").
+    cures the run above is not yet confirmed on a GPU (see docs/how-to/gpus.md).
     `LMFORGE_CUDNN_SDPA=1` keeps cuDNN's kernel.
     """
     import os

@@ -1,8 +1,8 @@
 """`lmforge stages`: the registered stages, their steps, and what each step consumes and produces.
 
 It is drawn from the step graph itself (`Step.upstream`, `Step.provides`) for a configuration
-(the tiny-cpu preset unless told otherwise), so it cannot drift from what runs. The README's
-per-stage diagrams are this output (`lmforge stages STAGE`); `tests/test_layout.py` checks
+(the tiny-cpu preset unless told otherwise), so it cannot drift from what runs. The docs'
+per-stage diagrams (docs/stages/) are this output (`lmforge stages STAGE`); `tests/test_layout.py` checks
 that they agree.
 
 A consumed product reads `kind:role <- step`, the step that provides it in this configuration;
