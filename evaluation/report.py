@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import stats
-from evaluation.backends import REFERENCE, SERVED
+from evaluation.backends import BACKENDS, REFERENCE, SERVED
 from lmforge.engine.registry import role_names, roles
 from lmforge.jsonl import read_jsonl
 
@@ -160,9 +160,9 @@ def card(
     if agreement:
         lines += [
             "",
-            f"## {REFERENCE} vs {SERVED}",
+            f"## {BACKENDS[REFERENCE].label} vs {BACKENDS[SERVED].label}",
             "",
-            f"| model | task | metric | {REFERENCE} | {SERVED} | difference | within tolerance |",
+            f"| model | task | metric | {BACKENDS[REFERENCE].label} | {BACKENDS[SERVED].label} | difference | within tolerance |",
             "|---|---|---|---|---|---|---|",
         ]
         for a in agreement:

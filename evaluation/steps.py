@@ -438,8 +438,8 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     for a in disagreements:
         log.warning(
             "%s and %s disagree on %s/%s %s: %.4g vs %.4g (tolerance %s)",
-            backends.REFERENCE,
-            backends.SERVED,
+            backends.BACKENDS[backends.REFERENCE].label,
+            backends.BACKENDS[backends.SERVED].label,
             a["model"],
             a["task"],
             a["metric"],
