@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import re
 import shlex
@@ -28,8 +29,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel
 
 from lmforge.fields import FieldDoc, config_fields, walk_fields
 
@@ -272,21 +271,30 @@ def _check_assignments(assignments: list[str]) -> str | None:
     return None
 
 
+@functools.cache
+def _field_paths() -> tuple[frozenset[str], frozenset[str]]:
+    """(every leaf field's dotted path, every section's), read once per process."""
+    from lmforge.config import pipeline_model
+
+    plain = frozenset(f[0].replace("[]", "").replace("{}", "") for f in walk_fields(pipeline_model()))
+    return plain, frozenset(p.rsplit(".", n)[0] for p in plain for n in range(1, p.count(".") + 1))
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    from lmforge.cli import build_parser
+
+    return build_parser()
+
+
 def _check_path(path: str) -> None:
     from lmforge.errors import ConfigError
 
-    plain = {f[0].replace("[]", "").replace("{}", "") for f in walk_fields(_pipeline())}
-    sections = {p.rsplit(".", n)[0] for p in plain for n in range(1, p.count(".") + 1)}
+    plain, sections = _field_paths()
     if path not in plain and path not in sections:
         # a mapping's key (`evaluate.limit.lmforge_preference`, `runtime.step_timeout_s.curate`)
         if not any(path.startswith(p + ".") for p in plain):
             raise ConfigError(f"--set {path}=...: no configuration field {path!r}")
-
-
-def _pipeline() -> type[BaseModel]:
-    from lmforge.config import pipeline_model
-
-    return pipeline_model()
 
 
 def _commands_in(code: str) -> Iterator[tuple[int, str]]:
@@ -314,8 +322,6 @@ def _check_command(args: str, mention: bool = False) -> str | None:
     for several commands are read as one of them: `[--gpus 8]` (optional), `start|stop` (either),
     `...` (more arguments), STAGE (a placeholder). `mention`: prose naming a command
     (`lmforge explain`), which may leave out its required arguments."""
-    from lmforge.cli import build_parser
-
     args = re.sub(r"\[(--[^\]]*)\]", r"\1", args)
     try:
         argv = [w.split("|")[0] if "|" in w and not w.startswith("-") else w for w in shlex.split(args) if w != "..."]
@@ -325,7 +331,7 @@ def _check_command(args: str, mention: bool = False) -> str | None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(argv)
+            _parser().parse_args(argv)
     except SystemExit as exc:
         if exc.code:
             said = (err.getvalue().strip().splitlines() or ["does not parse"])[-1]
@@ -342,13 +348,15 @@ def _config_yaml(code: str) -> dict[str, Any] | None:
     """A YAML block that is a pipeline configuration (its top-level keys are the config's), else None."""
     import yaml
 
+    from lmforge.config import pipeline_model
+
     try:
         data = yaml.safe_load(code)
     except yaml.YAMLError:
         return None
     if not isinstance(data, dict) or not data:
         return None
-    known = set(_pipeline().model_fields) | {"extends"}
+    known = set(pipeline_model().model_fields) | {"extends"}
     keys = set(map(str, data))
     # a config snippet: most of its top-level keys are config sections (a planted typo is still one)
     if len(keys & known) * 2 < len(keys) or not keys & known:
@@ -359,12 +367,12 @@ def _config_yaml(code: str) -> dict[str, Any] | None:
 def _check_yaml(data: dict[str, Any]) -> str | None:
     from pydantic import ValidationError
 
-    from lmforge.config import _deep_merge, _describe, _load_layers, resolve_preset
+    from lmforge.config import _deep_merge, _describe, _load_layers, pipeline_model, resolve_preset
 
     base = _load_layers(resolve_preset(str(data.get("extends", "tiny-cpu"))))
     merged = _deep_merge(base, {k: v for k, v in data.items() if k != "extends"})
     try:
-        _pipeline().model_validate(merged)
+        pipeline_model().model_validate(merged)
     except ValidationError as exc:
         return _describe(exc.errors()[0], "yaml", [])
     return None

@@ -58,9 +58,9 @@ class ORPO(PreferenceMethod, AfterSftOrItsStart):
 
                 out = super().concatenated_forward(model, batch)
                 chosen = out[2]  # the chosen rows' logits, already shifted (the last position dropped)
-                labels = self.concatenated_inputs(
-                    batch, is_encoder_decoder=False, padding_value=self.padding_value, device=chosen.device
-                )["concatenated_labels"][: chosen.shape[0], 1:]
+                # the chosen labels, padded (-100) to the pair's common width as the logits are
+                labels = batch["chosen_labels"].to(chosen.device)
+                labels = F.pad(labels, (0, chosen.shape[1] + 1 - labels.shape[1]), value=-100)[:, 1:]
                 nll = F.cross_entropy(chosen.flatten(0, 1), labels.flatten(), ignore_index=-100)
                 return (*out[:4], nll, *out[5:])
 
