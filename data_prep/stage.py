@@ -71,6 +71,13 @@ def _check(config: PipelineBase, source: str) -> None:
     for index, ref in enumerate(config.curate.quality_classifier.reference):
         if not Path(ref).is_file():
             raise ConfigError(f"{source}: curate.quality_classifier.reference[{index}]: not a file: {ref}")
+    from data_prep.filters import filters
+
+    for family in filters().values():  # files a filter's statistics read (a labelled file to train on)
+        section = getattr(config.curate, family.name)
+        for path in family.files(section) if section.enabled else []:
+            if not Path(path).is_file():
+                raise ConfigError(f"{source}: curate.{family.name}: not a file: {path}")
 
 
 STAGE = Stage(

@@ -25,8 +25,14 @@ from data_prep.textnorm import normalize_document
 DEFAULT = CurateConfig()
 
 
+def own_stats(text: str, cfg: CurateConfig = DEFAULT) -> dict:
+    """The statistics filters compute beside the shared pass (the toxicity score), as curate/heuristics adds them."""
+    return {k: v for name, f in filters().items() for k, v in f.stats_batch([text], getattr(cfg, name))[0].items()}
+
+
 def all_failures(text: str, cfg: CurateConfig = DEFAULT) -> list[str]:
     stats = compute_stats(text, StatParams.from_configs(cfg.c4, cfg.fineweb, cfg.gopher_repetition))
+    stats |= own_stats(text, cfg)
     return [rule for name, f in filters().items() for rule in f.failures(stats, getattr(cfg, name))]
 
 
@@ -342,8 +348,8 @@ def test_threshold_changes_do_not_change_stats_but_stat_params_do():
 
 
 def test_rule_families_registry_matches_curate_config():
-    assert list(filters()) == ["length", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb"]
-    stats = compute_stats(PROSE)
+    assert list(filters()) == ["length", "encoding", "gopher_quality", "gopher_repetition", "c4", "fineweb", "toxicity"]
+    stats = compute_stats(PROSE) | own_stats(PROSE)
     for name, family in filters().items():
         assert isinstance(getattr(DEFAULT, name), family.config)
         assert family.failures(stats, getattr(DEFAULT, name)) == []

@@ -7,8 +7,8 @@ the statistics; `curate/select` applies the rules, keeps every removed record wi
 and counts them. Both steps' reads come from this registry: neither keeps a list of filters.
 
 The built-ins live beside this file (length, encoding, gopher_quality, gopher_repetition, c4,
-fineweb: datatrove's families, data_prep/heuristics.py). Another package adds one without editing
-lmforge through the `lmforge.curation_filters` entry-point group:
+fineweb: datatrove's families, data_prep/heuristics.py; toxicity: a classifier's score). Another
+package adds one without editing lmforge through the `lmforge.curation_filters` entry-point group:
 
     [project.entry-points."lmforge.curation_filters"]
     boilerplate = "my_package.boilerplate:Boilerplate"
@@ -30,6 +30,7 @@ BUILTIN = (
     "data_prep.filters.gopher_repetition:GopherRepetition",
     "data_prep.filters.c4:C4",
     "data_prep.filters.fineweb:FineWeb",
+    "data_prep.filters.toxicity:Toxicity",
 )
 
 

@@ -50,11 +50,24 @@ class CurationFilter:
     before_language: ClassVar[bool] = False
     # modules its rules and statistics run: part of the steps' code identity
     code: ClassVar[tuple[str, ...]] = ()
+    # distributions whose versions shape its statistics (a classifier's library): recorded beside
+    # curate/heuristics' key, so an upgrade is reported as drift
+    libraries: ClassVar[tuple[str, ...]] = ()
 
     def stats(self, text: str, cfg: Any) -> Stats | None:
         """Its own statistics of one document (columns of curate/heuristics' attributes); None when
         the shared pass computes what it needs."""
         return None
+
+    def stats_batch(self, texts: list[str], cfg: Any) -> list[Stats]:
+        """Its own statistics of a shard's documents, in order: `stats` of each, unless a filter
+        scores a batch faster at once (a classifier's predict call)."""
+        return [self.stats(text, cfg) or {} for text in texts]
+
+    def files(self, cfg: Any) -> list[str]:
+        """Files outside the project its statistics read at run time (a user's labelled data):
+        their content is part of curate/heuristics' key, as curation's inputs are."""
+        return []
 
     def failures(self, stats: Stats, cfg: Any) -> list[str]:
         raise NotImplementedError
