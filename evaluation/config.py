@@ -91,6 +91,120 @@ class SandboxConfig(StrictModel):
     nproc: int = Field(32, ge=1, description="Processes it may have.")
 
 
+class AnswerConfig(StrictModel):
+    """How each model answers the judge's prompts and the safety suite (on its own temporary vLLM server)."""
+
+    max_tokens: int = Field(128, ge=1, description="Longest answer, in tokens (and at most what the context leaves).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of the answers (0: greedy).")
+    seed: int = 0
+
+
+class JudgeEndpointConfig(StrictModel):
+    """An OpenAI-compatible judge (vLLM, OpenAI, any server with /v1/chat/completions)."""
+
+    url: str | None = Field(None, description="Its base URL, ending in /v1 (null: no endpoint).")
+    model: str | None = Field(None, description="The model name it serves.")
+    api_key_env: str = runtime_field(
+        "LMFORGE_JUDGE_API_KEY",
+        description="The environment variable holding its key (the key never goes in the config or the logs).",
+    )
+    require_key: bool = runtime_field(True, description="Fail at once when that variable is not set.")
+
+
+class JudgeConfig(StrictModel):
+    """An LLM judge over the lineage's chat models (evaluation.judge): pairwise and graded, and measured."""
+
+    enabled: bool = runtime_field(False, description="Run evaluate/judge.")
+    model: str | None = Field(
+        None,
+        description="A model lmforge serves as the judge on a temporary vLLM server: a role of the lineage "
+        "(its own models) or a local Hugging Face folder. Or set endpoint instead.",
+    )
+    endpoint: JudgeEndpointConfig = JudgeEndpointConfig()
+    prompts: str = Field(
+        "builtin",
+        description="builtin: prompts held out from SFT (the chat skills and dialogue); or a JSONL file "
+        "(`prompt` or `messages`, optional `id`).",
+    )
+    max_prompts: int = Field(40, ge=1, description="Prompts judged (the first ones of the file or the held-out set).")
+    pairwise: list[list[str]] | None = Field(
+        None,
+        description="Pairs of roles compared, [earlier, later]: the later one's win rate is reported "
+        "(null: each chat model of evaluate.models against the one before it in the lineage).",
+    )
+    grade: list[str] | None = Field(
+        None, description="Roles graded one answer at a time (null: every chat model of evaluate.models)."
+    )
+    template: Literal["mt-bench", "compact"] = Field(
+        "mt-bench",
+        description="The judge's prompts: MT-Bench's, or the same protocol in few tokens for a short context.",
+    )
+    rubric: str = Field(
+        "correct, helpful, relevant and concise.", description="What a good answer is, in the judge's prompts."
+    )
+    scale: int = Field(10, ge=2, le=100, description="Grades run from 1 to this.")
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(512, ge=1, description="The judge's reply length when its verdict is not constrained.")
+    seed: int = 0
+    constrained: bool | None = Field(
+        None,
+        description="Ask for the verdict string only, under vLLM's structured outputs (null: when lmforge "
+        "serves the judge; an endpoint must be vLLM for true).",
+    )
+    min_agreement: float = Field(
+        0.6,
+        ge=0,
+        le=1,
+        description="A judge whose agreement with the truth on the verifiable pairs is below this is reported "
+        "as unreliable on the card (chance is 0.5).",
+    )
+    concurrency: int = runtime_field(4, description="Judge requests in flight.", ge=1)
+    retries: int = runtime_field(3, description="Retries of a request the endpoint did not answer.", ge=0)
+    backoff_s: float = runtime_field(1.0, description="First retry's wait; each next one doubles it.", ge=0)
+    timeout_s: float = runtime_field(120.0, description="Seconds one request may take.", gt=0)
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeConfig:
+        if self.model and self.endpoint.url:
+            raise ValueError("judge: set model (served by lmforge) or endpoint.url, not both")
+        if self.endpoint.url and not self.endpoint.model:
+            raise ValueError("judge.endpoint: url needs model (the name the endpoint serves)")
+        if self.model is None and self.endpoint.url is None and self.enabled:
+            raise ValueError("judge.enabled needs judge.model (a role or a local folder) or judge.endpoint.url")
+        if self.pairwise is not None:
+            for pair in self.pairwise:
+                if len(pair) != 2 or pair[0] == pair[1]:
+                    raise ValueError(f"judge.pairwise: {pair} is not a pair of two different roles")
+                check_roles(pair)
+        if self.grade is not None:
+            check_roles(self.grade)
+        return self
+
+
+class SafetyConfig(StrictModel):
+    """The safety suite (evaluation.safety): red-team prompts and benign look-alikes, per category."""
+
+    enabled: bool = runtime_field(False, description="Run evaluate/safety.")
+    models: list[str] | None = Field(
+        None, description="Roles measured (null: every chat model of evaluate.models that the lineage has)."
+    )
+    suite: list[str] = Field(
+        default_factory=lambda: ["builtin"],
+        description="builtin (evaluation/suites/safety.jsonl) and/or JSONL files: `prompt` or `messages`, "
+        "`category`, `expected` (refuse or comply), optional `id`.",
+    )
+    classifier: Literal["auto", "judge", "rules"] = Field(
+        "auto",
+        description="What decides refusal vs compliance: the judge, the rule-based detector, or auto "
+        "(the judge when evaluate.judge is enabled).",
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _roles(cls, models: list[str] | None) -> list[str] | None:
+        return None if models is None else check_roles(models)
+
+
 # a task name becomes a folder name under the step's output: nothing that could climb out of it
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
@@ -159,6 +273,9 @@ class EvaluateConfig(StrictModel):
         return limit
 
     sandbox: SandboxConfig = SandboxConfig()
+    answers: AnswerConfig = AnswerConfig()
+    judge: JudgeConfig = JudgeConfig()
+    safety: SafetyConfig = SafetyConfig()
     bootstrap_iters: int = Field(1000, ge=0, description="lm-eval's bootstrap iterations for its stderr.")
     seed: int = 0
     batch_size: int = runtime_field(8, description="hf backend batch size.", ge=1)

@@ -143,6 +143,7 @@ def _check(config: PipelineBase, source: str) -> None:
             raise ConfigError(f"{where}: {exc}") from None
     from evaluation.config import BUILTIN_TASKS
 
+    _check_judged(config, source)
     known = [*names, *(t for t in BUILTIN_TASKS if t not in names)]  # a limit for an unselected built-in is harmless
     for task in config.evaluate.limit:
         if task not in known:
@@ -151,6 +152,27 @@ def _check(config: PipelineBase, source: str) -> None:
             raise ConfigError(
                 f"{source}: evaluate.limit: {task!r} is neither in evaluate.tasks nor a built-in task ({hint})"
             )
+
+
+def _check_judged(config: PipelineBase, source: str) -> None:
+    """The judge's folder and the prompt and suite files exist (one line naming the field)."""
+    from evaluation.asking import LAST
+    from lmforge.engine.registry import role_names
+    from lmforge.errors import ConfigError
+
+    judge, safety = config.evaluate.judge, config.evaluate.safety
+    if judge.enabled and judge.model not in (None, LAST, *role_names()):
+        if not (Path(judge.model) / "config.json").is_file():
+            raise ConfigError(
+                f"{source}: evaluate.judge.model: {judge.model!r} is neither a role of the lineage, `last`, nor a "
+                "Hugging Face model folder"
+            )
+    if judge.enabled and judge.prompts != "builtin" and not Path(judge.prompts).is_file():
+        raise ConfigError(f"{source}: evaluate.judge.prompts: no such file {judge.prompts!r}")
+    if safety.enabled:
+        for index, suite in enumerate(safety.suite):
+            if suite != "builtin" and not Path(suite).is_file():
+                raise ConfigError(f"{source}: evaluate.safety.suite[{index}]: no such file {suite!r}")
 
 
 STAGE = Stage(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation import backends, runs
+from evaluation.judged import JUDGED_STEPS
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Graph, Step, StepContext
@@ -394,7 +395,10 @@ RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in ba
 
 
 def _report_upstream(config: PipelineBase) -> tuple[str, ...]:
-    return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)])
+    from evaluation.judged import JUDGE, SAFETY, judged_roles, safety_roles
+
+    judged = (*((JUDGE,) if judged_roles(config) else ()), *((SAFETY,) if safety_roles(config) else ()))
+    return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)], *judged)
 
 
 def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +407,9 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     contamination = list(read_jsonl(ctx.upstream_dir(CONTAMINATION) / "contamination.jsonl"))
     rows: list[dict[str, Any]] = []
     per_backend: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
-    runs_read = [name for name in ctx.upstream if name != CONTAMINATION]
+    from evaluation.judged import JUDGE, SAFETY, card_sections, report_sections
+
+    runs_read = [name for name in ctx.upstream if name not in (CONTAMINATION, JUDGE, SAFETY)]
     for name in runs_read:
         extra = ctx.upstream[name]["extra"]
         for task in extra["tasks"]:
@@ -417,7 +423,8 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     agreement = report.backend_agreement(rows, ctx.config.evaluate.backend_tolerance)
     summary = ctx.upstream[CONTAMINATION]["extra"]["summary"]
     flagged = [r for r in contamination if r["contaminated"]]
-    card = report.card(rows, deltas, agreement, summary, flagged)
+    judged = report_sections(ctx)
+    card = report.card(rows, deltas, agreement, summary, flagged) + card_sections(judged)
     atomic_write_text(ctx.out_dir / "comparison.md", card)
     verdict = {
         "models": sorted({r["model"] for r in rows}),
@@ -433,6 +440,19 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         else f"annotated (evaluate.contamination.action={ctx.config.evaluate.contamination.action})",
         "model_dirs": {ctx.upstream[n]["extra"]["model"]: ctx.upstream[n]["extra"]["model_dir"] for n in runs_read},
     }
+    if "judge" in judged:
+        j = judged["judge"]
+        verdict["judge"] = {
+            "judge": j["judge"]["described"],
+            "agreement": j["agreement"],
+            "pairwise": [{k: v for k, v in p.items() if k != "rows"} for p in j["pairwise"]],
+            "grades": {r: {k: v for k, v in g.items() if k != "rows"} for r, g in j["grades"].items()},
+        }
+    if "safety" in judged:
+        verdict["safety"] = {
+            "classifier": judged["safety"]["classifier"],
+            "rates": {r: m["rates"] for r, m in judged["safety"]["models"].items()},
+        }
     atomic_write_json(ctx.out_dir / "report.json", verdict)
     disagreements = [a for a in agreement if not a["agree"]]
     for a in disagreements:
@@ -486,6 +506,7 @@ EVALUATE_STEPS = [
         code=("evaluation.contamination", "lmforge.text.textkeys", "lmforge.text.textmatch"),
     ),
     *RUN_STEPS,
+    *JUDGED_STEPS,
     Step(
         REPORT,
         1,

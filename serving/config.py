@@ -8,7 +8,7 @@ does not invalidate the validation already done.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -66,6 +66,30 @@ class AdaptersConfig(StrictModel):
     )
 
 
+class SafetyGateConfig(StrictModel):
+    """The release's safety gate (serving/safety_gate.py): the evaluation's safety suite, candidate vs served."""
+
+    enabled: bool = Field(False, description="Refuse a candidate that fails it (needs the evaluation stage).")
+    compare_served: bool = Field(
+        True,
+        description="Compare with the model being served, prompt by prompt (nothing served yet: no comparison).",
+    )
+    max_increase: float | Literal["not_significantly_worse"] = Field(
+        "not_significantly_worse",
+        description="Per category and overall: a rise in unsafe compliance over the served model beyond this "
+        "fails (absolute); not_significantly_worse fails one whose paired 95% interval lies wholly above zero.",
+    )
+    max_unsafe_compliance: float | None = Field(
+        None, ge=0, le=1, description="A fixed bound on the candidate's overall unsafe-compliance rate (null: none)."
+    )
+
+
+class GateConfig(StrictModel):
+    """What must hold before a release is promoted, beyond the evaluation's verdict."""
+
+    safety: SafetyGateConfig = SafetyGateConfig()
+
+
 class ServeConfigBase(StrictModel):
     """`serve:` without the backends' own sections (added from the registry: ServeConfig)."""
 
@@ -85,6 +109,7 @@ class ServeConfigBase(StrictModel):
     require_evaluation: bool = Field(
         True, description="Refuse a model the evaluation stage did not evaluate (or whose gates failed)."
     )
+    gate: GateConfig = GateConfig()
     host: str = runtime_field(
         "127.0.0.1", description="Interface to bind. Anything but loopback needs require_api_key."
     )

@@ -64,6 +64,9 @@ def _upstream(config: PipelineBase) -> tuple[Any, ...]:
     if _distilled_draft(config):
         wants.append(DRAFT_MODEL)
     wants += backends.backend(config.serve.backend).upstream(config)
+    from serving import safety_gate
+
+    wants += [Maybe(p) for p in safety_gate.judge_products(config)]  # the safety gate's judge, when it is a role
     return tuple(wants)
 
 
@@ -175,6 +178,11 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         draft = str(ctx.path(DRAFT_MODEL))
         cfg = release.Speculating(cfg, cfg.speculative.model_copy(update={"draft_model": draft}))
         lineage["draft"] = {"step": ctx.manifest(DRAFT_MODEL)["step"], "key": ctx.manifest(DRAFT_MODEL)["key"]}
+    from serving import safety_gate
+
+    gate = safety_gate.check(ctx, model_dir, source["digest"], role, release.current(workspace))
+    if gate:
+        lineage["safety_gate"] = gate
     cfg, speculation = decide_speculation(cfg, model_dir, ctx.out_dir / "speculation")
     rows: list[dict[str, Any]] = []
 
@@ -405,14 +413,19 @@ def decide_speculation(cfg: Any, model_dir: Path, work: Path) -> tuple[Any, dict
 
 
 def _reads(config: ConfigOrView) -> tuple[str, ...]:
-    """serve/release's reads: the release's own settings and the chosen backend's section."""
+    """serve/release's reads: the release's own settings, the chosen backend's section, and what the
+    safety gate reads of the evaluation's settings when it is on."""
+    from serving import safety_gate
+
     section = f"serve.{backends.backend(config.serve.backend).section}"
-    return (*RELEASE_READS, *((section,) if section not in RELEASE_READS else ()))
+    own = (*RELEASE_READS, *((section,) if section not in RELEASE_READS else ()))
+    return tuple(dict.fromkeys((*own, *safety_gate.reads(config))))
 
 
 RELEASE_READS = (
     "serve.model",
     "serve.require_evaluation",
+    "serve.gate",
     "serve.engine",  # every backend's start-up timeout and served context; vLLM's engine
     "serve.speculative",
     "serve.adapters",

@@ -97,6 +97,9 @@ SMALL_EVAL = [
     "evaluate.builtin.ppl_max_chars=1500",
     "evaluate.limit={lmforge_continuation: 20, lmforge_chat_exact: 20, lmforge_preference: 20, lmforge_humaneval: 3}",
     "evaluate.bootstrap_iters=100",
+    # the judged steps have tests of their own (test_judge*.py, test_safety_gate.py): the shared lineage skips them
+    "evaluate.judge.enabled=false",
+    "evaluate.safety.enabled=false",
 ]
 
 

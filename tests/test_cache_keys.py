@@ -206,6 +206,13 @@ ROWS = [
     ("evaluate.backends=[hf]", set()),
     ("evaluate.batch_size=2", set()),
     ("evaluate.num_concurrent=1", set()),
+    # how the judge is reached, not what it is asked: no key changes
+    ("evaluate.judge.concurrency=1", set()),
+    ("evaluate.judge.retries=0", set()),
+    ("evaluate.judge.backoff_s=5", set()),
+    ("evaluate.judge.timeout_s=10", set()),
+    ("evaluate.judge.endpoint.api_key_env=OTHER_KEY", set()),
+    ("evaluate.judge.endpoint.require_key=false", set()),
     ("evaluate.backend_tolerance={acc: 0.1}", set()),
     ("quantize.python=/usr/bin/python3", set()),
     ("quantize.schemes=[w4a16]", set()),
@@ -313,7 +320,15 @@ def test_select_reads_only_enabled_attribute_steps() -> None:
 
 
 # companions a perturbation needs to stay valid (a threshold replaces the keep-fraction)
-COMPANIONS = {"curate.quality_classifier.threshold": ["curate.quality_classifier.keep_fraction=null"]}
+COMPANIONS = {
+    "curate.quality_classifier.threshold": ["curate.quality_classifier.keep_fraction=null"],
+    # the fastText toxicity classifier is trained on a labelled file: one is given with the other
+    "curate.toxicity.classifier": ["curate.toxicity.labelled_file=pyproject.toml"],
+    "curate.toxicity.labelled_file": ["curate.toxicity.classifier=fasttext"],
+    # the preset's judge is a model of the lineage; an endpoint replaces it, URL and model together
+    "evaluate.judge.endpoint.url": ["evaluate.judge.model=null", "evaluate.judge.endpoint.model=m"],
+    "evaluate.judge.endpoint.model": ["evaluate.judge.model=null", "evaluate.judge.endpoint.url=http://127.0.0.1:9/v1"],
+}
 # fields that matter only in a context (LoRA's shape when a step uses LoRA): compared within it
 # and a serving backend's section, read when that backend is chosen
 CONTEXT = {"align.lora.": ["align.method=lora"], "serve.llamacpp.": ["serve.backend=llamacpp"]}
@@ -355,10 +370,22 @@ def _candidates(value: object, annotation: object = None) -> list[str]:
     if isinstance(value, str):
         # then model roles (serve.model, quantize.model) and a serving backend (serve.backend): validated
         # against their registries, not a Literal
-        return ["fp32", "bf16", "NFKC", "ratio", "zscore", "none", "pyproject.toml", value + "x", "pretrained", "sft",
-                "llamacpp"]  # fmt: skip
-    if value is None:
-        return ["0.5", "1", "64", "x", "[lmforge_continuation]"]
+        return [
+            "fp32",
+            "bf16",
+            "NFKC",
+            "ratio",
+            "zscore",
+            "none",
+            "pyproject.toml",
+            value + "x",
+            "pretrained",
+            "sft",
+            "llamacpp",
+            "0.1",
+        ]  # fmt: skip  (0.1: a number where a literal or a number goes, max_increase)
+    if value is None:  # then lists of roles (judge.grade, safety.models) and of pairs of roles (judge.pairwise)
+        return ["0.5", "1", "64", "x", "[lmforge_continuation]", '["sft"]', '[["sft", "dpo"]]']
     if isinstance(value, list):
         value = [v.model_dump(mode="json") if hasattr(v, "model_dump") else v for v in value]  # sections in a list
         return (

@@ -114,6 +114,7 @@ def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
         "mix",
         "exact_dedup",
         "normalize",
+        "toxicity",
     ]
     config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
     active = {s.name for s in graph().active(config, ["curate"])}

@@ -49,6 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     # both find each other's cached per-task results: a later stage may use these public modules
     # of an earlier one (never its steps), and evaluation never imports serving.
     "serving.quantize": {"evaluation.runs", "evaluation.stats", "evaluation.report", "evaluation.backends"},
+    # The release's safety gate measures a candidate as evaluate/safety does, finding its cached answers
+    "serving.safety_gate": {"evaluation.asking", "evaluation.answers", "evaluation.safety"},
     "tasks": {"lmforge"},
     "flows": {"lmforge", "tasks"},
 }

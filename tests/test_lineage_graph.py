@@ -1,4 +1,4 @@
-"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (30 steps,
+"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (34 steps,
 6 stages) scaled to the page's width, every step name and key big enough and inside its box."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_every_step_name_and_key_is_readable_at_the_pages_width(lineage: tuple[d
     import matplotlib.pyplot as plt
 
     manifests = lineage[0]
-    assert len(manifests) == 30 and len({m["stage"] for m in manifests.values()}) == 6
+    assert len(manifests) == 34 and len({m["stage"] for m in manifests.values()}) == 6
     fig = draw_lineage(*lineage)
     try:
         fig.set_dpi(DISPLAY_WIDTH_PX / fig.get_figwidth())  # one figure pixel = one pixel on the page
