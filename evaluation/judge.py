@@ -5,7 +5,9 @@ What it does, as MT-Bench and AlpacaEval do it:
 - **pairwise**: two models' answers to the same prompt, judged in both orders (A/B, then B/A).
   A verdict counts only when the two orders agree (a win, or a tie in both); the share of pairs
   whose two verdicts agree is the judge's *swap consistency*, reported beside every win rate.
-  Win rate = (wins + ties/2) / counted pairs, with a 95% bootstrap interval over prompts.
+  Win rate = (wins + ties/2) / counted pairs, with a 95% bootstrap interval over prompts; beside
+  it the order-averaged win rate (each order worth half, a disagreement a tie), which is defined
+  even when nothing is counted.
 - **grading**: one answer graded on a scale with a rubric; mean grade with its interval.
 - **agreement with the truth**: on pairs whose right answer is known (the verifiable chat skills:
   the verified answer against another item's answer, checked wrong), the share of verdicts that
@@ -247,7 +249,8 @@ def pairwise(
         o1 = {"A": 0.0, "B": 1.0, "C": 0.5}.get(v1) if v1 else None
         o2 = {"A": 1.0, "B": 0.0, "C": 0.5}.get(v2) if v2 else None
         consistent = o1 is not None and o1 == o2
-        rows.append({"id": p["id"], "verdicts": [v1, v2], "outcome": o1 if consistent else None})
+        averaged = (o1 + o2) / 2 if o1 is not None and o2 is not None else None
+        rows.append({"id": p["id"], "verdicts": [v1, v2], "outcome": o1 if consistent else None, "averaged": averaged})
     return rows
 
 
@@ -306,8 +309,12 @@ def interval(values: list[float], iters: int, seed: int) -> dict[str, Any]:
 def summarize_pairwise(rows: list[dict[str, Any]], iters: int, seed: int) -> dict[str, Any]:
     counted = [r["outcome"] for r in rows if r["outcome"] is not None]
     parsed = [r for r in rows if None not in r["verdicts"]]
+    averaged = interval([r["averaged"] for r in rows if r.get("averaged") is not None], iters, seed)
     return {
         **interval(counted, iters, seed),
+        # every prompt with both verdicts, each order worth half (a disagreement is a tie): AlpacaEval's
+        # position-debiased reading, defined even for a judge that never agrees with itself
+        "order_averaged": averaged,
         "prompts": len(rows),
         "wins": sum(o == 1.0 for o in counted),
         "ties": sum(o == 0.5 for o in counted),

@@ -184,6 +184,7 @@ def _judge_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     for p in result["pairwise"]:
         metrics[f"judge/win_rate/{p['second']}_vs_{p['first']}"] = p["estimate"]
         metrics[f"judge/swap_consistency/{p['second']}_vs_{p['first']}"] = p["swap_consistency"]
+        metrics[f"judge/win_rate_order_averaged/{p['second']}_vs_{p['first']}"] = p["order_averaged"]["estimate"]
     for role, g in result["grades"].items():
         metrics[f"judge/grade/{role}"] = g["estimate"]
     log.info("judge: %d calls made, %d answered from the cache", result["calls"], result["cached"])
@@ -197,7 +198,8 @@ def _judge_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 f"judge: {result['judge']['described']}; agreement with the truth {_ci(agree)}"
                 + (" (below the minimum: reported, not trusted)" if agree["below_minimum"] else ""),
                 *(
-                    f"{p['second']} vs {p['first']}: win rate {_ci(p)}, swap consistency {p['swap_consistency']:.2f}"
+                    f"{p['second']} vs {p['first']}: win rate {_ci(p)}, swap consistency {p['swap_consistency']:.2f}, "
+                    f"order-averaged {_ci(p['order_averaged'])}"
                     for p in result["pairwise"]
                 ),
                 *(f"{role}: mean grade {_ci(g)}" for role, g in result["grades"].items()),
@@ -340,13 +342,15 @@ def card_sections(sections: dict[str, Any]) -> str:
         if judge["pairwise"]:
             lines += [
                 "",
-                "| comparison | win rate [95% CI] | wins / ties / losses | swap consistency | no verdict |",
-                "|---|---|---|---|---|",
+                "| comparison | win rate, both orders agree [95% CI] | wins / ties / losses | swap consistency "
+                "| order-averaged win rate [95% CI] | no verdict |",
+                "|---|---|---|---|---|---|",
             ]
             for p in judge["pairwise"]:
                 lines.append(
                     f"| {p['second']} vs {p['first']} | {_ci(p)} | {p['wins']} / {p['ties']} / {p['losses']} "
-                    f"| {p['swap_consistency']:.2f} | {p['unparsed']} of {p['prompts']} |"
+                    f"| {p['swap_consistency']:.2f} | {_ci(p['order_averaged'])} "
+                    f"| {p['unparsed']} of {p['prompts']} |"
                 )
         if judge["grades"]:
             lines += ["", "| model | mean grade [95% CI] | no grade |", "|---|---|---|"]

@@ -132,6 +132,7 @@ def test_a_position_biased_judge_scores_chance_and_counts_no_verdict(tmp_path, m
         stub.close()
     assert agree["estimate"] == 0.5 and agree["both_orders"] == 0.0 and agree["below_minimum"]
     assert summary["n"] == 0 and summary["swap_consistency"] == 0.0  # never the same verdict in both orders
+    assert summary["order_averaged"]["estimate"] == 0.5  # each order worth half: a tie, every prompt
     card = __import__("evaluation.judged", fromlist=["card_sections"]).card_sections(
         {
             "judge": {
@@ -177,6 +178,7 @@ def test_a_judge_that_knows_the_answers_agrees_and_a_rerun_asks_nothing(tmp_path
     assert agree["estimate"] == 1.0 and not agree["below_minimum"]
     summary = judging.summarize_pairwise(rows, 200, 0)
     assert summary["estimate"] == 0.0 and summary["losses"] == len(PROMPTS) and summary["swap_consistency"] == 1.0
+    assert summary["order_averaged"]["estimate"] == 0.0
 
 
 def test_an_unreachable_judge_fails_in_one_line_and_caches_nothing(tmp_path, monkeypatch):

@@ -79,6 +79,7 @@ def test_a_vllm_judge_endpoint_judges_the_lineage_and_a_rerun_asks_nothing(
     (pair,) = judge["pairwise"]
     assert (pair["first"], pair["second"]) == ("sft", "dpo") and pair["prompts"] == 16
     assert 0.0 <= pair["swap_consistency"] <= 1.0 and pair["unparsed"] == 0  # constrained: always a verdict
+    assert pair["order_averaged"]["n"] == 16  # defined for every prompt, whatever the judge's consistency
     assert set(judge["grades"]) == {"sft", "dpo"} and all(g["unparsed"] == 0 for g in judge["grades"].values())
     safety = json.loads((Path(manifests["evaluate/safety"]["dir"]) / "safety.json").read_text())
     assert set(safety["models"]) == {"sft", "dpo"} and safety["judge_accuracy"]["n"] == 60
