@@ -174,9 +174,7 @@ def judge_derive(view: ConfigView) -> dict[str, Any]:
     folder = Path(model)
     if not (folder / "config.json").is_file():
         return {"judge_folder": None}  # the stage's check (and open_judge) name it in one line
-    from evaluation.steps import _folder_digest
-
-    return {"judge_folder": _folder_digest(folder.resolve())}
+    return {"judge_folder": folder_digest(folder.resolve())}
 
 
 def open_judge(ctx: StepContext) -> judging.Judge:
@@ -258,3 +256,17 @@ def safety_classifier(
         accuracy,
         judge.calls,
     )
+
+
+def folder_digest(folder: Path) -> str:
+    """A folder's content (relative paths and bytes, hidden files and caches aside): a user's task
+    folder, a judge model's folder. Not where it lies."""
+    from lmforge.hashing import file_sha256
+
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
+    )
+    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)

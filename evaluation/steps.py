@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation import backends, runs
+from evaluation.asking import folder_digest
 from evaluation.judged import JUDGED_STEPS
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
@@ -80,7 +81,7 @@ def _task_files(config: ConfigView) -> dict[str, Any]:
     registry = [t for t in config.evaluate.tasks if t not in BUILTIN and t not in user]
     identity: dict[str, Any] = {}
     if user:
-        identity["task_files"] = {t: _folder_digest(Path(t).resolve().parent) for t in user}
+        identity["task_files"] = {t: folder_digest(Path(t).resolve().parent) for t in user}
     if registry:
         identity["registry_tasks"] = registry_identity(registry)
     return identity
@@ -105,18 +106,6 @@ def registry_identity(names: list[str]) -> dict[str, dict[str, Any]]:
             "revision": (cfg.get("dataset_kwargs") or {}).get("revision"),
         }
     return out
-
-
-def _folder_digest(folder: Path) -> str:
-    from lmforge.hashing import file_sha256
-
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
-    )
-    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)
 
 
 def _tasks_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
