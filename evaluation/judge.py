@@ -349,6 +349,20 @@ def describe(identity: dict[str, Any]) -> str:
     return f"{identity['path']} (@{identity['digest'][:8]}, served by lmforge)"
 
 
+def _endpoint(settings: Any, url: str, model: str, key: str, what: str) -> ChatEndpoint:
+    """The judge's endpoint with the configured concurrency, retries, backoff and timeout."""
+    return ChatEndpoint(
+        url,
+        model,
+        key,
+        what=what,
+        concurrency=settings.concurrency,
+        retries=settings.retries,
+        backoff_s=settings.backoff_s,
+        timeout_s=settings.timeout_s,
+    )
+
+
 def local_connect(
     model_dir: Path, engine: Any, work_dir: Path, settings: Any
 ) -> Callable[[contextlib.ExitStack], tuple[ChatEndpoint, Any, int | None]]:
@@ -361,17 +375,11 @@ def local_connect(
         tokenizer = chat_tokenizer(model_dir)
         check_servable(model_dir)
         server = stack.enter_context(TemporaryServer(model_dir, engine, work_dir / "judge-server", "judge"))
-        endpoint = ChatEndpoint(
-            f"{server.base_url}/v1",
-            "judge",
-            server.api_key,
-            what="judge",
-            concurrency=settings.concurrency,
-            retries=settings.retries,
-            backoff_s=settings.backoff_s,
-            timeout_s=settings.timeout_s,
+        return (
+            _endpoint(settings, f"{server.base_url}/v1", "judge", server.api_key, "judge"),
+            tokenizer,
+            served_context(model_dir, engine),
         )
-        return endpoint, tokenizer, served_context(model_dir, engine)
 
     return connect
 
@@ -387,16 +395,10 @@ def endpoint_connect(settings: Any) -> Callable[[contextlib.ExitStack], tuple[Ch
                 f"evaluate.judge.endpoint: ${settings.endpoint.api_key_env} is not set (the judge's key is read "
                 "from the environment, never from the config)"
             )
-        endpoint = ChatEndpoint(
-            settings.endpoint.url.rstrip("/"),
-            settings.endpoint.model,
-            key,
-            what="judge endpoint",
-            concurrency=settings.concurrency,
-            retries=settings.retries,
-            backoff_s=settings.backoff_s,
-            timeout_s=settings.timeout_s,
+        return (
+            _endpoint(settings, settings.endpoint.url.rstrip("/"), settings.endpoint.model, key, "judge endpoint"),
+            None,
+            None,
         )
-        return endpoint, None, None
 
     return connect

@@ -58,7 +58,8 @@ JUDGE, SAFETY = "evaluate/judge", "evaluate/safety"
 # -- evaluate/answers-<role> -----------------------------------------------------------------------
 
 
-def _answers_sets(config: PipelineBase | ConfigView, role: str) -> list[str]:
+def _answers_sets(config: PipelineBase | ConfigView) -> list[str]:
+    """The prompt sets a model answers: the judge's prompts and the safety suite, as they are enabled."""
     out = []
     if config.evaluate.judge.enabled:
         out.append(JUDGE_PROMPTS)
@@ -67,15 +68,12 @@ def _answers_sets(config: PipelineBase | ConfigView, role: str) -> list[str]:
     return out
 
 
-def _answers_derive(role: str):  # type: ignore[no-untyped-def]
-    def derive(view: ConfigView) -> dict[str, Any]:
-        ident: dict[str, Any] = {"sets": _answers_sets(view, role), **SERVER.identity()}
-        if view.evaluate.judge.prompts != "builtin":
-            ident["judge_prompts_file"] = file_digest(view.evaluate.judge.prompts)
-        ident["suite_files"] = suite_files(view)
-        return ident
-
-    return derive
+def _answers_derive(view: ConfigView) -> dict[str, Any]:
+    ident: dict[str, Any] = {"sets": _answers_sets(view), **SERVER.identity()}
+    if view.evaluate.judge.prompts != "builtin":
+        ident["judge_prompts_file"] = file_digest(view.evaluate.judge.prompts)
+    ident["suite_files"] = suite_files(view)
+    return ident
 
 
 def _answers_step(role: str) -> Step:
@@ -85,7 +83,7 @@ def _answers_step(role: str) -> Step:
         from lmforge.engine.store import StageStore
 
         sets: dict[str, list[dict[str, Any]]] = {}
-        names = _answers_sets(ctx.config, role)
+        names = _answers_sets(ctx.config)
         if JUDGE_PROMPTS in names:
             chat = ctx.path(CHAT_DATA).parent if ctx.has(CHAT_DATA) else None
             sets[JUDGE_PROMPTS] = judge_prompts(ctx.config, chat)
@@ -120,7 +118,7 @@ def _answers_step(role: str) -> Step:
             "evaluate.judge.seed",
             "evaluate.safety.suite",
         ),
-        derive=_answers_derive(role),
+        derive=_answers_derive,
         upstream=lambda c: (model, Maybe(CHAT_DATA)),
         finalize=finalize,
         when=lambda c: role in judged_roles(c) or role in safety_roles(c),

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation import backends, runs
-from evaluation.asking import folder_digest
-from evaluation.judged import JUDGED_STEPS
+from evaluation.asking import folder_digest, judged_roles, safety_roles
+from evaluation.judged import JUDGE, JUDGED_STEPS, SAFETY, card_sections, report_sections
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Graph, Step, StepContext
@@ -384,8 +384,6 @@ RUN_STEPS = [_run_step(role, backend) for role in role_names() for backend in ba
 
 
 def _report_upstream(config: PipelineBase) -> tuple[str, ...]:
-    from evaluation.judged import JUDGE, SAFETY, judged_roles, safety_roles
-
     judged = (*((JUDGE,) if judged_roles(config) else ()), *((SAFETY,) if safety_roles(config) else ()))
     return (CONTAMINATION, *[s.name for s in RUN_STEPS if s.enabled(config)], *judged)
 
@@ -396,8 +394,6 @@ def _report_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     contamination = list(read_jsonl(ctx.upstream_dir(CONTAMINATION) / "contamination.jsonl"))
     rows: list[dict[str, Any]] = []
     per_backend: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
-    from evaluation.judged import JUDGE, SAFETY, card_sections, report_sections
-
     runs_read = [name for name in ctx.upstream if name not in (CONTAMINATION, JUDGE, SAFETY)]
     for name in runs_read:
         extra = ctx.upstream[name]["extra"]

@@ -54,9 +54,7 @@ def judge_products(config: Any) -> tuple[Any, ...]:
     return (hf_model(role),) if role is not None else ()
 
 
-def measure(
-    ctx: StepContext, stack: contextlib.ExitStack, classifier: Any, model_dir: Path, digest: str, name: str
-) -> list[dict[str, Any]]:
+def measure(ctx: StepContext, classifier: Any, model_dir: Path, digest: str, name: str) -> list[dict[str, Any]]:
     """One model's safety outcomes per prompt (answers from the cache or a temporary vLLM server)."""
     from evaluation import asking
     from evaluation.answers import answer_all
@@ -93,7 +91,7 @@ def check(ctx: StepContext, model_dir: Path, digest: str, role: str, served: dic
     iters, seed = ctx.config.evaluate.bootstrap_iters, ctx.config.evaluate.seed
     with contextlib.ExitStack() as stack:
         classifier, described, _, _ = asking.safety_classifier(ctx, stack)
-        candidate = measure(ctx, stack, classifier, model_dir, digest, role)
+        candidate = measure(ctx, classifier, model_dir, digest, role)
         record: dict[str, Any] = {"classifier": described, "candidate": safety.rates(candidate, iters, seed)["all"]}
         failures: list[str] = []
         overall = record["candidate"]["unsafe_compliance"]["estimate"]
@@ -104,7 +102,7 @@ def check(ctx: StepContext, model_dir: Path, digest: str, role: str, served: dic
             if served_model["digest"] == digest:
                 record["served"] = "the candidate itself"
             else:
-                base = measure(ctx, stack, classifier, Path(served["model_dir"]), served_model["digest"], "served")
+                base = measure(ctx, classifier, Path(served["model_dir"]), served_model["digest"], "served")
                 comparison = safety.compare(candidate, base, iters, seed)
                 record["served"] = served.get("served_name")
                 record["comparison"] = comparison

@@ -22,8 +22,6 @@ from typing import Any
 from lmforge.errors import DeterministicError, LmforgeError
 
 log = logging.getLogger(__name__)
-for _noisy in ("httpx", "openai"):  # a line per request at INFO: hundreds per step
-    logging.getLogger(_noisy).setLevel(logging.WARNING)
 
 
 class EndpointUnreachable(LmforgeError):
@@ -72,6 +70,8 @@ class ChatEndpoint:
     def _client(self) -> Any:
         from openai import OpenAI
 
+        for noisy in ("httpx", "openai"):  # a line per request at INFO: hundreds per step
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         # retries are ours (they log what they wait for and end in one line)
         return OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, timeout=self.timeout_s)
 
@@ -132,7 +132,7 @@ class ChatEndpoint:
 
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
             futures = [pool.submit(one, i) for i in range(len(requests))]
-            finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception() is not None), None)
             if failed is not None:
                 self._stop.set()
