@@ -21,7 +21,7 @@ from lmforge.engine.graph import StepContext
 from lmforge.engine.registry import roles
 from lmforge.engine.stage import Product, hf_model
 from lmforge.errors import ConfigError
-from lmforge.hashing import digest
+from lmforge.hashing import digest, folder_digest
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -256,17 +256,3 @@ def safety_classifier(
         accuracy,
         judge.calls,
     )
-
-
-def folder_digest(folder: Path) -> str:
-    """A folder's content (relative paths and bytes, hidden files and caches aside): a user's task
-    folder, a judge model's folder. Not where it lies."""
-    from lmforge.hashing import file_sha256
-
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
-    )
-    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation import backends, runs
-from evaluation.asking import folder_digest, judged_roles, safety_roles
+from evaluation.asking import judged_roles, safety_roles
 from evaluation.judged import JUDGE, JUDGED_STEPS, SAFETY, card_sections, report_sections
 from evaluation.runs import run_identity
 from lmforge.configbase import ConfigView
@@ -35,7 +35,7 @@ from lmforge.engine.graph import Graph, Step, StepContext
 from lmforge.engine.registry import role_names
 from lmforge.engine.stage import DOCUMENTS, TOKEN_SHARDS, TOKENIZER, Maybe, Product, hf_model
 from lmforge.errors import ConfigError, DeterministicError
-from lmforge.hashing import atomic_write_json, atomic_write_text, digest
+from lmforge.hashing import atomic_write_json, atomic_write_text, digest, folder_digest
 from lmforge.jsonl import read_jsonl, write_jsonl
 
 if TYPE_CHECKING:

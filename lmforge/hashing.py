@@ -30,6 +30,19 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def folder_digest(folder: Path) -> str:
+    """A folder's content (relative paths and bytes, hidden files and caches aside): a user's task
+    folder, a judge model's folder. Not where it lies. It lives here, a leaf, so that a step that
+    digests a folder does not take the judge's imports into its code identity."""
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
+    )
+    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)
+
+
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}; lists stay whole values."""
     if isinstance(obj, dict):
