@@ -127,9 +127,20 @@ def dask_runner(address: str | None, workers: int) -> Any:
             )
             runner = DaskTaskRunner(**kwargs)
             runner.__enter__()
-            atexit.register(runner.__exit__, None, None, None)
+            atexit.unregister(close_dask_runners)  # registered once, however many clusters
+            atexit.register(close_dask_runners)
             _dask_runners[name] = runner
         return _dask_runners[name]
+
+
+def close_dask_runners() -> None:
+    """Stop the clusters this process started: at exit, or sooner by whoever knows no step will use
+    them again (a test, so the cluster's threads are gone before the harness closes its streams)."""
+    with _pool_lock:
+        runners = list(_dask_runners.values())
+        _dask_runners.clear()
+    for runner in runners:
+        runner.__exit__(None, None, None)
 
 
 def _unit_tasks(config: PipelineBase, progress: ProgressReporter) -> UnitRunner:

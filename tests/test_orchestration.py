@@ -342,14 +342,18 @@ def test_curation_on_a_local_dask_cluster_is_byte_identical(
 ) -> None:
     from flows.pipeline import pipeline
     from lmforge.engine.store import StageStore
+    from tasks.steps import close_dask_runners
 
     workspace, reference = curated
-    result = pipeline(
-        preset="tiny-cpu",
-        overrides=[*SMALL_CURATE, "runtime.task_runner=dask", "runtime.workers=2"],
-        workspace=str(tmp_path / "dask"),
-        stages=["curate"],
-    )
+    try:
+        result = pipeline(
+            preset="tiny-cpu",
+            overrides=[*SMALL_CURATE, "runtime.task_runner=dask", "runtime.workers=2"],
+            workspace=str(tmp_path / "dask"),
+            stages=["curate"],
+        )
+    finally:  # the cluster lives as long as the process; stopped at exit, pytest's streams are closed by then
+        close_dask_runners()
     dask = result["manifests"]
     assert {n: m["key"] for n, m in dask.items()} == {n: m["key"] for n, m in reference.items()}
     assert {n: m["digest"] for n, m in dask.items()} == {n: m["digest"] for n, m in reference.items()}
