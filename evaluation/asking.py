@@ -174,7 +174,13 @@ def judge_derive(view: ConfigView) -> dict[str, Any]:
     folder = Path(model)
     if not (folder / "config.json").is_file():
         return {"judge_folder": None}  # the stage's check (and open_judge) name it in one line
-    return {"judge_folder": folder_digest(folder.resolve())}
+    from lmforge.engine.remote import local_workspace
+    from lmforge.hashing import fingerprints
+
+    cache = fingerprints(local_workspace(view))  # weights are hashed once, not at every plan of the run
+    identity = {"judge_folder": folder_digest(folder.resolve(), cache.file)}
+    cache.save()
+    return identity
 
 
 def open_judge(ctx: StepContext) -> judging.Judge:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,18 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def folder_digest(folder: Path) -> str:
+def folder_digest(folder: Path, file_hash: Callable[[Path], str] = file_sha256) -> str:
     """A folder's content (relative paths and bytes, hidden files and caches aside): a user's task
-    folder, a judge model's folder. Not where it lies. It lives here, a leaf, so that a step that
-    digests a folder does not take the judge's imports into its code identity."""
+    folder, a judge model's folder. Not where it lies. `file_hash` may be a `FingerprintCache`'s
+    `file` (the same SHA-256, remembered), for folders of model weights. It lives here, a leaf, so
+    that a step that digests a folder does not take the judge's imports into its code identity."""
     files = sorted(
         p
         for p in folder.rglob("*")
         if p.is_file()
         and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
     )
-    return digest([(str(p.relative_to(folder)), file_sha256(p)) for p in files], 32)
+    return digest([(str(p.relative_to(folder)), file_hash(p)) for p in files], 32)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

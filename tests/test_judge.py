@@ -320,3 +320,27 @@ def test_the_judged_steps_join_the_lineage_and_the_gate_reads_what_they_read(tmp
     assert "evaluate.safety" in reads and "evaluate.answers" in reads and "serve.gate" in reads
     off = load_config("tiny-cpu", ["evaluate.judge.enabled=false", "evaluate.safety.enabled=false"], str(tmp_path))
     assert not any(s.name.startswith("evaluate/answers-") for s in graph().steps if s.enabled(off))
+
+
+def test_a_judge_folder_is_its_content_and_its_weights_are_hashed_once(tmp_path, monkeypatch):
+    from evaluation.asking import judge_derive
+    from lmforge import hashing
+    from lmforge.config import load_config
+    from lmforge.engine.executor import graph
+    from lmforge.engine.graph import key_components
+
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+    config = load_config("tiny-cpu", [f"evaluate.judge.model={folder}"], str(tmp_path / "ws"))
+    step = graph().get("evaluate/judge")
+    first = key_components(step, config, (), {})
+    read: list[Path] = []
+    real = hashing.file_sha256
+    monkeypatch.setattr(hashing, "file_sha256", lambda p: read.append(Path(p)) or real(p))
+    assert key_components(step, config, (), {}) == first and read == []  # remembered by stamp
+    view_identity = judge_derive(config)
+    assert view_identity == {"judge_folder": hashing.folder_digest(folder)}  # the same digest as before
+    (folder / "model.safetensors").write_bytes(b"\1" * 4096)
+    assert judge_derive(config) != view_identity and read == [folder / "model.safetensors"]
