@@ -161,15 +161,45 @@ def parity(base: Path, adapter: Path, merged: Path) -> float:
     fixed token sequence: the stack is the model evaluation judged, or it is not served."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+
+    from lmforge.inference.hf_load import load_causal_lm, loading
 
     with torch.no_grad():
-        reference_model = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+        reference_model = load_causal_lm(merged, dtype=torch.float32).eval()
         ids = torch.arange(3, 35).remainder(reference_model.config.vocab_size).unsqueeze(0)
         reference = reference_model(ids).logits
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        peft_model = PeftModel.from_pretrained(model, str(adapter)).eval()
+        model = load_causal_lm(base, dtype=torch.float32)
+        with loading():
+            peft_model = PeftModel.from_pretrained(model, str(adapter)).eval()
         return float((peft_model(ids).logits - reference).abs().max())
+
+
+def parities(chains: list[Adapter], stacked: Path, out_dir: Path) -> dict[str, float]:
+    """`parity` of each role's stack (`stacked/<role>`) in a fresh process (`serving.parity_entry`): the
+    answer depends on the files alone, not on what the calling process loaded before (issue 57).
+    A non-finite difference comes back as NaN, which no tolerance accepts."""
+    import logging
+
+    from lmforge.processes.launch import SINGLE, run_entry
+
+    result = out_dir / "logs" / "parity.json"
+    spec = {
+        "adapters": [
+            {"role": a.role, "root": str(a.root), "adapter": str(stacked / a.role), "merged": str(a.model_dir)}
+            for a in chains
+        ],
+        "result": str(result),
+    }
+    run_entry(
+        "serving.parity_entry",
+        spec,
+        out_dir,
+        policy=SINGLE,
+        spec_name="logs/parity_spec.json",
+        logger=logging.getLogger("serving.adapters"),
+        what="the adapters' parity check",
+    )
+    return {role: float(gap) for role, gap in json.loads(result.read_text()).items()}
 
 
 def vllm_rank(rank: int) -> int:

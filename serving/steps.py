@@ -250,12 +250,13 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     names: dict[str, str] = {}
     served: dict[str, str] = {}
     lineage: dict[str, Any] = {"adapters": {}}
+    ranks = {a.role: adapters.stack(a.chain, work / a.role) for a in chains}
+    gaps = adapters.parities(chains, work, ctx.out_dir)
     for a in chains:
         manifest = ctx.manifest(hf_model(a.role))
         name = f"lmforge-{ctx.config.name}-{a.role}{_from_base(ctx)}@{manifest['key'][:8]}"
-        rank = adapters.stack(a.chain, work / a.role)
-        gap = adapters.parity(a.root, work / a.role, a.model_dir)
-        if gap > tolerance:
+        rank, gap = ranks[a.role], gaps[a.role]
+        if not gap <= tolerance:  # NaN is no pass
             raise ParityError(
                 f"serve.adapters: base + the {a.role} adapter (rank {rank}, {len(a.chain)} stacked) differs from the "
                 f"merged {a.role} model by {gap:.3g} in the logits (serve.adapters.parity_tolerance {tolerance})"

@@ -87,3 +87,53 @@ def test_the_plugin_installs_the_ops_where_vllms_cpu_path_looks_them_up() -> Non
         )
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split() == [expected] * 3, (env, out.stdout, out.stderr[-1000:])
+
+
+@pytest.mark.parametrize(
+    ("ranks", "max_rank", "indices"),
+    [
+        ((8, 8, 8), 8, [0, 1, 2, 1, 0, 2] * 5),  # ranks as trained
+        ((8, 16, 4), 16, [1] * 7 + [0] * 9 + [2] * 3),  # padded to --max-lora-rank
+        ((32, 16, 8), 32, [0, -1, 2, -1, 1] * 6),  # a stacked adapter (16 + 16) beside others, base tokens
+        ((16, 16, 16), 64, [2]),  # one decode token, rank padded 4x
+    ],
+    ids=["as trained", "padded", "stacked and base tokens", "one token"],
+)
+def test_every_buffer_shape_vllm_passes_gives_vllms_results(ranks: tuple, max_rank: int, indices: list[int]) -> None:
+    """vLLM stacks adapters of different ranks into [max_loras, 1, max_rank, in] / [.., out, max_rank]
+    weights, zero beyond each adapter's rank, and hands zeroed float32 shrink buffers of max_rank
+    columns. The grouped ops must give vLLM's results on every row that has an adapter, leave the
+    base model's rows (-1) alone, and read nothing they did not write: the output buffers start as
+    NaN where either op would overwrite them, and stay finite."""
+    from lmforge.inference import vllm_cpu_lora as mine
+
+    generator = torch.Generator().manual_seed(max_rank + len(indices))
+    tokens, width, out = len(indices), 64, 96
+    a = torch.zeros(len(ranks), 1, max_rank, width)
+    b = torch.zeros(len(ranks), 1, out, max_rank)
+    for slot, rank in enumerate(ranks):
+        a[slot, 0, :rank] = torch.randn(rank, width, generator=generator)
+        b[slot, 0, :, :rank] = torch.randn(out, rank, generator=generator)
+    x = torch.randn(tokens, width, generator=generator).to(torch.bfloat16)
+    index = torch.tensor(indices, dtype=torch.long)
+    adapted = index >= 0
+    theirs_s = torch.full((tokens, max_rank), float("nan"))
+    ours_s = torch.full((tokens, max_rank), float("nan"))
+    ops.bgmv_shrink(x, a, theirs_s, index, 0.5)
+    mine.bgmv_shrink(x, a, ours_s, index, 0.5)
+    assert torch.isfinite(ours_s).all()
+    torch.testing.assert_close(ours_s[adapted], theirs_s[adapted], rtol=1e-4, atol=1e-4)
+    for add in (True, False):
+        start = torch.randn(tokens, out + 32, generator=generator)
+        theirs_e, ours_e = start.clone(), start.clone()
+        ops.bgmv_expand(theirs_s, b, theirs_e, index, add)
+        mine.bgmv_expand(ours_s, b, ours_e, index, add)
+        torch.testing.assert_close(ours_e[adapted], theirs_e[adapted], rtol=1e-4, atol=1e-4)
+        untouched = start[~adapted] if add else torch.zeros_like(start[~adapted])
+        untouched[:, out:] = start[~adapted][:, out:]
+        torch.testing.assert_close(ours_e[~adapted], untouched)
+        theirs_sl, ours_sl = start.clone(), start.clone()
+        ops.bgmv_expand_slice(theirs_s, b, theirs_sl, index, 16, out, add)
+        mine.bgmv_expand_slice(ours_s, b, ours_sl, index, 16, out, add)
+        torch.testing.assert_close(ours_sl[adapted], theirs_sl[adapted], rtol=1e-4, atol=1e-4)
+        assert torch.isfinite(ours_sl).all()

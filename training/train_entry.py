@@ -87,7 +87,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
     if rank == 0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (out_dir / "anomalies.json").write_text(json.dumps(trainer.anomalies, indent=2))
-    if gap > cfg.parity_tolerance:
+    if not gap <= cfg.parity_tolerance:  # NaN is no pass
         raise ParityError(
             f"exported model's logits differ from the engine's by {gap:.3g} (tolerance {cfg.parity_tolerance})"
         )

@@ -163,12 +163,14 @@ def hf_perplexity_values(model_dir: Path, docs: list[dict[str, Any]], n_ctx: int
     """(log-likelihood, tokens) per document from transformers itself, windowed as gguf_tool.py windows
     them: what the bf16 GGUF must reproduce (a converter that misreads a setting shows here)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from lmforge.inference.hf_load import load_causal_lm
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model = load_causal_lm(model_dir, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]
     out = {}
     with torch.no_grad():

@@ -49,10 +49,12 @@ def bf16_bytes_and_params(model_dir: Path) -> tuple[int, int]:
 
 def _load(model_dir: Path, quantized: bool = False) -> Any:
     import torch
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import CompressedTensorsConfig
+
+    from lmforge.inference.hf_load import load_causal_lm
 
     extra = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **extra).eval()
+    return load_causal_lm(model_dir, dtype=torch.float32, **extra).eval()
 
 
 def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:

@@ -234,12 +234,10 @@ def _save_safetensors(source: Path, out_dir: Path, rows: int | None, trust_remot
     embedding) and how the model's shards are named."""
     import pickle
 
-    from transformers import AutoModelForCausalLM
+    from lmforge.inference.hf_load import load_causal_lm
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source), dtype="auto", trust_remote_code=trust_remote_code, weights_only=True
-        )
+        model = load_causal_lm(str(source), dtype="auto", trust_remote_code=trust_remote_code, weights_only=True)
     except pickle.UnpicklingError as exc:
         culprit = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
         raise ConfigError(
