@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, DataError
 from lmforge.hashing import atomic_write_json, digest
 from lmforge.jsonl import read_jsonl, write_jsonl
 
@@ -125,6 +125,18 @@ def set_key(model_digest: str, prompts: list[dict[str, Any]], settings: dict[str
     return digest({"model": model_digest, "prompts": [[p["id"], p["messages"]] for p in prompts], "settings": settings})
 
 
+def with_current_labels(prompts: list[dict[str, Any]], stored: Any, directory: Path) -> list[dict[str, Any]]:
+    """A cached set's answers joined by id onto the prompts as they are now. The set's address covers
+    each prompt's id and messages, not its labels (a safety prompt's `expected` and `category`, a judge
+    prompt's reference): a user who relabels a prompt must see the rates move, so everything but the
+    answer comes from the prompt file of this run, never from the stored rows."""
+    answers = {row["id"]: row["answer_text"] for row in stored}
+    missing = [p["id"] for p in prompts if p["id"] not in answers]
+    if missing:
+        raise DataError(f"{directory}/answers.jsonl: no answer for prompt id {missing[0]!r} its address covers")
+    return [{**p, "answer_text": answers[p["id"]]} for p in prompts]
+
+
 def answer_all(
     store: Any,
     model_dir: Path,
@@ -148,7 +160,7 @@ def answer_all(
         manifest, _ = store.check(ANSWER_SETS, key)
         directory = store.step_dir(ANSWER_SETS, key)
         if manifest is not None:
-            out[set_name] = list(read_jsonl(directory / "answers.jsonl"))
+            out[set_name] = with_current_labels(prompts, read_jsonl(directory / "answers.jsonl"), directory)
         else:
             missing[set_name] = directory
     if out:

@@ -168,6 +168,7 @@ def _judge_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             rows = judging.grades(judge, prompts, text[role])
             result["grades"][role] = {**judging.summarize_grades(rows, iters, seed), "rows": rows}
         result["calls"], result["cached"] = judge.calls, judge.cached
+        result["self_judged"] = self_judged(judge.identity, list(text))
     atomic_write_json(ctx.out_dir / "judge.json", result)
     agree = result["agreement"]
     if agree["below_minimum"]:
@@ -195,6 +196,7 @@ def _judge_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "lines": [
                 f"judge: {result['judge']['described']}; agreement with the truth {_ci(agree)}"
                 + (" (below the minimum: reported, not trusted)" if agree["below_minimum"] else ""),
+                *_self_judged_lines(result["self_judged"], "judges its own answers"),
                 *(
                     f"{p['second']} vs {p['first']}: win rate {_ci(p)}, swap consistency {p['swap_consistency']:.2f}, "
                     f"order-averaged {_ci(p['order_averaged'])}"
@@ -205,6 +207,29 @@ def _judge_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             ],
         },
     }
+
+
+def self_judged(identity: dict[str, Any], judged: list[str]) -> list[str]:
+    """The judged roles that are the judge itself (a lineage judge, `model: last` in the demo)."""
+    return [identity["role"]] if identity.get("kind") == "lineage" and identity.get("role") in judged else []
+
+
+def _self_judged_text(roles_: list[str], what: str) -> list[str]:
+    """The card's warning when a model judges itself: its verdicts on its own output are not independent
+    evidence (self-preference is the best-documented bias of LLM judges)."""
+    return [
+        f"warning: the judge is the {role} model, which {what}: those verdicts are not independent; "
+        "point evaluate.judge at another model"
+        for role in roles_
+    ]
+
+
+def _self_judged_lines(roles_: list[str], what: str) -> list[str]:
+    """The same, logged as the step ends (and listed by `lmforge explain`)."""
+    lines = _self_judged_text(roles_, what)
+    for line in lines:
+        log.warning("%s", line)
+    return lines
 
 
 def _pairs_of(ctx: StepContext) -> list[tuple[str, str]]:
@@ -241,6 +266,7 @@ def _safety_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             result["models"][role] = {"rates": safety.rates(rows, cfg.bootstrap_iters, cfg.seed), "rows": rows}
         if judge is not None:
             result["calls"] = judge.calls
+            result["self_judged"] = self_judged(judge.identity, roles_here)
     atomic_write_json(ctx.out_dir / "safety.json", result)
     metrics = {}
     for role, r in result["models"].items():
@@ -254,6 +280,7 @@ def _safety_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "classifier": result["classifier"],
             "lines": [
                 f"refusals decided by: {result['classifier']}",
+                *_self_judged_lines(result.get("self_judged", []), "classifies its own replies"),
                 *(
                     f"{role}: unsafe compliance {_ci(r['rates']['all']['unsafe_compliance'])}, "
                     f"over-refusal {_ci(r['rates']['all']['over_refusal'])}"
@@ -328,6 +355,7 @@ def card_sections(sections: dict[str, Any]) -> str:
     if judge:
         agree = judge["agreement"]
         lines += ["", "## Judged by an LLM", "", f"Judge: {judge['judge']['described']}.", ""]
+        lines += [f"**{w}**" for w in _self_judged_text(judge.get("self_judged", []), "judges its own answers")]
         verdict = (
             f"**below the minimum {agree['min_agreement']:.2f}: the verdicts below are reported, not evidence**"
             if agree["below_minimum"]
@@ -358,6 +386,9 @@ def card_sections(sections: dict[str, Any]) -> str:
     safety_result = sections.get("safety")
     if safety_result:
         lines += ["", "## Safety suite", "", f"Refusals decided by: {safety_result['classifier']}.", ""]
+        lines += [
+            f"**{w}**" for w in _self_judged_text(safety_result.get("self_judged", []), "classifies its own replies")
+        ]
         lines += ["| model | category | unsafe compliance [95% CI] | over-refusal [95% CI] |", "|---|---|---|---|"]
         for role, r in safety_result["models"].items():
             for category, rates in r["rates"].items():

@@ -19,6 +19,7 @@ A refused release raises `GateFailed` naming every failing category with its fig
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,47 +79,125 @@ def measure(ctx: StepContext, classifier: Any, model_dir: Path, digest: str, nam
     return asking.classify(classifier, answers)
 
 
+BASELINE = "safety_baseline.json"  # in <workspace>/serving/: the lineage's first gated release
+
+
+def _served_model(served: dict[str, Any] | None, role: str) -> tuple[dict[str, Any] | None, str]:
+    """What the candidate replaces, as {model_dir, digest, name}, or None and why there is nothing to
+    compare with. A release of adapters records each adapter's merged model (parity-checked equal to
+    base + adapter): the candidate is compared with the adapter of its own role, else the primary."""
+    if not served:
+        return None, "nothing served yet"
+    lineage = served.get("lineage") or {}
+    adapters = lineage.get("adapters") or {}
+    if adapters:
+        primary = (lineage.get("model") or {}).get("primary", "")
+        entry = adapters.get(role) or next((a for a in adapters.values() if a.get("served_name") == primary), None)
+        if entry and entry.get("model_dir") and entry.get("digest"):
+            return {"model_dir": entry["model_dir"], "digest": entry["digest"], "name": entry["served_name"]}, ""
+        return (
+            None,
+            f"{served.get('served_name')} serves adapters recorded without their models (a release before this gate)",
+        )
+    model = lineage.get("model") or {}
+    if served.get("model_dir") and model.get("digest"):
+        return {"model_dir": served["model_dir"], "digest": model["digest"], "name": served.get("served_name")}, ""
+    return None, f"{served.get('served_name')} has no model digest on record"
+
+
+def baseline(workspace: Path) -> dict[str, Any] | None:
+    from serving.release import serving_dir
+
+    path = serving_dir(workspace) / BASELINE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def remember_first(workspace: Path, gates: list[dict[str, Any]]) -> None:
+    """After a promotion: the first release that passed the gate becomes the lineage's baseline, which
+    every later release is compared with too (so small steps cannot add up: no ratchet)."""
+    from lmforge.hashing import atomic_write_json
+    from serving.release import serving_dir
+
+    ran = [g for g in gates if g.get("ran")]
+    if ran and baseline(workspace) is None:
+        atomic_write_json(serving_dir(workspace) / BASELINE, ran[0]["model"])
+
+
+def _compare(
+    ctx: StepContext, classifier: Any, candidate: list[dict[str, Any]], against: dict[str, Any], label: str
+) -> tuple[dict[str, Any], list[str]]:
+    from evaluation import safety
+
+    cfg = ctx.config.serve.gate.safety
+    iters, seed = ctx.config.evaluate.bootstrap_iters, ctx.config.evaluate.seed
+    base = measure(ctx, classifier, Path(against["model_dir"]), against["digest"], label)
+    comparison = safety.compare(candidate, base, iters, seed)
+    failures = []
+    for category, c in comparison.items():
+        if not c["items"]:
+            continue
+        increase = c["delta"]
+        limit = cfg.max_increase
+        worse = c["worse"] if limit == NOT_SIGNIFICANTLY_WORSE else increase > float(limit) + 1e-9
+        if worse:
+            failures.append(
+                f"{category}: unsafe compliance {c['served']:.2f} -> {c['candidate']:.2f} "
+                f"({increase:+.2f}, 95% CI [{c['low']:+.2f}, {c['high']:+.2f}], {c['items']} prompts; vs {label})"
+            )
+    return {"name": against.get("name"), "digest": against["digest"], "comparison": comparison}, failures
+
+
 def check(ctx: StepContext, model_dir: Path, digest: str, role: str, served: dict[str, Any] | None) -> dict[str, Any]:
-    """The gate's decision for the candidate `model_dir` against the `served` record (None: nothing served);
-    raises GateFailed when the candidate may not ship. Returns what the release records."""
+    """The gate's decision for the candidate `model_dir` against the `served` record (None: nothing served)
+    and the lineage's first gated release; raises GateFailed when the candidate may not ship. Returns
+    what the release records, also when the gate did not run (`ran: false` and why): never silent."""
     from evaluation import asking, safety
 
     cfg = ctx.config.serve.gate.safety
     if not cfg.enabled:
-        return {}
+        return {"ran": False, "why": "serve.gate.safety.enabled is false"}
     if not has_section(ctx.config, "evaluate"):
         raise ConfigError("serve.gate.safety needs the evaluation stage (its safety suite and classifier)")
     iters, seed = ctx.config.evaluate.bootstrap_iters, ctx.config.evaluate.seed
     with contextlib.ExitStack() as stack:
         classifier, described, _, _ = asking.safety_classifier(ctx, stack)
         candidate = measure(ctx, classifier, model_dir, digest, role)
-        record: dict[str, Any] = {"classifier": described, "candidate": safety.rates(candidate, iters, seed)["all"]}
+        record: dict[str, Any] = {
+            "ran": True,
+            "role": role,
+            "model": {"model_dir": str(model_dir), "digest": digest, "name": role},
+            "classifier": described,
+            "candidate": safety.rates(candidate, iters, seed)["all"],
+        }
         failures: list[str] = []
         overall = record["candidate"]["unsafe_compliance"]["estimate"]
         if cfg.max_unsafe_compliance is not None and overall > cfg.max_unsafe_compliance + 1e-9:
             failures.append(f"all: unsafe compliance {overall:.2f} is over the bound {cfg.max_unsafe_compliance:.2f}")
-        served_model = (served or {}).get("lineage", {}).get("model", {})
-        if cfg.compare_served and served and served.get("model_dir") and served_model.get("digest"):
-            if served_model["digest"] == digest:
+        compared: set[str] = {digest}
+        if cfg.compare_served:
+            against, why = _served_model(served, role)
+            if against is None:
+                record["served"] = f"not compared: {why}"
+                if served:  # something is served and cannot be compared: say so where it is seen
+                    log.warning("serve: safety gate: the %s model is not compared with the served one (%s)", role, why)
+            elif against["digest"] in compared:
                 record["served"] = "the candidate itself"
             else:
-                base = measure(ctx, classifier, Path(served["model_dir"]), served_model["digest"], "served")
-                comparison = safety.compare(candidate, base, iters, seed)
-                record["served"] = served.get("served_name")
-                record["comparison"] = comparison
-                for category, c in comparison.items():
-                    if not c["items"]:
-                        continue
-                    increase = c["delta"]
-                    limit = cfg.max_increase
-                    worse = c["worse"] if limit == NOT_SIGNIFICANTLY_WORSE else increase > float(limit) + 1e-9
-                    if worse:
-                        failures.append(
-                            f"{category}: unsafe compliance {c['served']:.2f} -> {c['candidate']:.2f} "
-                            f"({increase:+.2f}, 95% CI [{c['low']:+.2f}, {c['high']:+.2f}], {c['items']} prompts)"
-                        )
-        elif cfg.compare_served:
-            record["served"] = "nothing served yet: no comparison"
+                record["served"], more = _compare(ctx, classifier, candidate, against, "served")
+                record["comparison"] = record["served"]["comparison"]
+                failures += more
+                compared.add(against["digest"])
+            first = baseline(ctx.workspace)
+            if first is None:
+                record["baseline"] = "none yet: this release becomes the lineage's first gated one if it ships"
+            elif first["digest"] in compared:
+                record["baseline"] = "compared above" if first["digest"] != digest else "the candidate itself"
+            elif not Path(first["model_dir"]).is_dir():
+                record["baseline"] = f"not compared: {first['model_dir']} is gone"
+                log.warning("serve: safety gate: the first gated release's model %s is gone", first["model_dir"])
+            else:
+                record["baseline"], more = _compare(ctx, classifier, candidate, first, "first gated release")
+                failures += more
     if failures:
         raise GateFailed(f"serve: the safety gate refused the {role} model ({described}): " + "; ".join(failures))
     log.info("serve: safety gate passed for the %s model (%s)", role, described)

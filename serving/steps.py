@@ -181,8 +181,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from serving import safety_gate
 
     gate = safety_gate.check(ctx, model_dir, source["digest"], role, release.current(workspace))
-    if gate:
-        lineage["safety_gate"] = gate
+    lineage["safety_gate"] = gate
     cfg, speculation = decide_speculation(cfg, model_dir, ctx.out_dir / "speculation")
     rows: list[dict[str, Any]] = []
 
@@ -190,6 +189,7 @@ def _finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         rows.extend(_slo_check(ctx, cfg, record, Path(source.get("tokenizer_dir", model_dir))))
 
     record = release.start_and_promote(model_dir, served_name, cfg, workspace, lineage=lineage, check=check)
+    safety_gate.remember_first(workspace, [gate])
     atomic_write_json(ctx.out_dir / "slo.json", rows)
     released = {
         "served_name": served_name,
@@ -250,6 +250,9 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     names: dict[str, str] = {}
     served: dict[str, str] = {}
     lineage: dict[str, Any] = {"adapters": {}}
+    from serving import safety_gate
+
+    current, gates = release.current(workspace), []
     ranks = {a.role: adapters.stack(a.chain, work / a.role) for a in chains}
     gaps = adapters.parities(chains, work, ctx.out_dir)
     for a in chains:
@@ -264,14 +267,20 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
         log.info("adapter %s: rank %d from %d trained adapter(s), parity %.2g", name, rank, len(a.chain), gap)
         names[a.role], served[name] = name, str(work / a.role)
         evaluation = _check_verdict(ctx, a.role)
+        # the adapter serves what its merged model computes (parity above): the safety gate measures that
+        # model against what the release replaces, adapter by adapter
+        gates.append(safety_gate.check(ctx, a.model_dir, manifest["digest"], a.role, current))
         lineage["adapters"][a.role] = {
             "served_name": name,
             "step": manifest["step"],
             "key": manifest["key"],
+            "model_dir": str(a.model_dir),
+            "digest": manifest["digest"],
             "rank": rank,
             "stacked": len(a.chain),
             "parity_max_abs_logit_diff": gap,
             "evaluation": evaluation,
+            "safety_gate": gates[-1],
         }
     root = chains[0].root
     base = adapters.served_base(root, chains[-1].model_dir, work / "base")
@@ -305,6 +314,7 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
         else:
             how = "started a server for the base with every adapter"
             record = release.start_and_promote(base, base_name, cfg, workspace, lineage=lineage, check=check, lora=lora)
+    safety_gate.remember_first(workspace, gates)
     log.info("serve: %s (%s); adapters %s", how, base_name, ", ".join(served))
     atomic_write_json(ctx.out_dir / "slo.json", rows)
     released = {"served_name": base_name, "adapters": names, "model_dir": str(base), "lineage": lineage, "how": how}
