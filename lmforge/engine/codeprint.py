@@ -28,7 +28,14 @@ the copies are part of the output, so their bytes (a comment included) are what 
 what they load they load by path, which no import closure follows. A pattern that matches no file
 is an error when the step is created, never an empty set.
 
-What lives outside the project counts through the step's `derive` (the config part of its key),
+A plug-in another package registers (a curation filter, a serving backend, an alignment method:
+`lmforge.plugins`; a stage's step functions) counts as the project's modules do, under
+"plugin:<module>": its module is in the `code` of the steps that run it (`lmforge.plugins.keyed`
+puts it there), and the imports followed from it are those of its own top-level package and of the
+project (what it imports from other distributions are libraries, recorded by version when it names
+them in `libraries`). A plug-in module with no Python source (an extension) counts by its bytes.
+
+What else lives outside the project counts through the step's `derive` (the config part of its key),
 by content, never by path: a user's reward `module:function` by its source file
 (`training.align.steps`), a base model's remote code by its `*.py` files when `trust_remote_code`
 is set (`training.base.steps`), a user's task YAML by its folder (`evaluation.steps`). Library
@@ -45,8 +52,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -98,8 +107,33 @@ def _file(module: str) -> Path | None:
     return None
 
 
+def _plugin_file(module: str) -> Path | None:
+    """The file of `module` outside the project (a plug-in's), found as Python would import it; None
+    when it has none (built-in, frozen, not importable). Finding a submodule imports its parent
+    packages (a plug-in's own package: imported already when it was registered)."""
+    if module.split(".")[0] in PACKAGES:
+        return None
+    try:
+        loaded = sys.modules.get(module)
+        spec = loaded.__spec__ if loaded is not None else importlib.util.find_spec(module)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    return origin if origin is not None and origin.is_file() else None
+
+
+def _source(module: str) -> Path | None:
+    """The file of `module`: a project module's, or a plug-in's outside the project."""
+    return _file(module) if module.split(".")[0] in PACKAGES else _plugin_file(module)
+
+
 def _label(path: Path) -> str:
     return str(path.relative_to(ROOT))
+
+
+def _key(module: str, path: Path) -> str:
+    """How the identity names a module: a project file by its path, a plug-in's by "plugin:<module>"."""
+    return _label(path) if module.split(".")[0] in PACKAGES else f"plugin:{module}"
 
 
 class _Normalized(ast.NodeTransformer):
@@ -124,8 +158,11 @@ def _type_checking_only(node: ast.If) -> bool:
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Project modules that `tree` (of `module`) imports anywhere (functions included), except under TYPE_CHECKING."""
+    """Project modules that `tree` (of `module`) imports anywhere (functions included), except under
+    TYPE_CHECKING; for a plug-in's module outside the project, its own package's modules too."""
     found: set[str] = set()
+    own = module.split(".")[0]
+    plugin = own not in PACKAGES
     package = module if is_package else module.rpartition(".")[0]
     todo: list[ast.AST] = [tree]
     while todo:
@@ -150,7 +187,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
             prefix = ".".join(parts[:i])
-            if _file(prefix) is not None:
+            if _file(prefix) is not None or (plugin and parts[0] == own and _plugin_file(prefix) is not None):
                 modules.add(prefix)
     return modules
 
@@ -279,9 +316,12 @@ def _cached(path: Path, slot: str, compute: Callable[[], list[Any]]) -> list[Any
 
 
 def _read(module: str, roots: tuple[str, ...] = ()) -> tuple[str, frozenset[str]]:
-    """(digest, imports) of the whole module, or of the slice `roots` reach (see `_slice`)."""
-    path = _file(module)
+    """(digest, imports) of the whole module, or of the slice `roots` reach (see `_slice`); a plug-in
+    module with no Python source (an extension) by its bytes, importing nothing followed."""
+    path = _source(module)
     assert path is not None
+    if path.suffix != ".py":
+        return _bytes_digest(path), frozenset()
     entry = _cached(path, ",".join(roots), lambda: list(_slice(module, path, roots) if roots else _parse(module, path)))
     return entry[0], frozenset(entry[1])
 
@@ -310,11 +350,12 @@ def _save() -> None:
 
 
 def _package_modules(package: str) -> list[str]:
-    path = _file(package)
+    path = _source(package)
     if path is None or path.name != "__init__.py":
         return []
     return sorted(
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in path.parent.rglob("*.py")
+        ".".join((package, *p.relative_to(path.parent).with_suffix("").parts)).removesuffix(".__init__")
+        for p in path.parent.rglob("*.py")
     )
 
 
@@ -333,8 +374,11 @@ def step_roots(step: Any) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     sliced: dict[str, set[str]] = {}
     for function in functions:
         module = getattr(function, "__module__", None)
-        if function is not None and module and module != "lmforge.engine.graph":  # the default no-op callables
-            sliced.setdefault(module, set()).add(_function_root(function))
+        if function is None or not module or module == "lmforge.engine.graph":  # the default no-op callables
+            continue
+        if module.split(".")[0] in sys.stdlib_module_names:  # a library function: its version is Python's
+            continue
+        sliced.setdefault(module, set()).add(_function_root(function))
     whole = set(step.code)
     for name in step.code:  # a package named in `code`: every module of it (some are loaded by name)
         whole.update(_package_modules(name))
@@ -342,7 +386,8 @@ def step_roots(step: Any) -> tuple[dict[str, tuple[str, ...]], list[str]]:
 
 
 def closure(sliced: dict[str, tuple[str, ...]], whole: list[str]) -> dict[str, str]:
-    """{project file: digest} of the roots and every project module they import, directly or not.
+    """{project file: digest} of the roots and every project module they import, directly or not; a
+    plug-in's module outside the project as "plugin:<module>", with the modules of its own package it imports.
 
     A module that something imports counts whole (replacing its slice, if it had one)."""
     digests: dict[str, str] = {}
@@ -351,7 +396,8 @@ def closure(sliced: dict[str, tuple[str, ...]], whole: list[str]) -> dict[str, s
     todo += [(m, ()) for m in whole]
     while todo:
         module, names = todo.pop()
-        if module in done_whole or _file(module) is None or _excluded(module):
+        path = _source(module)
+        if module in done_whole or path is None or _excluded(module):
             continue
         if not names:
             done_whole.add(module)
@@ -360,7 +406,7 @@ def closure(sliced: dict[str, tuple[str, ...]], whole: list[str]) -> dict[str, s
         except KeyError:  # a root the slicer cannot find by name: the module counts whole
             digest, imports = _read(module)
             done_whole.add(module)
-        digests[_label(_file(module))] = digest  # type: ignore[arg-type]
+        digests[_key(module, path)] = digest
         todo += [(name, ()) for name in imports if name not in done_whole]
     return dict(sorted(digests.items()))
 
@@ -397,31 +443,20 @@ def code_identity(step: Any) -> dict[str, str]:
 
     A file both imported and read by path counts by its bytes (any edit to its syntax tree is one to
     its bytes)."""
-    identity = {**closure(*step_roots(step)), **files_identity(step.files, step.name), **plugin_identity(step.code)}
+    check_plugins(step.code)
+    identity = {**closure(*step_roots(step)), **files_identity(step.files, step.name)}
     _save()
     return dict(sorted(identity.items()))
 
 
-def plugin_identity(modules: tuple[str, ...]) -> dict[str, str]:
-    """{"plugin:<module>": digest of its file's bytes} for each module of `modules` outside the project:
-    a plug-in another package registers (an alignment method, a serving backend, a curation filter)
-    names its module in `code`, so editing it re-keys the steps that run it. Its own imports are its
-    package's business (its version is recorded as a library when it names its distribution)."""
-    import importlib.util
-
-    found: dict[str, str] = {}
+def check_plugins(modules: tuple[str, ...]) -> None:
+    """Each module of `modules` outside the project (a plug-in's, counted by the closure under
+    "plugin:<module>") has a file to count by: one that has none would key nothing of what it runs."""
     for module in modules:
         if module.split(".")[0] in PACKAGES or module.split(".")[0] in ORCHESTRATOR:
             continue
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        origin = Path(spec.origin) if spec is not None and spec.origin else None
-        if origin is None or not origin.is_file():
+        if _plugin_file(module) is None:
             raise ValueError(f"code: module {module!r} is neither in the project nor importable from a file")
-        found[f"plugin:{module}"] = hashlib.sha256(origin.read_bytes()).hexdigest()
-    return found
 
 
 def library_version(distribution: str) -> str:
