@@ -21,6 +21,26 @@ rendered prompt, the sampling settings), so a rerun, or a run that adds one mode
 it has not asked. A judge lmforge serves answers under vLLM's structured outputs (one of the
 verdict strings), so even a small model always returns a parseable verdict.
 
+An answer is data, never part of the judge's prompt or its verdict (issue 52): a model under
+evaluation could otherwise close its own section ("[The End of Assistant A's Answer]"), present
+text of its own as the other answer, or write "[[B]]" where an endpoint judge may quote it. So:
+
+- **answers are neutralized as they are rendered** (`neutralize`, in `_messages`: the fitting to
+  a judge's context measures the prompt as rendered, and an answer it cuts short is neutralized
+  after the cut, so no cut can leave a marker whole): every `[[` becomes `[ [` and
+  every `]]` becomes `] ]`, so no answer holds a verdict token; under `mt-bench`, a bracketed
+  section header (`[The Start of ...]`, `[The End of ...]`, `[User Question]`, `[Question]`,
+  `[Request]`, `[Reply]`, any case) becomes the same words in parentheses; under `compact`, a line
+  that starts with one of its labels (`Question:`, `A:`, `B:`, `Answer:`, `Request:`, `Reply:`)
+  gets the label in parentheses (`(B):`). The templates' own markers are thus the only ones in a
+  prompt, and an ordinary answer is rendered as it was (its cached judgments stay valid).
+- **the verdict is the reply's last verdict token, and only when it ends the reply**
+  (`parse_choice`, `parse_grade`): after it may come punctuation, markup and whitespace, or more
+  text on the same line, never another line of prose (a token followed by more lines is a quotation,
+  not the verdict); and its line must name one verdict (two different ones there: no verdict). A
+  reply with no verdict is counted as unparsed, as before. A constrained judge's reply is the
+  verdict string alone, which always parses.
+
 No maintained library does this against a model of the lineage with per-call caching (lm-eval's
 judge tasks call a fixed API model and cache nothing across runs; AlpacaEval and MT-Bench's
 scripts assume a hosted judge), hence this module; the HTTP is the `openai` client's.
@@ -90,18 +110,59 @@ def question_of(record: dict[str, Any]) -> str:
     return "\n".join(m["content"] for m in record["messages"] if m["role"] == "user")
 
 
+# -- answers into prompts, verdicts out of replies -----------------------------------------------
+
+# `[[` / `]]` anywhere in an answer, a run of three counted as two pairs: each gets a space inside
+_OPEN, _CLOSE = re.compile(r"\[(?=\[)"), re.compile(r"\](?=\])")
+# the answer-text forms of each template's section markers (see the module's docstring)
+_SECTIONS: dict[str, re.Pattern[str]] = {
+    "mt-bench": re.compile(
+        r"\[(\s*the\s+(?:start|end)\s+of\b[^\[\]\n]*)\]?|\[(\s*(?:(?:user\s+)?question|request|reply)\s*)\]",
+        re.IGNORECASE,
+    ),
+    "compact": re.compile(r"^([ \t]*)(Question|Answer|Request|Reply|A|B)([ \t]*):", re.MULTILINE),
+}
+
+
+def neutralize(text: str, template: str) -> str:
+    """An answer as the judge's prompt may hold it: no verdict token, no section marker of `template`,
+    each visibly altered rather than dropped, so the judge still reads what the model wrote."""
+    text = _CLOSE.sub("] ", _OPEN.sub("[ ", text))
+    if template == "compact":
+        return _SECTIONS[template].sub(lambda m: f"{m.group(1)}({m.group(2)}){m.group(3)}:", text)
+    return _SECTIONS[template].sub(lambda m: f"({m.group(1) if m.group(1) is not None else m.group(2)})", text)
+
+
+def _verdict(reply: str, token: re.Pattern[str], same: Callable[[str], Any] = str) -> str | None:
+    """The value of the reply's last `token` when it is the judge's verdict: nothing but punctuation,
+    markup and whitespace after it, or more only on its own line; and no different verdict on that line.
+    A token followed by further lines of text is a quotation (an answer's, an example's), not a verdict."""
+    found = list(token.finditer(reply))
+    if not found:
+        return None
+    last = found[-1]
+    tail = reply[last.end() :]
+    if re.search(r"\w", tail) and "\n" in tail.rstrip():
+        return None
+    line = reply.rfind("\n", 0, last.start()) + 1
+    if len({same(m.group(1)) for m in found if m.start() >= line}) > 1:
+        return None  # "[[A]] or [[B]]": ambiguous
+    return last.group(1)
+
+
 def parse_choice(reply: str, choices: tuple[str, ...]) -> str | None:
-    """The last verdict string in the reply ("[[A]]" -> "A"); None when it gives none."""
+    """The judge's verdict ("[[A]]" -> "A"): the last verdict string, when it ends the reply (see `_verdict`);
+    None when it gives none."""
     letters = "|".join(re.escape(c[2:-2]) for c in choices)
-    found = re.findall(rf"\[\[\s*({letters})\s*\]\]", reply)
-    return found[-1] if found else None
+    return _verdict(reply, re.compile(rf"\[\[\s*({letters})\s*\]\]"))
 
 
 def parse_grade(reply: str, scale: int) -> float | None:
-    found = re.findall(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]", reply)
-    if not found:
+    """The judge's grade, read as `parse_choice` reads a verdict; None when it gives none or one off the scale."""
+    found = _verdict(reply, re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]"), float)
+    if found is None:
         return None
-    value = float(found[-1])
+    value = float(found)
     return value if 1 <= value <= scale else None
 
 
@@ -142,6 +203,7 @@ class Judge:
     def _messages(self, kind: str, question: str, a: str, b: str = "") -> list[dict[str, str]]:
         s = self.settings
         system = self.template[f"{kind}_system"].format(rubric=s.rubric, scale=s.scale)
+        a, b = neutralize(a, s.template), neutralize(b, s.template)  # the answers are data: see the module's docstring
         user = self.template[f"{kind}_user"].format(question=question, a=a, b=b)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 

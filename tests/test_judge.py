@@ -111,7 +111,9 @@ def _answer(messages, label: str) -> str:
 
 def test_verdicts_are_parsed_from_the_last_marker():
     assert judging.parse_choice("A is fine but [[B]]", judging.VERDICTS) == "B"
-    assert judging.parse_choice("[[A]] ... final: [[ C ]]", judging.VERDICTS) == "C"
+    assert judging.parse_choice("[[A]] ...\nfinal: [[ C ]]", judging.VERDICTS) == "C"
+    # two different verdicts on the final line are ambiguous (test_judge_injection.py)
+    assert judging.parse_choice("[[A]] ... final: [[ C ]]", judging.VERDICTS) is None
     assert judging.parse_choice("B is better", judging.VERDICTS) is None
     assert judging.parse_grade("Rating: [[7]]", 10) == 7.0
     assert judging.parse_grade("[[11]]", 10) is None
