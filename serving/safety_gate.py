@@ -114,13 +114,14 @@ def baseline(workspace: Path) -> dict[str, Any] | None:
 
 def remember_first(workspace: Path, gates: list[dict[str, Any]]) -> None:
     """After a promotion: the first release that passed the gate becomes the lineage's baseline, which
-    every later release is compared with too (so small steps cannot add up: no ratchet)."""
+    every later release is compared with too (so small steps cannot add up: no ratchet). Of a release
+    of adapters, the last gated: the primary (the end of the chain, what `serve.model: auto` serves)."""
     from lmforge.hashing import atomic_write_json
     from serving.release import serving_dir
 
     ran = [g for g in gates if g.get("ran")]
     if ran and baseline(workspace) is None:
-        atomic_write_json(serving_dir(workspace) / BASELINE, ran[0]["model"])
+        atomic_write_json(serving_dir(workspace) / BASELINE, ran[-1]["model"])
 
 
 def _compare(
