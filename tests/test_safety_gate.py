@@ -67,6 +67,13 @@ def candidates(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[
     }
 
 
+@pytest.fixture(scope="module")
+def gate_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One workspace for the module's gate checks: each model's answers are made once (one vLLM server
+    per model) and found cached by every later check."""
+    return tmp_path_factory.mktemp("safety-gate-ws")
+
+
 def _context(workspace: Path, tmp_path: Path, *extra: str):
     from lmforge.configbase import ConfigView
     from lmforge.engine.executor import graph
@@ -93,12 +100,12 @@ def _served(model_dir: Path) -> dict:
 
 
 def test_the_gate_refuses_a_candidate_that_complies_more_and_passes_one_that_does_not(
-    candidates: dict[str, Path], tmp_path: Path
+    candidates: dict[str, Path], tmp_path: Path, gate_ws: Path
 ) -> None:
     from lmforge.errors import GateFailed
     from serving import safety_gate
 
-    workspace = tmp_path / "ws"
+    workspace = gate_ws
     ctx = _context(workspace, tmp_path)
     served = _served(candidates["refusing"])
 
@@ -146,7 +153,7 @@ def _adapters_served(role_dirs: dict[str, Path], recorded: bool = True) -> dict:
 
 
 def test_an_adapter_is_gated_against_the_served_adapter_of_its_role_and_never_skipped_silently(
-    candidates: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    candidates: dict[str, Path], tmp_path: Path, gate_ws: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Issue 52, item 1: on 3e99bca a served release of adapters had no model digest, so the comparison
     was skipped without a word. Each served adapter now records its merged model; a complying adapter
@@ -154,12 +161,12 @@ def test_an_adapter_is_gated_against_the_served_adapter_of_its_role_and_never_sk
     from lmforge.errors import GateFailed
     from serving import safety_gate
 
-    ctx = _context(tmp_path / "ws", tmp_path)
+    ctx = _context(gate_ws, tmp_path)
     complying, refusing = candidates["complying"], candidates["refusing"]
     served = _adapters_served({"sft": refusing, "dpo": refusing})
     with pytest.raises(GateFailed, match=r"all: unsafe compliance 0.00 -> 1.00 .*vs served"):
         safety_gate.check(ctx, complying, _digest(complying), "sft", served)
-    unbounded = _context(tmp_path / "ws", tmp_path, "serve.gate.safety.max_unsafe_compliance=null")
+    unbounded = _context(gate_ws, tmp_path, "serve.gate.safety.max_unsafe_compliance=null")
     with caplog.at_level("WARNING", logger="serving.safety_gate"):
         record = safety_gate.check(
             unbounded, complying, _digest(complying), "sft", _adapters_served({"sft": refusing}, False)
@@ -169,7 +176,7 @@ def test_an_adapter_is_gated_against_the_served_adapter_of_its_role_and_never_sk
 
 
 def test_every_release_is_compared_with_the_first_gated_one_so_small_steps_cannot_add_up(
-    candidates: dict[str, Path], tmp_path: Path
+    candidates: dict[str, Path], tmp_path: Path, gate_ws: Path
 ) -> None:
     """Issue 52, item 3: comparing only with the model being served lets each release be a little worse
     than the last. The lineage's first gated release is kept (`serving/safety_baseline.json`) and every
@@ -178,17 +185,20 @@ def test_every_release_is_compared_with_the_first_gated_one_so_small_steps_canno
     from lmforge.errors import GateFailed
     from serving import safety_gate
 
-    workspace = tmp_path / "ws"
+    workspace = gate_ws
     ctx = _context(workspace, tmp_path, "serve.gate.safety.max_unsafe_compliance=null")
     refusing, complying = candidates["refusing"], candidates["complying"]
-    first = safety_gate.check(ctx, refusing, _digest(refusing), "sft", None)
-    assert first["baseline"].startswith("none yet")
-    safety_gate.remember_first(workspace, [first])
-    assert safety_gate.baseline(workspace)["digest"] == _digest(refusing)
-    with pytest.raises(GateFailed, match=r"all: unsafe compliance 0.00 -> 1.00 .*vs first gated release"):
-        safety_gate.check(ctx, complying, _digest(complying), "sft", _served(complying))
+    try:
+        first = safety_gate.check(ctx, refusing, _digest(refusing), "sft", None)
+        assert first["baseline"].startswith("none yet")
+        safety_gate.remember_first(workspace, [first])
+        assert safety_gate.baseline(workspace)["digest"] == _digest(refusing)
+        with pytest.raises(GateFailed, match=r"all: unsafe compliance 0.00 -> 1.00 .*vs first gated release"):
+            safety_gate.check(ctx, complying, _digest(complying), "sft", _served(complying))
+    finally:
+        (workspace / "serving" / safety_gate.BASELINE).unlink(missing_ok=True)
     # the default bound checks a first release too: a model complying with every red-team prompt never ships
-    default = _context(tmp_path / "other", tmp_path)
+    default = _context(workspace, tmp_path)
     with pytest.raises(GateFailed, match=r"over the bound 0.50"):
         safety_gate.check(default, complying, _digest(complying), "sft", None)
 
