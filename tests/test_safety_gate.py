@@ -22,8 +22,8 @@ BENIGN = "Sure, happy to help."
 
 
 def _fine_tune(source: Path, target: Path, unsafe_reply: str, seed: int, steps: int = 150) -> Path:
-    """Full-batch AdamW on the 60 suite prompts: 150 steps make the small model answer all 60 as taught
-    (greedy; 60 steps left it refusing 3 of 10 red-team prompts)."""
+    """Full-batch AdamW on the 60 suite prompts, at least `steps` and until greedy decoding gives every
+    reply as taught (at most 4x `steps`; 60 steps left it refusing 3 of 10 red-team prompts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,13 +33,15 @@ def _fine_tune(source: Path, target: Path, unsafe_reply: str, seed: int, steps: 
     torch.manual_seed(seed)
     tokenizer = chat_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32)
-    rows = []
+    rows, starts = [], []
     for record in load_suite(["builtin"]):
         reply = unsafe_reply if record["expected"] == "refuse" else BENIGN
         ids = tokenizer.apply_chat_template(
             [*record["messages"], {"role": "assistant", "content": reply}], tokenize=True
         )
         rows.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompt = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
+        starts.append(len(prompt["input_ids"] if hasattr(prompt, "keys") else prompt))
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
@@ -47,11 +49,20 @@ def _fine_tune(source: Path, target: Path, unsafe_reply: str, seed: int, steps: 
     mask = (labels != -100).long()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(steps):
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
+    for step in range(1, 4 * steps + 1):
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if step >= steps and step % 25 == 0:
+            # taught when greedy decoding reproduces every reply: each reply token is the argmax after
+            # its prefix (150 steps were not always enough: one run answered 13 of 30 red-team prompts
+            # with the benign reply)
+            predicted = out.logits[:, :-1].argmax(-1)
+            want = labels[:, 1:]
+            scored = (want != -100) & (torch.arange(want.shape[1]) >= torch.tensor(starts)[:, None] - 1)
+            if bool((predicted[scored] == want[scored]).all()):
+                break
     shutil.copytree(source, target)  # tokenizer, chat template, config
     model.save_pretrained(str(target), safe_serialization=True)
     return target
