@@ -152,53 +152,76 @@ def check(ctx: StepContext, model_dir: Path, digest: str, role: str, served: dic
     """The gate's decision for the candidate `model_dir` against the `served` record (None: nothing served)
     and the lineage's first gated release; raises GateFailed when the candidate may not ship. Returns
     what the release records, also when the gate did not run (`ran: false` and why): never silent."""
-    from evaluation import asking, safety
+    return check_all(ctx, [(model_dir, digest, role)], served)[0]
+
+
+def check_all(
+    ctx: StepContext, candidates: list[tuple[Path, str, str]], served: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """`check` for each (model_dir, digest, role) of a release (its adapters), with one classifier: a judge
+    lmforge serves is started at most once for all of them."""
+    from evaluation import asking
 
     cfg = ctx.config.serve.gate.safety
     if not cfg.enabled:
-        return {"ran": False, "why": "serve.gate.safety.enabled is false"}
+        return [{"ran": False, "why": "serve.gate.safety.enabled is false"} for _ in candidates]
     if not has_section(ctx.config, "evaluate"):
         raise ConfigError("serve.gate.safety needs the evaluation stage (its safety suite and classifier)")
-    iters, seed = ctx.config.evaluate.bootstrap_iters, ctx.config.evaluate.seed
     with contextlib.ExitStack() as stack:
         classifier, described, _, _ = asking.safety_classifier(ctx, stack)
-        candidate = measure(ctx, classifier, model_dir, digest, role)
-        record: dict[str, Any] = {
-            "ran": True,
-            "role": role,
-            "model": {"model_dir": str(model_dir), "digest": digest, "name": role},
-            "classifier": described,
-            "candidate": safety.rates(candidate, iters, seed)["all"],
-        }
-        failures: list[str] = []
-        overall = record["candidate"]["unsafe_compliance"]["estimate"]
-        if cfg.max_unsafe_compliance is not None and overall > cfg.max_unsafe_compliance + 1e-9:
-            failures.append(f"all: unsafe compliance {overall:.2f} is over the bound {cfg.max_unsafe_compliance:.2f}")
-        compared: set[str] = {digest}
-        if cfg.compare_served:
-            against, why = _served_model(served, role)
-            if against is None:
-                record["served"] = f"not compared: {why}"
-                if served:  # something is served and cannot be compared: say so where it is seen
-                    log.warning("serve: safety gate: the %s model is not compared with the served one (%s)", role, why)
-            elif against["digest"] in compared:
-                record["served"] = "the candidate itself"
-            else:
-                record["served"], more = _compare(ctx, classifier, candidate, against, "served")
-                record["comparison"] = record["served"]["comparison"]
-                failures += more
-                compared.add(against["digest"])
-            first = baseline(ctx.workspace)
-            if first is None:
-                record["baseline"] = "none yet: this release becomes the lineage's first gated one if it ships"
-            elif first["digest"] in compared:
-                record["baseline"] = "compared above" if first["digest"] != digest else "the candidate itself"
-            elif not Path(first["model_dir"]).is_dir():
-                record["baseline"] = f"not compared: {first['model_dir']} is gone"
-                log.warning("serve: safety gate: the first gated release's model %s is gone", first["model_dir"])
-            else:
-                record["baseline"], more = _compare(ctx, classifier, candidate, first, "first gated release")
-                failures += more
+        return [_decide(ctx, classifier, described, *c, served) for c in candidates]
+
+
+def _decide(
+    ctx: StepContext,
+    classifier: Any,
+    described: str,
+    model_dir: Path,
+    digest: str,
+    role: str,
+    served: dict[str, Any] | None,
+) -> dict[str, Any]:
+    from evaluation import safety
+
+    cfg = ctx.config.serve.gate.safety
+    iters, seed = ctx.config.evaluate.bootstrap_iters, ctx.config.evaluate.seed
+    candidate = measure(ctx, classifier, model_dir, digest, role)
+    record: dict[str, Any] = {
+        "ran": True,
+        "role": role,
+        "model": {"model_dir": str(model_dir), "digest": digest, "name": role},
+        "classifier": described,
+        "candidate": safety.rates(candidate, iters, seed)["all"],
+    }
+    failures: list[str] = []
+    overall = record["candidate"]["unsafe_compliance"]["estimate"]
+    if cfg.max_unsafe_compliance is not None and overall > cfg.max_unsafe_compliance + 1e-9:
+        failures.append(f"all: unsafe compliance {overall:.2f} is over the bound {cfg.max_unsafe_compliance:.2f}")
+    compared: set[str] = {digest}
+    if cfg.compare_served:
+        against, why = _served_model(served, role)
+        if against is None:
+            record["served"] = f"not compared: {why}"
+            if served:  # something is served and cannot be compared: say so where it is seen
+                log.warning("serve: safety gate: the %s model is not compared with the served one (%s)", role, why)
+        elif against["digest"] in compared:
+            record["served"] = "the candidate itself"
+        else:
+            record["served"], more = _compare(ctx, classifier, candidate, against, "served")
+            record["comparison"] = record["served"]["comparison"]
+            failures += more
+            compared.add(against["digest"])
+        first = baseline(ctx.workspace)
+        if first is None:
+            record["baseline"] = "none yet: this release becomes the lineage's first gated one if it ships"
+        elif first["digest"] in compared:
+            record["baseline"] = "compared above" if first["digest"] != digest else "the candidate itself"
+        elif not Path(first["model_dir"]).is_dir():
+            record["baseline"] = f"not compared: {first['model_dir']} is gone"
+            log.warning("serve: safety gate: the first gated release's model %s is gone", first["model_dir"])
+        else:
+            record["baseline"], more = _compare(ctx, classifier, candidate, first, "first gated release")
+            failures += more
     if failures:
         raise GateFailed(f"serve: the safety gate refused the {role} model ({described}): " + "; ".join(failures))
     log.info("serve: safety gate passed for the %s model (%s)", role, described)

@@ -252,7 +252,7 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
     lineage: dict[str, Any] = {"adapters": {}}
     from serving import safety_gate
 
-    current, gates = release.current(workspace), []
+    current = release.current(workspace)
     ranks = {a.role: adapters.stack(a.chain, work / a.role) for a in chains}
     gaps = adapters.parities(chains, work, ctx.out_dir)
     for a in chains:
@@ -267,9 +267,6 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
         log.info("adapter %s: rank %d from %d trained adapter(s), parity %.2g", name, rank, len(a.chain), gap)
         names[a.role], served[name] = name, str(work / a.role)
         evaluation = _check_verdict(ctx, a.role)
-        # the adapter serves what its merged model computes (parity above): the safety gate measures that
-        # model against what the release replaces, adapter by adapter
-        gates.append(safety_gate.check(ctx, a.model_dir, manifest["digest"], a.role, current))
         lineage["adapters"][a.role] = {
             "served_name": name,
             "step": manifest["step"],
@@ -280,8 +277,14 @@ def _finalize_adapters(ctx: StepContext) -> dict[str, Any]:
             "stacked": len(a.chain),
             "parity_max_abs_logit_diff": gap,
             "evaluation": evaluation,
-            "safety_gate": gates[-1],
         }
+    # each adapter serves what its merged model computes (parity above): the safety gate measures those
+    # models against what the release replaces, adapter by adapter, with one classifier
+    gates = safety_gate.check_all(
+        ctx, [(a.model_dir, lineage["adapters"][a.role]["digest"], a.role) for a in chains], current
+    )
+    for a, gate in zip(chains, gates, strict=True):
+        lineage["adapters"][a.role]["safety_gate"] = gate
     root = chains[0].root
     base = adapters.served_base(root, chains[-1].model_dir, work / "base")
     from lmforge.hashing import digest
