@@ -6,6 +6,10 @@ Sections, each a child process with its own time limit, its log kept under --out
 
   matmul     the card's measured bf16 matrix rate (8192^3 products), beside the data-sheet peak
              the MFU figures use;
+  attention  one forward and backward of the preset's model in bf16 with each SDPA backend
+             (cuDNN, flash, memory-efficient, math) forced in turn: the loss, the gradient norm
+             and how many gradient tensors hold NaN/inf, so a broken attention kernel is named
+             (`training.device_setup.safe_attention_kernels` switches cuDNN's off);
   plain      `benchmarks/pretrain.py --compare plain`: lmforge's DeepSpeed step vs a plain PyTorch
              loop, the preset's model (gpu-1node: 1.1B Llama, seq 2048, micro-batch 8), bf16;
   backends   `benchmarks/pretrain.py --compare backends --ranks 1`: FSDP2 vs DeepSpeed ZeRO-2 and
@@ -37,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("matmul", "plain", "backends", "align", "compile")
+SECTIONS = ("matmul", "attention", "plain", "backends", "align", "compile")
 
 
 def matmul() -> None:
@@ -64,6 +68,61 @@ def matmul() -> None:
     print(f"device {device.name} x{device.count}, torch {torch.__version__}")
     print(f"bf16 matmul {n}^3: {2 * n**3 / seconds / 1e12:.1f} TFLOP/s measured; "
           f"MFU peak used below: {peak_tflops(device, 'bf16'):.1f} TFLOP/s")  # fmt: skip
+
+
+def attention(preset: str, overrides: list[str]) -> None:
+    """Gradients of one bf16 step of the preset's model under each SDPA backend, side by side."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lmforge.config import load_config
+    from training.model import build_model as build
+
+    config = load_config(preset, [*LOADABLE, *overrides])
+    p = config.pretrain
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = config.curate.tokenizer.vocab_size
+    model = build(p.model, vocab, p.seq_len, {"bos_id": 0, "eos_id": 0, "pad_id": 1}, p.seed)
+    model = model.to(device=dev, dtype=torch.bfloat16)
+    seq = p.seq_len if dev == "cuda" else 64
+    micro = p.distributed.micro_batch_size if dev == "cuda" else 2
+    print(f"model {sum(x.numel() for x in model.parameters()) / 1e6:.0f}M parameters, bf16, sequences of {seq}, "
+          f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")  # fmt: skip
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    rng = np.random.default_rng(0)
+    data = {  # uniform ids, and the Zipf-distributed ids of benchmarks/pretrain.py's synthetic pack
+        "uniform": rng.integers(2, vocab, (micro, seq + 1)),
+        "zipf": np.minimum(rng.zipf(1.2, (micro, seq + 1)), vocab - 1),
+    }
+    # the pad id's embedding row is zero at initialisation (padding_idx): a window that starts with it
+    # keeps an all-zero hidden state at position 0, where RMSNorm's backward multiplies by 1/sqrt(eps)
+    data["zipf-no-pad"] = np.where(data["zipf"] == 1, 2, data["zipf"])
+    print(f"zipf windows starting with the pad id: {int((data['zipf'][:, 0] == 1).sum())} of {micro}, "
+          f"first ids per window {data['zipf'][:, 0].tolist()}")  # fmt: skip
+    for kind, ids in data.items():
+        for rows in (
+            ([0], list(range(micro))) if kind == "uniform" else [[i] for i in range(micro)] + [list(range(micro))]
+        ):
+            batch = f"window {rows[0]}" if len(rows) == 1 else f"all {len(rows)}"
+            tokens = torch.from_numpy(ids[rows].astype("int64")).to(dev)
+            for name, backend in backends.items():
+                model.zero_grad(set_to_none=True)
+                try:
+                    with sdpa_kernel([backend]):
+                        logits = model(input_ids=tokens[:, :-1]).logits
+                        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+                        loss.backward()
+                except RuntimeError as error:  # a backend this card or shape does not support
+                    print(f"{kind:11} {batch:9} sdpa {name:5}: not available ({str(error).splitlines()[0][:80]})")
+                    continue
+                named = [(n, x.grad) for n, x in model.named_parameters() if x.grad is not None]
+                bad = [n for n, g in named if not torch.isfinite(g).all().item()]
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in named]))
+                print(f"{kind:11} {batch:9} sdpa {name:5}: loss {loss.item():.4f}, grad norm {norm.item():.4f}, "
+                      f"non-finite gradient tensors {len(bad)} of {len(named)} {bad[:3]}")  # fmt: skip
+                del logits, loss
 
 
 # the check trains on synthetic tokens and a workspace's chat data, not on the preset's corpus:
@@ -198,6 +257,8 @@ def main() -> None:
         return matmul()
     if args.section == "align":
         return align(args)
+    if args.section == "attention":
+        return attention(args.preset, args.overrides)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = [
@@ -214,6 +275,7 @@ def main() -> None:
         "matmul": [sys.executable, __file__, "--section", "matmul"],
         "plain": [*bench, "--compare", "plain"],
         "backends": [*bench, "--compare", "backends", "--ranks", "1"],
+        "attention": [sys.executable, __file__, "--section", "attention", *sys.argv[1:]],
         "align": [sys.executable, __file__, "--section", "align", *sys.argv[1:]],
         "compile": [*bench, "--compare", "compile"],
     }

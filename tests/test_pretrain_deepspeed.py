@@ -149,7 +149,8 @@ def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_pa
 
 
 def test_non_finite_gradients_with_a_finite_loss_are_an_anomaly(curated: tuple[Path, dict], tmp_path: Path) -> None:
-    """What a broken attention kernel does (seen with cuDNN's SDPA on an H200): DeepSpeed would skip or
+    """What overflowing bf16 gradients do (seen on an H200: a window starting with the pad id, whose
+    embedding row is zero at initialisation, on a 22-layer model): DeepSpeed would skip or
     apply such a step without failing; the guardrails roll it back and skip its batch like a NaN loss."""
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)

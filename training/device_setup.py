@@ -14,23 +14,22 @@ def disable_shm_comm_op() -> None:
 
 
 def safe_attention_kernels() -> bool:
-    """On CUDA, train without cuDNN's fused attention (SDPA's cuDNN backend); flash and
-    memory-efficient attention take its place. Returns whether it was switched off.
+    """On CUDA with `LMFORGE_CUDNN_SDPA=0`, train without cuDNN's fused attention (SDPA's cuDNN
+    backend; flash and memory-efficient attention take its place). Returns whether it was switched off.
 
-    Seen here: the gpu-1node model (1.2B Llama, bf16, sequences of 2047 tokens) on one H200 with
-    torch 2.11 and cuDNN's SDPA (the default on Hopper) had non-finite gradients from the first
-    step on every path: DeepSpeed skipped every step ("OVERFLOW! Skipping step"), FSDP2 and a
-    plain PyTorch loop went NaN, while the same model's gradients on a CPU were finite. cuDNN's bf16
-    SDPA backward returning NaN on H100/H200 is a known regression since torch 2.11
-    (pytorch/pytorch#196678; trl#7181 for DPO, fixed there by this same switch). That this switch
-    cures the run above is not yet confirmed on a GPU (see docs/how-to/gpus.md).
-    `LMFORGE_CUDNN_SDPA=1` keeps cuDNN's kernel.
+    By default cuDNN's kernel stays on, as torch chooses it. The NaN gradients a first H200 run
+    blamed on it came from the benchmark's data, not the kernel (measured on an H200, torch 2.11,
+    cuDNN 9.19, the 1.2B gpu-1node model, `benchmarks/gpu_check.py --sections attention`): cuDNN
+    and flash give the same finite gradients on every window, and the same NaN on the one window
+    that starts with the pad id, whose embedding row is zero at initialisation. Training with
+    cuDNN's kernel was 3-5% faster than with flash (docs/how-to/gpus.md). The switch stays for a
+    torch build whose cuDNN backward is broken (pytorch/pytorch#196678, trl#7181 report one).
     """
     import os
 
     import torch
 
-    if not torch.cuda.is_available() or os.environ.get("LMFORGE_CUDNN_SDPA") == "1":
+    if not torch.cuda.is_available() or os.environ.get("LMFORGE_CUDNN_SDPA", "1") != "0":
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
     return True

@@ -273,7 +273,7 @@ class Trainer:
         step_loss = sum(losses) / len(losses)
         # A finite loss with non-finite gradients: DeepSpeed skips such a step without failing and
         # FSDP2's engine skips it too, so a run whose every backward is broken (a bad attention
-        # kernel, see training.device_setup.safe_attention_kernels) would "train" without learning.
+        # kernel, or data that overflows bf16 gradients: docs/how-to/gpus.md) would "train" without learning.
         # It is an anomaly like a NaN loss: rolled back, batches skipped, stopped when it repeats.
         if getattr(self.engine, "skipped_steps", 0) > skipped:
             return Anomaly("non_finite_grad", self.step + 1, indices, step_loss, self._window_mean())
