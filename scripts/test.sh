@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LMFORGE_LLAMACPP_ENV=${LMFORGE_LLAMACPP_ENV:-1} bash scripts/setup.sh  # the GGUF tests need llama.cpp
 bash scripts/lint.sh
-exec .venv/bin/python -m pytest -q "$@"
+# two pytest-xdist workers (tests/conftest.py groups the tests: the shared lineage on one worker,
+# every other file whole); `-n 0` in the arguments runs everything in one process
+exec .venv/bin/python -m pytest -q -n "${LMFORGE_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -194,3 +194,93 @@ def quantized(evaluated: dict, tmp_path_factory: pytest.TempPathFactory) -> dict
     workspace = tmp_path_factory.mktemp("quantized")
     shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
     return run_pipeline_locally(small_config(workspace), ["quantize"])
+
+
+# -- tiers and scheduling --------------------------------------------------------------------------
+# Every test gets one tier marker (docs/contributing.md): `unit` (in-process, no server, no
+# subprocess, no workspace fixture: `pytest -m unit` is the check before every commit),
+# `component` (starts a real component: Prefect, training ranks, vLLM, an S3 server, a subprocess),
+# `e2e` (the trained lineage or a whole pipeline). Each test file names its tier here, so a new file
+# has to choose (tests/test_layout.py checks that every file is in exactly one set); a test of a
+# `unit` file that uses a workspace or server fixture is `component` whatever its file says.
+UNIT_FILES = frozenset(
+    {
+        "test_config.py",
+        "test_dedup.py",
+        "test_executor_logs.py",
+        "test_heuristics.py",
+        "test_hf_loading.py",
+        "test_ingest.py",
+        "test_judge.py",
+        "test_judge_injection.py",
+        "test_langid_quality_pii.py",
+        "test_layout.py",
+        "test_lineage_graph.py",
+        "test_refusal_detector.py",
+        "test_runtime_files_identity.py",
+        "test_safety_labels.py",
+        "test_store.py",
+        "test_tokenizer_pack_reader.py",
+        "test_toxicity_windows.py",
+        "test_training_units.py",
+    }
+)
+E2E_FILES = frozenset(
+    {
+        "test_adapters_tiny_cpu.py",
+        "test_align_plugin.py",
+        "test_base_model.py",
+        "test_cli_end_to_end.py",
+        "test_orchestration.py",
+        "test_remote_workspace.py",
+    }
+)
+# the session fixtures of the shared trained lineage: a test using one is `e2e`. Under pytest-xdist
+# (`--dist loadgroup`, scripts/test.sh) every such test runs on one worker (`xdist_group("lineage")`),
+# which builds the lineage once, and every other test runs with the rest of its file (a module
+# fixture, a file's Prefect server or S3 bucket, is built once): the files are spread over the workers
+LINEAGE_FIXTURES = frozenset({"trained", "aligned", "rl_aligned", "evaluated", "quantized"})
+COMPONENT_FIXTURES = frozenset({"curated", "curated_copy", "prefect_server", "s3", "s3_endpoint"})
+TIERS = ("unit", "component", "e2e")
+
+
+def tier_of(item: pytest.Item) -> str:
+    used = set(getattr(item, "fixturenames", ()))
+    name = item.path.name
+    if used & LINEAGE_FIXTURES or name in E2E_FILES:
+        return "e2e"
+    if name in UNIT_FILES and not used & COMPONENT_FIXTURES:
+        return "unit"
+    return "component"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group markers into node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
+        lineage = set(getattr(item, "fixturenames", ())) & LINEAGE_FIXTURES
+        item.add_marker(pytest.mark.xdist_group("lineage" if lineage else item.path.stem))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    """Seconds per test file (setup, call and teardown together) and per tier, so the next slow file
+    shows in CI's log where it happens (`--durations` beside it lists the slowest tests)."""
+    files: dict[str, float] = {}
+    tiers: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            path = report.nodeid.split("::", 1)[0]
+            files[path] = files.get(path, 0.0) + report.duration
+            tier = next((k for k in TIERS if k in getattr(report, "keywords", {})), "?")
+            tiers[tier] = tiers.get(tier, 0.0) + report.duration
+    if not files:
+        return
+    terminalreporter.write_sep("=", "seconds per test file (setup + call + teardown)")
+    for path, seconds in sorted(files.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_line(
+        f"{sum(files.values()):8.1f}s  in all; by tier: "
+        + ", ".join(f"{k} {v:.0f}s" for k, v in sorted(tiers.items(), key=lambda kv: -kv[1]))
+    )

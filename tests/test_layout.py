@@ -282,3 +282,31 @@ def test_the_cli_core_finds_the_orchestrator_as_a_plugin_and_keeps_old_spellings
     assert cli._commands is not None and cli._commands.orchestrator is not None  # flows.cli, via entry points
     assert cli.main(["stages", "pretrain"]) == 0
     assert "pretrain/train" in capsys.readouterr().out
+
+
+# -- test tiers and the components table ---------------------------------------------------------
+
+
+def test_the_tier_sets_name_test_files_that_exist_and_no_file_twice() -> None:
+    from tests.conftest import E2E_FILES, UNIT_FILES
+
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert not (UNIT_FILES | E2E_FILES) - files, "a tier set names a file that does not exist"
+    assert not UNIT_FILES & E2E_FILES
+
+
+def test_every_component_in_the_contributing_table_is_started_by_a_test_that_exists() -> None:
+    """docs/contributing.md maps each real component to the test that starts it; a renamed or deleted
+    test would leave a component that no test starts without anyone noticing."""
+    import re
+
+    text = (ROOT / "docs" / "contributing.md").read_text()
+    rows = re.findall(r"^\s*\| ([^|]+) \| `(tests/test_\w+\.py)::(test_\w+)` \|$", text, flags=re.M)
+    components = {c.strip() for c, _, _ in rows}
+    for needed in ("Prefect server", "DeepSpeed, 2 ranks", "FSDP2, 2 ranks", "lm-eval", "llmcompressor", "S3 server"):
+        assert needed in components, f"docs/contributing.md's components table has no row for {needed}"
+    assert len(rows) >= 12
+    for component, path, name in rows:
+        tree = ast.parse((ROOT / path).read_text())
+        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in names, f"{component}: {path} has no test {name}"

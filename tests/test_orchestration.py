@@ -184,6 +184,12 @@ def _child_runs(parent_id) -> dict[str, object]:  # type: ignore[no-untyped-def]
     return {flows[r.flow_id]: r for r in runs}
 
 
+# the GPU slot's lease (flows/stage.py, 60 s by default) and the server's sweep for expired leases
+# (15 s by default): a killed stage's slot comes back in about 20 s instead of 75 (what the
+# killed-stage test waits for before its second dispatch can start)
+FAST_LEASES = {"LMFORGE_GPU_LEASE_S": "15", "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "3"}
+
+
 @pytest.fixture(scope="module")
 def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A real Prefect server (`lmforge prefect start`: its services expire the concurrency leases of
@@ -205,8 +211,8 @@ def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
         "stages=[curate, pretrain]",
         "runtime.deployment=orchestration-test",
     ]
-    saved_home = os.environ.get("LMFORGE_HOME")
-    os.environ["LMFORGE_HOME"] = str(tmp_path / "home")
+    saved = {k: os.environ.get(k) for k in (*FAST_LEASES, "LMFORGE_HOME")}
+    os.environ.update({**FAST_LEASES, "LMFORGE_HOME": str(tmp_path / "home")})
     url = server.start("127.0.0.1", free_port())
     workers: list[subprocess.Popen] = []
     try:
@@ -219,10 +225,11 @@ def two_pools(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     finally:
         _stop(*workers)
         server.stop()
-        if saved_home is None:
-            os.environ.pop("LMFORGE_HOME", None)
-        else:
-            os.environ["LMFORGE_HOME"] = saved_home
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.mark.slow
@@ -326,10 +333,16 @@ def _has_checkpoint_of_a_200_step_run(workspace: Path) -> bool:
 
 
 def _is_pretrain(flow_run_id: str) -> bool:
+    """Whether the run is this server's pretraining stage (a flow run of another test's server, on
+    another pytest-xdist worker, is not found here and is not touched)."""
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        run = client.read_flow_run(flow_run_id)
+        try:
+            run = client.read_flow_run(flow_run_id)
+        except ObjectNotFound:
+            return False
         return client.read_flow(run.flow_id).name == "lmforge-pretrain"
 
 

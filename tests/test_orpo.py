@@ -11,7 +11,6 @@ import pytest
 
 from tests.preference_methods import (
     check_lineage_role,
-    check_resumes_after_a_killed_rank,
     check_trained_and_measured,
     run_from_aligned,
     small,
@@ -34,13 +33,6 @@ def test_orpo_trains_on_two_ranks_from_the_pretrained_model_and_is_measured_like
     # TRL's ORPO trainer counts no tokens: the entry does (AlignMethod.token_keys), so tokens/s is logged
     assert {"loss", "num_tokens", "tokens_per_s"} <= logged, sorted(logged)
     assert any(k.startswith("rewards/") for k in logged), sorted(logged)
-
-
-@pytest.mark.slow
-def test_a_killed_orpo_rank_is_retried_and_resumes_to_the_same_result(
-    orpo: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    check_resumes_after_a_killed_rank(orpo, aligned, tmp_path_factory, "orpo", SMALL_ORPO)
 
 
 def test_orpo_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:

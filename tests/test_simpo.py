@@ -7,7 +7,6 @@ import pytest
 
 from tests.preference_methods import (
     check_lineage_role,
-    check_resumes_after_a_killed_rank,
     check_trained_and_measured,
     run_from_aligned,
     small,
@@ -32,10 +31,3 @@ def test_simpo_trains_on_two_ranks_from_the_cached_sft_model_and_is_measured_lik
 
 def test_simpo_is_a_model_role_that_evaluation_quantization_and_serving_take() -> None:
     check_lineage_role("simpo")
-
-
-@pytest.mark.slow
-def test_a_killed_simpo_rank_is_retried_and_resumes_to_the_same_result(
-    simpo: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    check_resumes_after_a_killed_rank(simpo, aligned, tmp_path_factory, "simpo", small("simpo"))
