@@ -254,12 +254,57 @@ def tier_of(item: pytest.Item) -> str:
     return "component"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group markers into node ids
+# Where each pytest-xdist worker writes the group of every test it collected, for the controller's
+# scheduler (`pytest_xdist_make_scheduler` below). pytest-xdist 3.8's own `--dist loadgroup` renames
+# node ids through `item._nodeid`, which pytest 9 no longer reads: its groups are silently ignored.
+GROUPS_ENV = "LMFORGE_XDIST_GROUPS"
+
+
+def group_of(item: pytest.Item) -> str:
+    lineage = set(getattr(item, "fixturenames", ())) & LINEAGE_FIXTURES
+    return "lineage" if lineage else item.nodeid.split("::", 1)[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import tempfile
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "numprocesses", None):
+        os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="lmforge-xdist-groups-")  # the workers inherit it
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(item)))
-        lineage = set(getattr(item, "fixturenames", ())) & LINEAGE_FIXTURES
-        item.add_marker(pytest.mark.xdist_group("lineage" if lineage else item.path.stem))
+    worker, folder = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(GROUPS_ENV)
+    if worker and folder:
+        import json
+
+        groups = {item.nodeid: group_of(item) for item in items}
+        (Path(folder) / f"{worker}.json.tmp").write_text(json.dumps(groups))
+        (Path(folder) / f"{worker}.json.tmp").rename(Path(folder) / f"{worker}.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
+    """`--dist loadgroup` with the groups above: the lineage's tests on one worker, every other file whole."""
+    if config.getvalue("dist") != "loadgroup" or not os.environ.get(GROUPS_ENV):
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):  # type: ignore[misc]
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # every worker has collected (and written its file) before scheduling starts
+                self.groups = {}
+                for path in sorted(Path(os.environ[GROUPS_ENV]).glob("*.json")):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid, nodeid.split("::", 1)[0])
+
+    return ByGroup(config, log)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
