@@ -37,6 +37,10 @@ class DeterministicError(LmforgeError):
     """A failure that would repeat on retry (divergence, failed parity check)."""
 
 
+class UntrustedName(DeterministicError):
+    """A name read from a shared store (a manifest's file list, a listing) that would leave its folder."""
+
+
 class GateFailed(DeterministicError):
     """The model did not pass what must hold before it ships (evaluation, contamination, SLO, a quality gate)."""
 

@@ -44,8 +44,10 @@ def test_an_output_made_on_one_machine_is_fetched_and_verified_on_another(s3: S3
     made = _make(one)
     fs = s3.fs()
     listed = sorted(p.split("/ws/demo/step/k1/")[1] for p in fs.find(f"{s3.bucket}/ws/demo/step/k1"))
-    assert listed == ["a.txt", MANIFEST, "sub/b.bin"]  # the outputs and the manifest; no logs, no bookkeeping
-    assert "dir" not in json.loads(fs.cat_file(f"{s3.bucket}/ws/demo/step/k1/{MANIFEST}"))  # a machine's path
+    stored = json.loads(fs.cat_file(f"{s3.bucket}/ws/demo/step/k1/{MANIFEST}"))
+    blobs = stored["blobs"]  # the writer's own prefix: what it uploaded is never a path another writer uses
+    assert listed == [f"{blobs}/a.txt", f"{blobs}/sub/b.bin", MANIFEST]  # the outputs and the manifest, no logs
+    assert "dir" not in stored  # a machine's path
 
     two = _machine(s3, tmp_path / "two")
     manifest, reason = two.check("demo/step", "k1")
@@ -64,15 +66,16 @@ def test_an_output_made_on_one_machine_is_fetched_and_verified_on_another(s3: S3
     assert looking.check("demo/step", "k1")[1] == "on the store" and not (tmp_path / "explain").exists()
 
     # a damaged object on the store is caught by its digest, never handed to a step
-    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/a.txt", b"alphA")
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/{blobs}/a.txt", b"alphA")
     manifest, reason = _machine(s3, tmp_path / "three").check("demo/step", "k1")
     assert (
         manifest is None
-        and reason == f"output on the store is damaged: {s3.url()}/demo/step/k1/a.txt does not match its manifest"
+        and reason
+        == f"output on the store is damaged: {s3.url()}/demo/step/k1/{blobs}/a.txt does not match its manifest"
     )
 
     # a damaged working copy is repaired from the store (here: the store is whole again first)
-    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/a.txt", b"alpha")
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k1/{blobs}/a.txt", b"alpha")
     (tmp_path / "two/demo/step/k1/sub/b.bin").write_bytes(b"x")
     assert two.check("demo/step", "k1")[0] is not None
     assert (tmp_path / "two/demo/step/k1/sub/b.bin").stat().st_size == 3000
@@ -87,6 +90,127 @@ def test_when_two_machines_commit_one_key_the_first_manifest_wins_and_the_other_
     assert second["digest"] == first["digest"] != "" and second["dir"] == str(tmp_path / "two/demo/step/k1")
     assert (tmp_path / "two/demo/step/k1/a.txt").read_text() == "first"  # its working copy now holds the winner's
     assert second_store.check("demo/step", "k1")[0]["digest"] == first["digest"]
+
+
+def test_a_machine_that_loses_the_commit_race_never_touches_the_winners_bytes(s3: S3, tmp_path: Path) -> None:
+    """Both machines computed one key (a lease taken over, a lease lost): the second looked for a
+    manifest before the first committed, so it uploads too. Its files go under its own prefix, the
+    conditional create of the manifest refuses it, it removes its prefix and adopts the winner's output;
+    the committed bytes are the winner's throughout, and every machine's fetch verifies."""
+    first_store = _machine(s3, tmp_path / "one")
+    first = _make(first_store, key="k5", text="first")
+    loser = _machine(s3, tmp_path / "two")
+    looked, calls = loser.remote.manifest, []  # type: ignore[union-attr]
+
+    def not_yet_on_its_first_look(step: str, key: str) -> dict | None:  # the loser looked before the winner committed
+        calls.append(key)
+        return None if len(calls) == 1 else looked(step, key)
+
+    loser.remote.manifest = not_yet_on_its_first_look  # type: ignore[union-attr,method-assign]
+    fs = s3.fs()
+    committed = {p: fs.cat_file(p) for p in fs.find(f"{s3.bucket}/ws/demo/step/k5")}
+    second = _make(loser, key="k5", text="other")
+    assert second["digest"] == first["digest"] and (tmp_path / "two/demo/step/k5/a.txt").read_text() == "first"
+    fs.invalidate_cache()
+    assert {p: fs.cat_file(p) for p in fs.find(f"{s3.bucket}/ws/demo/step/k5")} == committed  # nothing changed
+    fresh = _machine(s3, tmp_path / "three")
+    assert fresh.check("demo/step", "k5")[0]["digest"] == first["digest"]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["../../../escaped.txt", "/tmp/lmforge-escaped-absolute.txt", "sub/../../escaped.txt", "./a.txt", "manifest.json"],
+)
+def test_a_planted_manifest_entry_is_refused_and_nothing_is_written_outside(s3: S3, tmp_path: Path, entry: str) -> None:
+    """Anyone who can write to the bucket can plant a manifest: its names are refused before a byte is
+    written, the reason is one line naming the URL and the entry, and the output counts as absent."""
+    fs = s3.fs()
+    body = {"step": "demo/step", "key": "k6", "digest": "d", "blobs": ".a-planted",
+            "outputs": {entry: {"size": 5, "sha256": "0" * 64}}}  # fmt: skip
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k6/.a-planted/{entry.lstrip('/')}", b"owned")
+    fs.pipe_file(f"{s3.bucket}/ws/demo/step/k6/{MANIFEST}", json.dumps(body).encode())
+    victim = _machine(s3, tmp_path / "copy" / "ws")
+    manifest, reason = victim.check("demo/step", "k6")
+    assert manifest is None and "refused the entry" in reason and f"{s3.url()}/demo/step/k6/{MANIFEST}" in reason
+    assert "\n" not in reason
+    assert not (tmp_path / "copy" / "escaped.txt").exists() and not (tmp_path / "escaped.txt").exists()
+    assert not Path("/tmp/lmforge-escaped-absolute.txt").exists()
+    fs.rm(f"{s3.bucket}/ws/demo/step/k6", recursive=True)
+
+
+def test_a_manifest_for_another_step_or_a_blobs_prefix_outside_its_output_is_refused(s3: S3, tmp_path: Path) -> None:
+    fs = s3.fs()
+    for key, body in (
+        ("k7", {"step": "demo/other", "key": "k7", "outputs": {}}),
+        ("k8", {"step": "demo/step", "key": "k8", "blobs": "../k1", "outputs": {"a.txt": {"size": 5, "sha256": ""}}}),
+    ):
+        fs.pipe_file(f"{s3.bucket}/ws/demo/step/{key}/{MANIFEST}", json.dumps(body).encode())
+        manifest, reason = _machine(s3, tmp_path / key).check("demo/step", key)
+        assert manifest is None and reason.startswith("output on the store is damaged: "), reason
+        assert "demo/other/k7, not demo/step/k7" in reason or "refused the entry '../k1' (blobs)" in reason, reason
+
+
+def test_a_planted_checkpoint_listing_is_refused_before_anything_is_written(s3: S3, tmp_path: Path) -> None:
+    from lmforge.engine.remote import CheckpointMirror
+    from lmforge.errors import UntrustedName
+
+    fs = s3.fs()
+    base = f"{s3.bucket}/ws/demo/step/k9/checkpoints/step-00000010"
+    fs.pipe_file(f"{base}/CHECKSUMS.json", b"{}")
+    fs.pipe_file(f"{base}/model.bin", b"weights")
+    fs.pipe_file(f"{base}/../../../../../escaped-by-listing.txt", b"owned")
+    store = _machine(s3, tmp_path / "copy" / "ws")
+    mirror = CheckpointMirror(store.remote, "demo/step", "k9", store.step_dir("demo/step", "k9"))  # type: ignore[arg-type]
+    with pytest.raises(UntrustedName, match="refused the entry"):
+        mirror.restore()
+    assert not list(tmp_path.rglob("escaped-by-listing.txt"))
+    assert not (store.step_dir("demo/step", "k9") / "checkpoints" / "step-00000010").exists()
+    fs.rm(f"{s3.bucket}/ws/demo/step/k9", recursive=True)
+
+
+def test_a_torn_progress_line_in_an_uploaded_checkpoint_is_skipped_on_restore(s3: S3, tmp_path: Path) -> None:
+    from lmforge.engine.remote import CheckpointMirror
+
+    fs = s3.fs()
+    base = f"{s3.bucket}/ws/demo/step/k10/checkpoints"
+    fs.pipe_file(f"{base}/step-00000020/CHECKSUMS.json", b"{}")
+    fs.pipe_file(f"{base}/step-00000020.metrics.jsonl", b'{"step": 10, "loss": 2.0}\n{"step": 20, "lo')
+    store = _machine(s3, tmp_path / "ws")
+    mirror = CheckpointMirror(store.remote, "demo/step", "k10", store.step_dir("demo/step", "k10"))  # type: ignore[arg-type]
+    assert mirror.restore() == "step-00000020"
+    rows = (store.step_dir("demo/step", "k10") / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [10]
+
+
+def test_a_machine_whose_clock_runs_90_s_ahead_does_not_take_a_live_lease(s3: S3, tmp_path: Path) -> None:
+    """A live holder last renewed its 120 s lease 35 s ago by its own clock; a waiter whose clock runs
+    90 s ahead reads it as 125 s old. It watches the lease change instead, and waits for the holder."""
+    path = f"{s3.bucket}/ws/demo/step/.k11.lease"
+    fs = s3.fs()
+    body = {"owner": "holder:1:x", "renewed_at": time.time() - 35, "lease_s": 120, "renewal": 0}
+    fs.pipe_file(path, json.dumps(body).encode())
+    stolen: list[int] = []
+
+    def hold_for_8_s() -> None:
+        for renewal in range(1, 5):
+            time.sleep(2)
+            current = s3.fs()
+            current.invalidate_cache()
+            if not current.exists(path) or json.loads(current.cat_file(path))["owner"] != "holder:1:x":
+                stolen.append(renewal)
+                return
+            current.pipe_file(path, json.dumps({**body, "renewed_at": time.time(), "renewal": renewal}).encode())
+        s3.fs().rm_file(path)  # done: the holder releases it
+
+    waiter = _machine(s3, tmp_path / "ahead")
+    waiter.remote.clock = lambda: time.time() + 90  # type: ignore[union-attr]
+    holder = threading.Thread(target=hold_for_8_s)
+    started = time.time()
+    holder.start()
+    with waiter.lock("demo/step", "k11"):
+        waited = time.time() - started
+    holder.join()
+    assert not stolen and waited >= 7.5, (stolen, waited)
 
 
 def test_a_lease_makes_a_second_machine_wait_and_reuse_and_a_dead_machines_lease_is_taken_over(
@@ -115,13 +239,13 @@ def test_a_lease_makes_a_second_machine_wait_and_reuse_and_a_dead_machines_lease
     assert manifest is not None and reason.startswith("fetched from")
     assert not s3.fs().exists(f"{s3.bucket}/ws/demo/step/.k1.lease")  # released
 
-    # a machine that died holding a lease: not renewed for lease_s, it is taken over
+    # a machine that died holding a lease: seen unchanged for lease_s (on this machine's own clock), taken over
     stale = {"owner": "gone:1:x", "renewed_at": time.time() - 60, "lease_s": 10}
     s3.fs().pipe_file(f"{s3.bucket}/ws/demo/step/.k2.lease", json.dumps(stale).encode())
     started = time.time()
     with two.lock("demo/step", "k2"):
         held = json.loads(s3.fs().cat_file(f"{s3.bucket}/ws/demo/step/.k2.lease"))
-    assert held["owner"] != "gone:1:x" and time.time() - started < 10
+    assert held["owner"] != "gone:1:x" and 10 <= time.time() - started < 20
 
 
 def test_the_working_copy_stays_under_its_bound_removing_least_recently_used_published_outputs(

@@ -7,7 +7,15 @@ The layout and its rules are the local store's (`lmforge.engine.store`): a step 
 `<workspace>/<step>/<key>/` plus `manifest.json`, and the manifest is written last. On a store
 with no atomic rename the manifest *is* the commit: it is uploaded after every file it lists, with
 a conditional create (S3's `If-None-Match: *`, fsspec's `mode="create"`), so a reader never sees a
-half-uploaded output and a second writer never replaces a committed one.
+half-uploaded output and a second writer never replaces a committed one. Commits are immutable:
+each writer uploads its files under a prefix of its own (`<step>/<key>/.a-<random>/`, named by the
+manifest's `blobs`), so a machine that loses the race for the manifest never overwrites the
+winner's bytes; it removes its own prefix and adopts the winner's output.
+
+A bucket is shared, so what it says is not trusted: every name read from it (a manifest's files,
+its `blobs`, a checkpoint listing) must be relative, free of `..` and inside its folder once
+resolved, and a manifest must name the step and key it is stored under. Anything else is refused
+in one line naming the URL and the entry, before a byte is written (`UntrustedName`).
 
 Steps never read the store directly. They run on this machine's working copy (a folder; training
 memory-maps shards and vLLM loads a folder): an output the working copy lacks is downloaded, each
@@ -17,9 +25,13 @@ are on the store, least recently used first, are removed to stay under `local_co
 
 Two machines and one step: whoever creates `<step>/.<key>.lease` first computes it, renewing the
 lease while it works; the other waits for the manifest and reuses the output (it downloads it), or
-takes over a lease nobody renewed for `lease_s` (a machine that died). So the answer to "what if
-both compute it" is: one wins, the other reuses. A store that refuses conditional creates cannot
-hold such a lease; the workspace is then refused with one line before any step runs.
+takes over a lease nobody renewed for `lease_s` (a machine that died). Whether a lease was renewed
+is judged by whether its content changed while this machine watched it, timed on this machine's
+own monotonic clock, never by comparing a timestamp another machine wrote with this one's clock (a
+clock running 90 s ahead would steal a live 120 s lease). So the answer to "what if both compute
+it" is: one wins, the other reuses; and if both do compute it, the commit rule still keeps one.
+A store that refuses conditional creates cannot hold such a lease; the workspace is then refused
+with one line before any step runs.
 
 Why by hand: fsspec moves the bytes (its batched, concurrent `put`/`get`); what no library does is
 this commit rule over lmforge's manifests, the lease, and the bounded working copy.
@@ -37,10 +49,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lmforge.errors import StoreUnreachable
+from lmforge.errors import StoreUnreachable, UntrustedName
 from lmforge.hashing import atomic_write_json, digest, file_sha256
 
 log = logging.getLogger(__name__)
@@ -75,6 +87,43 @@ def remote_workspace(config: Any) -> RemoteWorkspace | None:
     return RemoteWorkspace(workspace, storage.options, storage.lease_s, budget, storage.keep_checkpoints)
 
 
+def contained(directory: Path, name: object, where: str) -> Path:
+    """`directory / name` for a name read from a shared store: refused (`UntrustedName`, one line naming
+    `where` and the entry) unless it is a relative POSIX path with no empty, `.` or `..` part that
+    stays inside `directory` once resolved (a symbolic link in the working copy included)."""
+    text = name if isinstance(name, str) else repr(name)
+    parts = text.split("/")
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\\" in name
+        or "\x00" in name
+        or PurePosixPath(name).is_absolute()
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise UntrustedName(f"{where}: refused the entry {text[:200]!r}: not a plain relative path inside its folder")
+    target = directory.joinpath(*parts)
+    if not target.resolve().is_relative_to(directory.resolve()):
+        raise UntrustedName(f"{where}: refused the entry {text[:200]!r}: it resolves outside {directory}")
+    return target
+
+
+BLOBS_PREFIX = ".a-"  # a writer's own upload prefix under <step>/<key>/ (manifest field `blobs`)
+
+
+def _checked_manifest(url: str, step: str, key: str, manifest: dict[str, Any]) -> str | None:
+    """Why a manifest read from the store cannot be used for `<step>/<key>`, or None."""
+    if manifest.get("step", step) != step or manifest.get("key", key) != key:
+        return f"{url}: the manifest names {manifest.get('step')}/{manifest.get('key')}, not {step}/{key}"
+    blobs = manifest.get("blobs")
+    if blobs is not None and (not isinstance(blobs, str) or not blobs.startswith(BLOBS_PREFIX) or "/" in blobs
+                              or blobs in (".", "..")):  # fmt: skip
+        return f"{url}: refused the entry {str(blobs)[:200]!r} (blobs): not a prefix of this output"
+    if not isinstance(manifest.get("outputs", {}), dict):
+        return f"{url}: the manifest's outputs are not a table of files"
+    return None
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
@@ -97,6 +146,7 @@ class RemoteWorkspace:
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(options or {}))
         self.root = self.root.rstrip("/")
         self.lease_s = lease_s
+        self.clock = time.time  # what this machine writes into its leases; never compared with another's
         self.budget = budget
         self.keep_checkpoints = keep_checkpoints
 
@@ -150,22 +200,34 @@ class RemoteWorkspace:
     def fetch(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> str | None:
         """Download the output's files into `directory`, verify each against the manifest, then write the
         manifest there last. None when the working copy now holds it whole; else the first problem."""
+        problem = _checked_manifest(self.url_of(step, key, MANIFEST), step, key, manifest)
+        if problem:
+            return problem
         files: dict[str, dict[str, Any]] = manifest.get("outputs", {})
+        where = self.url_of(step, key, MANIFEST)
+        try:  # every name before any byte is written: a planted `../../.ssh/...` never lands anywhere
+            targets = {rel: contained(directory, rel, where) for rel in files}
+            for rel in files:
+                if rel == MANIFEST or rel.split("/")[0] in (PUBLISHED, USED):
+                    raise UntrustedName(f"{where}: refused the entry {rel!r}: it names lmforge's own bookkeeping")
+        except UntrustedName as exc:
+            return str(exc)
+        blobs = [manifest["blobs"]] if manifest.get("blobs") else []
         directory.mkdir(parents=True, exist_ok=True)
         (directory / MANIFEST).unlink(missing_ok=True)
-        missing = [rel for rel, meta in files.items() if not _same_file(directory / rel, meta)]
+        missing = [rel for rel, meta in files.items() if not _same_file(targets[rel], meta)]
         if missing:
             for rel in missing:
-                (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+                targets[rel].parent.mkdir(parents=True, exist_ok=True)
             started = time.time()
-            self.fs.get([self.path(step, key, rel) for rel in missing], [str(directory / rel) for rel in missing])
+            self.fs.get([self.path(step, key, *blobs, rel) for rel in missing], [str(targets[rel]) for rel in missing])
             size = sum(files[rel]["size"] for rel in missing)
             log.info("%s/%s: downloaded %d file(s), %.1f MB in %.1fs from %s", step, key, len(missing),
                      size / 1e6, time.time() - started, self.url)  # fmt: skip
         for rel in missing:
-            meta, path = files[rel], directory / rel
+            meta, path = files[rel], targets[rel]
             if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
-                return f"{self.url_of(step, key, rel)} does not match its manifest"
+                return f"{self.url_of(step, key, *blobs, rel)} does not match its manifest"
         atomic_write_json(directory / MANIFEST, manifest)
         (directory / PUBLISHED).touch()
         return None
@@ -177,18 +239,24 @@ class RemoteWorkspace:
         committed = self.manifest(step, key)
         if committed is None:
             started = time.time()
+            # under a prefix of this writer's own: losing the race below leaves the winner's bytes untouched
+            blobs = f"{BLOBS_PREFIX}{uuid.uuid4().hex[:16]}"
             if files:
-                self.fs.put([str(directory / rel) for rel in files], [self.path(step, key, rel) for rel in files])
+                self.fs.put([str(directory / rel) for rel in files],
+                            [self.path(step, key, blobs, rel) for rel in files])  # fmt: skip
             # where this machine keeps it is no part of the shared record
-            body = json.dumps({k: v for k, v in manifest.items() if k not in ("dir", "url")}, indent=2).encode()
+            shared = {k: v for k, v in manifest.items() if k not in ("dir", "url")}
+            body = json.dumps({**shared, "blobs": blobs}, indent=2).encode()
             try:
                 self.fs.pipe_file(self.path(step, key, MANIFEST), body, mode="create")
-                committed = manifest
+                committed = {**manifest, "blobs": blobs}
                 size = sum(m["size"] for m in manifest.get("outputs", {}).values())
                 log.info("%s/%s: uploaded %d file(s), %.1f MB in %.1fs to %s", step, key, len(files), size / 1e6,
                          time.time() - started, self.url)  # fmt: skip
             except FileExistsError:
                 committed = self.manifest(step, key)
+                with contextlib.suppress(FileNotFoundError):  # never part of a commit: nobody reads it
+                    self.fs.rm(self.path(step, key, blobs), recursive=True)
         if committed is not None and committed.get("digest") != manifest.get("digest"):
             log.info("%s/%s: another machine committed this key first; its output is the store's", step, key)
         (directory / PUBLISHED).touch()
@@ -203,22 +271,30 @@ class RemoteWorkspace:
         path = self.path(step, f".{key}.lease")
         owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         waited = False
+        seen: tuple[str, float] | None = None  # (the lease's content, when this machine first saw it so)
         while True:
             if committed():
                 yield False
                 return
-            body = json.dumps({"owner": owner, "renewed_at": time.time(), "lease_s": self.lease_s}).encode()
+            body = json.dumps({"owner": owner, "renewed_at": self.clock(), "lease_s": self.lease_s}).encode()
             try:
                 self.fs.pipe_file(path, body, mode="create")
                 break
             except FileExistsError:
                 pass
-            held = self._read_lease(path)
-            if held is not None and time.time() - held.get("renewed_at", 0) > held.get("lease_s", self.lease_s):
-                log.warning("%s/%s: the lease of %s was not renewed for %.0fs; taking the step over", step, key,
-                            held.get("owner"), time.time() - held.get("renewed_at", 0))  # fmt: skip
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(path)
+            raw = self._read_raw(path)
+            held = _parse_lease(raw)
+            if raw is not None and (seen is None or seen[0] != raw):
+                seen = (raw, time.monotonic())  # renewed (or new) since last look: it is alive
+            unchanged = time.monotonic() - seen[1] if seen is not None and raw is not None else 0.0
+            if held is not None and unchanged > float(held.get("lease_s", self.lease_s)):
+                log.warning("%s/%s: the lease of %s did not change for %.0fs; taking the step over", step, key,
+                            held.get("owner"), unchanged)  # fmt: skip
+                # only the lease that was watched going stale: a waiter that took it over meanwhile keeps its own
+                if self._read_raw(path) == raw:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(path)
+                seen = None
                 continue
             if not waited:
                 log.info("%s/%s is being computed on %s; waiting for it", step, key,
@@ -238,13 +314,18 @@ class RemoteWorkspace:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
 
-    def _read_lease(self, path: str) -> dict[str, Any] | None:
+    def _read_raw(self, path: str) -> str | None:
         try:
-            return json.loads(self.fs.cat_file(path))
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            self.fs.invalidate_cache(path)
+            return self.fs.cat_file(path).decode("utf-8", "replace")
+        except FileNotFoundError:
             return None
 
+    def _read_lease(self, path: str) -> dict[str, Any] | None:
+        return _parse_lease(self._read_raw(path))
+
     def _renew(self, path: str, owner: str, stop: threading.Event) -> None:
+        renewals = 0
         while not stop.wait(self.lease_s / 3):
             try:
                 held = self._read_lease(path)
@@ -252,7 +333,8 @@ class RemoteWorkspace:
                     log.error("%s: another machine took this lease over; this run's output will not be committed "
                               "over theirs", path)  # fmt: skip
                     return
-                body = {"owner": owner, "renewed_at": time.time(), "lease_s": self.lease_s}
+                renewals += 1  # the content changes at every renewal, whatever this machine's clock says
+                body = {"owner": owner, "renewed_at": self.clock(), "lease_s": self.lease_s, "renewal": renewals}
                 self.fs.pipe_file(path, json.dumps(body).encode())
             except Exception as exc:  # noqa: BLE001 - renewal is retried next period; the lease may lapse
                 log.warning("%s: could not renew the lease (%s)", path, _one_line(exc))
@@ -285,6 +367,14 @@ class RemoteWorkspace:
 CHECKPOINTS = "checkpoints"  # a step's checkpoint folders: <out>/checkpoints/<name>-<step number>/
 SEAL = "CHECKSUMS.json"  # written last into a checkpoint folder by its trainer (training.checkpoint.seal)
 PROGRESS = "metrics.jsonl"  # the step's per-step rows, uploaded beside each checkpoint (trimmed on restore)
+
+
+def _parse_lease(raw: str | None) -> dict[str, Any] | None:
+    try:
+        held = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        return None
+    return held if isinstance(held, dict) else None
 
 
 def _number(name: str) -> int:
@@ -332,21 +422,31 @@ class CheckpointMirror:
         if not remote or (local and _number(local[-1].name) >= _number(remote[-1])):
             return None
         name = remote[-1]
-        target = self.directory / CHECKPOINTS / name
+        where = self.remote.url_of(self.step, self.key, CHECKPOINTS)
+        if "/" in name:
+            raise UntrustedName(f"{where}: refused the entry {name[:200]!r}: not a checkpoint folder's name")
+        target = contained(self.directory / CHECKPOINTS, name, where)
         partial = target.with_name(f".fetching-{name}")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        started = time.time()
         self.remote.fs.invalidate_cache(self._remote(name))
         files = [p for p in self.remote.fs.find(self._remote(name)) if not p.endswith("/")]
         prefix = self._remote(name) + "/"
-        self.remote.fs.get(files, [str(partial / p[len(prefix) :]) for p in files])
+        outside = [p for p in files if not p.startswith(prefix)]
+        if outside:
+            raise UntrustedName(f"{where}/{name}: refused the entry {outside[0][:200]!r}: listed outside its folder")
+        # every listed name before any byte is written (the listing comes from a shared bucket)
+        local = [contained(partial, p[len(prefix) :], f"{where}/{name}") for p in files]
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        started = time.time()
+        self.remote.fs.get(files, [str(p) for p in local])
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         progress = self.directory / PROGRESS
         with contextlib.suppress(FileNotFoundError):
-            rows = self.remote.fs.cat_file(self._remote(f"{name}.{PROGRESS}")).decode().splitlines()
-            kept = [r for r in rows if r.strip() and json.loads(r).get("step", 0) <= _number(name)]
+            rows = self.remote.fs.cat_file(self._remote(f"{name}.{PROGRESS}")).decode("utf-8", "replace")
+            kept = [
+                r for r in rows.splitlines() if (row := _row(r)) is not None and row.get("step", 0) <= _number(name)
+            ]
             progress.write_text("".join(r + "\n" for r in kept))
         log.info("%s/%s: resuming from %s, downloaded from %s in %.1fs", self.step, self.key, name,
                  self.remote.url, time.time() - started)  # fmt: skip
@@ -410,6 +510,15 @@ class CheckpointMirror:
                 self.remote.fs.rm(self._remote(name), recursive=True)
             with contextlib.suppress(FileNotFoundError):
                 self.remote.fs.rm_file(self._remote(f"{name}.{PROGRESS}"))
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """A progress row, or None for a blank or torn line (an upload cut mid-line): skipped, not fatal."""
+    try:
+        row = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def touch_used(directory: Path) -> None:

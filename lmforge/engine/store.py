@@ -158,7 +158,12 @@ def relocated(recorded: str | os.PathLike[str], key: str, directory: Path) -> Pa
     parts = Path(recorded).parts
     if key not in parts:
         return Path(recorded)
-    return directory.joinpath(*parts[parts.index(key) + 1 :])
+    inside = parts[parts.index(key) + 1 :]
+    if any(part in ("..", ".") for part in inside):  # a recorded path is data: it never leaves its output
+        from lmforge.errors import UntrustedName
+
+        raise UntrustedName(f"{directory}: refused the recorded path {str(recorded)[:200]!r}: it leaves its output")
+    return directory.joinpath(*inside)
 
 
 _REACHED: set[str] = set()  # remote workspaces this process has checked (one probe per URL per process)
