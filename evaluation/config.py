@@ -110,6 +110,13 @@ class JudgeEndpointConfig(StrictModel):
     )
     require_key: bool = runtime_field(True, description="Fail at once when that variable is not set.")
 
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        from lmforge.urlcheck import refuse_credentials
+
+        return refuse_credentials(value, "evaluate.judge.endpoint.url")
+
 
 class JudgeConfig(StrictModel):
     """An LLM judge over the lineage's chat models (evaluation.judge): pairwise and graded, and measured."""

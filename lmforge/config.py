@@ -238,10 +238,13 @@ def _nested_matches(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]
 def _describe(error: ErrorDetails, source: str, overrides: list[str]) -> str:
     loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
     dotted = ".".join(str(p) for p in loc) or "(top level)"
+    # a refused credential (lmforge.urlcheck, runtime.storage.options) is never repeated: not the
+    # value given with --set, not the input
+    secret = "credentials never go in the config" in error["msg"]
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
         if dotted.startswith(key) or key.startswith(dotted + "."):
-            source = f"--set {_shown(assignment)}"
+            source = f"--set {_shown(key)}=<not shown>" if secret else f"--set {_shown(assignment)}"
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown field"
@@ -251,6 +254,8 @@ def _describe(error: ErrorDetails, source: str, overrides: list[str]) -> str:
             message += f" (did you mean '{close[0]}'?)"
         elif deeper:
             message += f" (did you mean {' or '.join(repr(d) for d in deeper)}?)"
+    elif secret:
+        pass
     elif isinstance(error.get("input"), (str, int, float, bool)) or error.get("input") is None and "input" in error:
         message += f" (got {error['input']!r})"
     return f"{source}: {dotted}: {message}"

@@ -14,8 +14,13 @@ from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import RUNTIME_MARK, ConfigView, StrictModel, runtime_field
 
+# fsspec option names that hold secrets (s3fs, gcsfs, adlfs and their botocore/google/azure kwargs),
+# compared lower-cased
 SECRET_OPTIONS = ("key", "secret", "token", "password", "account_key", "sas_token", "connection_string",
-                  "client_secret", "aws_secret_access_key", "aws_session_token", "credentials")  # fmt: skip
+                  "client_secret", "aws_secret_access_key", "aws_session_token", "credentials", "credential",
+                  "session_token", "secret_access_key", "access_token", "refresh_token", "ssecustomerkey",
+                  "sse_customer_key", "headers", "client_certificate_password", "private_key",
+                  "api_key")  # fmt: skip
 
 
 class StorageConfig(StrictModel):
@@ -55,6 +60,8 @@ class StorageConfig(StrictModel):
     @field_validator("options")
     @classmethod
     def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from lmforge.urlcheck import refuse_credentials
+
         def walk(item: Any, path: str) -> None:
             if isinstance(item, dict):
                 for k, v in item.items():
@@ -65,6 +72,11 @@ class StorageConfig(StrictModel):
                             "instance role, application default credentials"
                         )
                     walk(v, f"{path}{k}.")
+            elif isinstance(item, list):
+                for i, v in enumerate(item):
+                    walk(v, f"{path}{i}.")
+            elif isinstance(item, str):
+                refuse_credentials(item, f"runtime.storage.options.{path.rstrip('.')}")
 
         walk(value, "")
         return value
@@ -182,6 +194,13 @@ class MlflowConfig(StrictModel):
 
     _single_lines = field_validator("tracking_uri", "experiment")(_one_line)
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        from lmforge.urlcheck import refuse_credentials
+
+        return refuse_credentials(value, "tracking.mlflow.tracking_uri")
+
 
 class TrackingConfig(StrictModel):
     """Experiment trackers; an unreachable one is a warning, never a failed step."""
@@ -218,9 +237,12 @@ class PipelineBase(StrictModel):
     @field_validator("workspace")
     @classmethod
     def _workspace_url(cls, value: str) -> str:
+        from lmforge.urlcheck import refuse_credentials
+
         scheme, sep, rest = value.partition("://")
         if not sep:
             return value
+        refuse_credentials(value, "workspace")
         if scheme == "file":
             return rest or "/"
         import fsspec

@@ -209,3 +209,43 @@ def test_configs_that_used_to_pass_exit_2_with_one_line(overrides, body, names, 
 def test_a_step_timeout_for_a_real_step_or_stage_is_accepted() -> None:
     config = load_config("tiny-cpu", ["runtime.step_timeout_s={pretrain/train: 60, curate: 600}"])
     assert config.runtime.step_timeout_s == {"pretrain/train": 60, "curate": 600}
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "workspace=s3://AKIAEXAMPLE:hunter2secret@bucket/prefix",
+        "workspace=az://container/prefix?sv=2024&sig=hunter2secret",
+        "runtime.storage.options={endpoint_url: 'http://admin:hunter2secret@127.0.0.1:9000'}",
+        "runtime.storage.options={s3_additional_kwargs: {SSECustomerKey: hunter2secret}}",
+        "runtime.storage.options={credential: hunter2secret}",
+        "runtime.storage.options={client_kwargs: {headers: {Authorization: hunter2secret}}}",
+        "tracking.mlflow.tracking_uri=https://user:hunter2secret@mlflow.example:8443",
+        "evaluate.judge.endpoint.url=https://judge.example/v1?key=hunter2secret",
+        "evaluate.judge.endpoint.url=https://judge.example/v1?X-Amz-Signature=hunter2secret",
+    ],
+)
+def test_a_credential_in_a_url_or_a_storage_option_is_refused_without_repeating_it(override: str) -> None:
+    """The config is logged, tracked and kept in manifests and keys: a URL with a user:password part
+    or a secret-like query parameter, or a secret-holding fsspec option, is refused in one line that
+    names the field and never repeats the secret."""
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny-cpu", [override], check_paths=False)
+    message = str(info.value)
+    assert "hunter2secret" not in message and "\n" not in message, message
+    assert "credential" in message, message
+
+
+def test_urls_without_credentials_still_load() -> None:
+    config = load_config(
+        "tiny-cpu",
+        [
+            "runtime.storage.options={endpoint_url: 'http://127.0.0.1:9000'}",
+            "tracking.mlflow.tracking_uri=http://127.0.0.1:5000/?experiment=1",
+            "evaluate.judge.endpoint.url=https://judge.example/v1",
+            "evaluate.judge.model=null",
+            "evaluate.judge.endpoint.model=judge-1",
+        ],
+        check_paths=False,
+    )
+    assert config.evaluate.judge.endpoint.url == "https://judge.example/v1"
