@@ -117,6 +117,49 @@ def test_a_machine_that_loses_the_commit_race_never_touches_the_winners_bytes(s3
     assert fresh.check("demo/step", "k5")[0]["digest"] == first["digest"]
 
 
+def _race(s3: S3, tmp_path: Path, round_: int) -> None:
+    """Two machines computing one key at once; in every third round the second has lost its lease
+    mid-compute (it computes and commits without it, as after a takeover)."""
+    key = f"race{round_}"
+    machines = [_machine(s3, tmp_path / f"r{round_}-{side}", lease_s=10) for side in ("a", "b")]
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def compute(side: int) -> None:
+        store = machines[side]
+        try:
+            start.wait(10)
+            lost_lease = round_ % 3 == 0 and side == 1
+            with contextlib.nullcontext() if lost_lease else store.lock("demo/step", key):
+                manifest, _ = store.check("demo/step", key)
+                if manifest is None or lost_lease:
+                    manifest = _make(store, key=key, text=f"made by {'ab'[side]}")
+            results[side] = manifest
+        except BaseException as exc:  # noqa: BLE001 - reported below, whichever thread it was
+            errors.append(exc)
+
+    threads = [threading.Thread(target=compute, args=(side,)) for side in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, (round_, errors)
+    assert results[0]["digest"] == results[1]["digest"], round_
+    fresh, reason = _machine(s3, tmp_path / f"r{round_}-fresh").check("demo/step", key)
+    assert fresh is not None and fresh["digest"] == results[0]["digest"], (round_, reason)
+    committed = (tmp_path / f"r{round_}-fresh/demo/step/{key}/a.txt").read_text()
+    for side in "ab":  # each working copy holds the committed bytes
+        assert (tmp_path / f"r{round_}-{side}/demo/step/{key}/a.txt").read_text() == committed, round_
+
+
+def test_two_machines_racing_one_key_20_times_always_commit_one_output_that_verifies(s3: S3, tmp_path: Path) -> None:
+    """Twenty rounds: both may upload, the conditional create keeps one, and every round ends with both
+    machines holding the committed output and a third machine fetching it whole."""
+    for round_ in range(20):
+        _race(s3, tmp_path, round_)
+
+
 @pytest.mark.parametrize(
     "entry",
     ["../../../escaped.txt", "/tmp/lmforge-escaped-absolute.txt", "sub/../../escaped.txt", "./a.txt", "manifest.json"],
