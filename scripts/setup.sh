@@ -118,6 +118,31 @@ setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_L
   echo "$want" > "$stamp"
 }
 
+# The side environments (.venv-quant, .venv-mlflow, .venv-docs) install in the background while
+# .venv does: each is its own venv, mostly download and unpacking, so they overlap instead of queueing
+# (pip's cache is shared and safe across processes). What each printed is shown when it is done.
+side_pids=() side_logs=() side_names=()
+start_side_envs() {
+  local name log
+  for name in quant mlflow docs; do
+    log=$(mktemp)
+    "setup_${name}_env" > "$log" 2>&1 &
+    side_pids+=($!) side_logs+=("$log") side_names+=("$name")
+  done
+}
+finish_side_envs() {  # waits for each and prints what it said; fails when one failed
+  local i rc=0
+  for i in "${!side_pids[@]}"; do
+    if ! wait "${side_pids[$i]}"; then
+      echo "setting up the ${side_names[$i]} environment failed" >&2
+      rc=1
+    fi
+    cat "${side_logs[$i]}"; rm -f "${side_logs[$i]}"
+  done
+  side_pids=()
+  return "$rc"
+}
+
 llamacpp_pid="" llamacpp_log=""
 start_llamacpp_env() {  # in the background: compiling (2 cores) overlaps the other installs (network, disk)
   [ "${LMFORGE_LLAMACPP_ENV:-0}" = 1 ] || return 0
@@ -134,7 +159,7 @@ finish_llamacpp_env() {  # waits for it and prints what it said; fails when it f
   [ "$rc" = 0 ] || echo "building .venv-llamacpp failed (exit $rc)" >&2
   return "$rc"
 }
-trap 'finish_llamacpp_env > /dev/null 2>&1 || true' EXIT  # a failed install leaves no build running behind it
+trap 'finish_llamacpp_env > /dev/null 2>&1 || true; finish_side_envs > /dev/null 2>&1 || true' EXIT  # a failed install leaves nothing running behind it
 
 if [ "$mode" = "--relock-quant" ]; then
   { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
@@ -149,15 +174,15 @@ stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
   start_llamacpp_env
-  setup_quant_env
-  setup_mlflow_env
-  setup_docs_env
+  start_side_envs
+  finish_side_envs
   finish_llamacpp_env
   exit 0
 fi
 
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
 start_llamacpp_env
+start_side_envs
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 echo "installing $requirements into $VENV (a few minutes the first time)"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/cpu.lock)"
@@ -185,8 +210,6 @@ assert hasattr(fasttext, "train_supervised"), "fasttext is the predict-only buil
 print("environment OK")
 PY
 echo "$want" > "$stamp"
-setup_quant_env
-setup_mlflow_env
-setup_docs_env
+finish_side_envs
 finish_llamacpp_env
 exit 0
