@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -141,10 +140,9 @@ def gpu_slots(stage: Stage) -> Iterator[None]:
         yield
         return
     wanted = limit if stage.resources.gpus < 0 else min(max(stage.resources.gpus, 1), limit)
-    # a short lease (renewed while held): slots of a holder that was killed come back within a
-    # minute, or within LMFORGE_GPU_LEASE_S seconds (the killed-stage test sets 15)
-    lease = float(os.environ.get("LMFORGE_GPU_LEASE_S", "60"))
-    with concurrency(GPU_LIMIT, occupy=wanted, strict=False, lease_duration=lease):
+    # a short lease (renewed while held; Prefect's server takes 60 s at least): slots of a holder that
+    # was killed come back within a minute, plus the server's sweep (its repossessor service)
+    with concurrency(GPU_LIMIT, occupy=wanted, strict=False, lease_duration=60):
         yield
 
 

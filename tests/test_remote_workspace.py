@@ -442,7 +442,7 @@ def test_a_machine_lost_mid_pretraining_resumes_on_another_from_the_checkpoint_o
                              cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ": computed in " in resumed.stderr and "downloaded from" in resumed.stderr
-    assert "was not renewed for" in resumed.stderr  # the dead machine's lease, taken over
+    assert "did not change for" in resumed.stderr  # the dead machine's lease, taken over
     result = json.loads(resumed.stdout.strip().splitlines()[-1])
     rank0 = (Path(result["dir"]) / "logs" / "rank-0.log").read_text()
     assert "resumed from step-000000" in rank0 and "resumed from step-00000000 " not in rank0
