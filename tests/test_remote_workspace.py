@@ -117,6 +117,34 @@ def test_a_machine_that_loses_the_commit_race_never_touches_the_winners_bytes(s3
     assert fresh.check("demo/step", "k5")[0]["digest"] == first["digest"]
 
 
+def test_explain_on_a_remote_workspace_writes_nothing_to_the_store(s3: S3, tmp_path: Path) -> None:
+    """`lmforge explain` (a store with fetch=False) reads manifests only: an output made on this machine
+    whose upload failed is left unpublished, and the store sees no write request at all."""
+    store = _machine(s3, tmp_path / "ws")
+    directory = store.step_dir("demo/step", "k12")
+    made = _make(store, key="k12")
+    (directory / PUBLISHED).unlink()  # as if its upload had failed: a normal check would publish it now
+    fs = s3.fs()
+    fs.rm(f"{s3.bucket}/ws/demo/step/k12", recursive=True)
+    looking = _machine(s3, tmp_path / "ws")
+    looking.fetch = False
+    writes: list[str] = []
+    for name in ("pipe_file", "put", "put_file", "rm", "rm_file", "mkdir", "touch"):
+        original = getattr(looking.remote.fs, name)  # type: ignore[union-attr]
+
+        def counted(*args, _name=name, _original=original, **kwargs):  # type: ignore[no-untyped-def]
+            writes.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(looking.remote.fs, name, counted)  # type: ignore[union-attr]
+    manifest, reason = looking.check("demo/step", "k12")
+    assert manifest is not None and manifest["digest"] == made["digest"] and reason == "complete and verified"
+    assert writes == [] and not (directory / PUBLISHED).exists()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{s3.bucket}/ws/demo/step/k12/{MANIFEST}")
+    assert store.check("demo/step", "k12")[0] is not None and fs.exists(f"{s3.bucket}/ws/demo/step/k12/{MANIFEST}")
+
+
 def _race(s3: S3, tmp_path: Path, round_: int) -> None:
     """Two machines computing one key at once; in every third round the second has lost its lease
     mid-compute (it computes and commits without it, as after a takeover)."""

@@ -184,7 +184,10 @@ class StageStore:
         self.root = Path(workspace).expanduser().resolve()
         self.verify_mode: VerifyMode = verify
         self.remote = remote
-        self.fetch = fetch  # False: an output on the store counts as there, nothing is downloaded (explain)
+        # False (explain, planning): read-only. An output on the store counts as there, nothing is
+        # downloaded, nothing uploaded (an output made here and not yet published stays so), and the
+        # working copy is not bounded (no eviction, no use recorded)
+        self.fetch = fetch
         self.used: set[Path] = set()  # outputs this run reused or made: never evicted from the working copy
 
     @classmethod
@@ -220,7 +223,7 @@ class StageStore:
             return manifest, reason
         directory = self.step_dir(step, key)
         if manifest is not None:
-            if not (directory / PUBLISHED).exists():
+            if not (directory / PUBLISHED).exists() and self.fetch:
                 manifest = self._publish(step, key, directory, manifest)
         else:
             stored = self.remote.manifest(step, key)
@@ -234,7 +237,8 @@ class StageStore:
             # fetch verified every listed file against its digest: hashing them all again here would double it
             manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.remote.url}"
         if manifest is not None:
-            self._used(directory)
+            if self.fetch:
+                self._used(directory)
             manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
         return manifest, reason
 
