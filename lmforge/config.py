@@ -236,11 +236,13 @@ def _nested_matches(model: type[StrictModel], loc: tuple[Any, ...]) -> list[str]
 
 
 def _describe(error: ErrorDetails, source: str, overrides: list[str]) -> str:
+    from lmforge.urlcheck import REFUSED
+
     loc = tuple(p for p in error["loc"] if not str(p).startswith("function-after"))
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     # a refused credential (lmforge.urlcheck, runtime.storage.options) is never repeated: not the
     # value given with --set, not the input
-    secret = "credentials never go in the config" in error["msg"]
+    secret = REFUSED in error["msg"]
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
         if dotted.startswith(key) or key.startswith(dotted + "."):

@@ -60,16 +60,16 @@ class StorageConfig(StrictModel):
     @field_validator("options")
     @classmethod
     def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from lmforge.urlcheck import refuse_credentials
+        from lmforge.urlcheck import REFUSED, refuse_credentials
 
         def walk(item: Any, path: str) -> None:
             if isinstance(item, dict):
                 for k, v in item.items():
                     if str(k).lower() in SECRET_OPTIONS:
                         raise ValueError(
-                            f"runtime.storage.options.{path}{k}: credentials never go in the config (it is logged, "
-                            "tracked and kept in manifests); use the store's own chain: environment, profile, "
-                            "instance role, application default credentials"
+                            f"runtime.storage.options.{path}{k}: {REFUSED} (it is logged, tracked and kept in "
+                            "manifests); use the store's own chain: environment, profile, instance role, "
+                            "application default credentials"
                         )
                     walk(v, f"{path}{k}.")
             elif isinstance(item, list):

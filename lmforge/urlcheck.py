@@ -13,6 +13,10 @@ from __future__ import annotations
 import re
 from urllib.parse import parse_qsl, urlsplit
 
+# in every refusal of a credential (here and runtime.storage.options): the config's error line
+# (lmforge.config) recognises it and never repeats the value given
+REFUSED = "credentials never go in the config"
+
 SECRET_QUERY = re.compile(
     r"^(sig|signature|token|access_token|refresh_token|id_token|auth|authorization|api[-_]?key|key|"
     r"password|passwd|pwd|secret|client_secret|credential|credentials|sas|sas_token|"
@@ -48,7 +52,7 @@ def refuse_credentials(url: str | None, field: str) -> str | None:
     found = credential_in(url)
     if found:
         raise ValueError(
-            f"{field} {redacted(url)}: the URL carries a credential ({found}); credentials never go in the "
-            "config (it is logged, tracked and kept in manifests): use the service's own chain or an *_env variable"
+            f"{field} {redacted(url)}: the URL carries a credential ({found}); {REFUSED} (it is logged, "
+            "tracked and kept in manifests): use the service's own chain or an *_env variable"
         )
     return url

@@ -200,11 +200,11 @@ class RemoteWorkspace:
     def fetch(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> str | None:
         """Download the output's files into `directory`, verify each against the manifest, then write the
         manifest there last. None when the working copy now holds it whole; else the first problem."""
-        problem = _checked_manifest(self.url_of(step, key, MANIFEST), step, key, manifest)
+        where = self.url_of(step, key, MANIFEST)
+        problem = _checked_manifest(where, step, key, manifest)
         if problem:
             return problem
         files: dict[str, dict[str, Any]] = manifest.get("outputs", {})
-        where = self.url_of(step, key, MANIFEST)
         try:  # every name before any byte is written: a planted `../../.ssh/...` never lands anywhere
             targets = {rel: contained(directory, rel, where) for rel in files}
             for rel in files:
