@@ -236,8 +236,8 @@ E2E_FILES = frozenset(
     }
 )
 # the session fixtures of the shared trained lineage: a test using one is `e2e`. Under pytest-xdist
-# (`--dist loadgroup`, scripts/test.sh) every such test runs on one worker (`xdist_group("lineage")`),
-# which builds the lineage once, and every other test runs with the rest of its file (a module
+# (`--dist loadgroup`, scripts/test.sh) every such test runs on one worker (the group "lineage",
+# `group_of` below), which builds the lineage once, and every other test runs with the rest of its file (a module
 # fixture, a file's Prefect server or S3 bucket, is built once): the files are spread over the workers
 LINEAGE_FIXTURES = frozenset({"trained", "aligned", "rl_aligned", "evaluated", "quantized"})
 COMPONENT_FIXTURES = frozenset({"curated", "curated_copy", "prefect_server", "s3", "s3_endpoint"})
@@ -272,7 +272,13 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="lmforge-xdist-groups-")  # the workers inherit it
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = os.environ.get(GROUPS_ENV)
+    if folder and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # the tier markers are there before `-m` deselects by them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(getattr(pytest.mark, tier_of(item)))
