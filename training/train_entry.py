@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 
 from lmforge.processes.entry import main
-from training.device_setup import disable_shm_comm_op, safe_attention_kernels
+from training.device_setup import (
+    block_deepspeed_mlflow_import,
+    deterministic_algorithms,
+    disable_shm_comm_op,
+    safe_attention_kernels,
+)
 
 
 def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
@@ -36,6 +41,7 @@ def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     else:
+        block_deepspeed_mlflow_import()
         import deepspeed
 
         disable_shm_comm_op()
@@ -55,7 +61,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
     cfg = PretrainConfig.model_validate(spec["config"])
     plan = Plan(**spec["plan"])
     out_dir, pack_dir = Path(spec["out_dir"]), Path(spec["pack_dir"])
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic_algorithms(compiled=cfg.compile)
     trainer = Trainer(
         cfg,
         plan,
