@@ -130,39 +130,45 @@ def test_killed_rank_is_retried_by_prefect_and_resumes_to_the_same_loss(
     assert abs(manifest["metrics"]["final_val_loss"] - trained["metrics"]["final_val_loss"]) < 1e-4
 
 
-def test_nan_batch_is_rolled_back_and_skipped(curated: tuple[Path, dict], tmp_path: Path) -> None:
-    workspace = tmp_path / "ws"
-    shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "debug.pretrain.nan_at_batches=[52]", "pretrain.max_steps=60")
+@pytest.fixture(scope="module")
+def guarded(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 60-step run meeting both kinds of bad step the guardrails roll back (one launch for both
+    properties): gradients that overflow with a finite loss at batch 26, a NaN loss at batch 52."""
+    workspace = tmp_path_factory.mktemp("guarded")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    config = small_config(
+        workspace,
+        "debug.pretrain.nan_grad_at_batches=[26]",
+        "debug.pretrain.nan_at_batches=[52]",
+        "pretrain.max_steps=60",
+    )
     manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
-    anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
-    assert len(anomalies) == 1
-    anomaly = anomalies[0]
-    assert anomaly["kind"] == "non_finite" and anomaly["step"] == 53 and anomaly["micro_batches"] == [52]
+    rows = _metrics(manifest)
+    # every step of the run is there once, each with a finite loss and gradient norm
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in rows)
+    assert manifest["counts"]["anomalies"] == 2
+    return {a["kind"]: a for a in json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())}
+
+
+def test_nan_batch_is_rolled_back_and_skipped(guarded: dict) -> None:
+    # batch 26 was skipped before (the gradient anomaly), so from step 27 on step N reads batch N
+    anomaly = guarded["non_finite"]
+    assert anomaly["step"] == 52 and anomaly["micro_batches"] == [52]
     assert anomaly["action"].startswith("rolled back to step-00000040")
     assert anomaly["samples"] and all(s["doc_ids"] and s["shard"] for s in anomaly["samples"])
-    # the replayed step 53 (batch 53 instead of 52) has a finite loss, close to the window's
+    # the replayed step 52 (batch 53 instead of 52) has a finite loss, close to the window's
     assert anomaly["loss_after"] == anomaly["loss_after"] and abs(anomaly["loss_after"] - anomaly["window_mean"]) < 1.0
-    rows = _metrics(manifest)
-    assert [r["step"] for r in rows] == list(range(1, 61)) and all(r["loss"] == r["loss"] for r in rows)
-    assert manifest["counts"]["anomalies"] == 1 and manifest["extra"]["anomalies"][0]["step"] == 53
 
 
-def test_non_finite_gradients_with_a_finite_loss_are_an_anomaly(curated: tuple[Path, dict], tmp_path: Path) -> None:
+def test_non_finite_gradients_with_a_finite_loss_are_an_anomaly(guarded: dict) -> None:
     """What overflowing bf16 gradients do (seen on an H200: a window starting with the pad id, whose
     embedding row is zero at initialisation, on a 22-layer model): DeepSpeed would skip or
     apply such a step without failing; the guardrails roll it back and skip its batch like a NaN loss."""
-    workspace = tmp_path / "ws"
-    shutil.copytree(curated[0], workspace)
-    config = small_config(workspace, "debug.pretrain.nan_grad_at_batches=[52]", "pretrain.max_steps=60")
-    manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
-    anomalies = json.loads((Path(manifest["dir"]) / "anomalies.json").read_text())
-    assert [(a["kind"], a["step"], a["micro_batches"]) for a in anomalies] == [("non_finite_grad", 53, [52])]
-    assert anomalies[0]["loss"] == anomalies[0]["loss"]  # the loss itself was finite
-    assert anomalies[0]["action"].startswith("rolled back to step-00000040")
-    rows = _metrics(manifest)
-    assert [r["step"] for r in rows] == list(range(1, 61))
-    assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in rows)
+    anomaly = guarded["non_finite_grad"]
+    assert (anomaly["step"], anomaly["micro_batches"]) == (27, [26])
+    assert anomaly["loss"] == anomaly["loss"]  # the loss itself was finite
+    assert anomaly["action"].startswith("rolled back to step-00000020")
 
 
 def test_corrupted_latest_checkpoint_resumes_from_the_previous(trained: dict, tmp_path: Path) -> None:
@@ -179,32 +185,6 @@ def test_corrupted_latest_checkpoint_resumes_from_the_previous(trained: dict, tm
     assert "resumed from step-00000140 (step 140)" in log
     assert list((out / "checkpoints").glob(".corrupt-step-00000160-*"))
     assert abs(_metrics(manifest)[-1]["loss"] - _metrics(trained)[-1]["loss"]) < 1e-4
-
-
-def test_repeated_anomalies_stop_the_run_as_non_retryable(curated: tuple[Path, dict], tmp_path: Path) -> None:
-    from lmforge.errors import TrainingDiverged, is_retryable
-
-    workspace = tmp_path / "ws"
-    shutil.copytree(curated[0], workspace)
-    config = small_config(
-        workspace,
-        "debug.pretrain.nan_at_batches=[52,53,54]",
-        "pretrain.max_steps=60",
-        "pretrain.guardrails.max_consecutive_spikes=3",
-    )
-    with pytest.raises(TrainingDiverged, match="3 anomalies in a row") as info:
-        run_pipeline_locally(config, ["pretrain"])
-    assert not is_retryable(info.value)
-    out = next(workspace.glob("pretrain/train/*/"))
-    assert not (out / "manifest.json").exists()
-    # the report is written before the run stops, and travels with the error for the Prefect artifact
-    report = json.loads((out / "anomalies.json").read_text())
-    assert [a["micro_batches"] for a in report] == [[52], [53], [54]]
-    assert report[-1]["action"] == "stopped: 3 anomalies in a row" and report[0]["action"].startswith("rolled back")
-    assert [r["step"] for r in info.value.anomalies] == [53, 53, 53]  # each replay of step 53 met the next bad batch
-    assert all(r["shards"] and r["doc_ids"] for r in info.value.anomalies)
-    records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
-    assert {r["status"] for r in records} == {"diverged"}
 
 
 def test_zero3_with_activation_checkpointing_trains_and_exports(curated: tuple[Path, dict], tmp_path: Path) -> None:
@@ -290,15 +270,17 @@ def test_deleted_metrics_are_rebuilt_from_the_checkpoint_history(trained: dict, 
     assert events and all((out / rel).exists() for rel in events)
 
 
-def test_divergence_under_prefect_still_publishes_the_anomaly_report(
+def test_repeated_anomalies_stop_the_run_as_non_retryable_and_publish_the_report(
     curated: tuple[Path, dict], tmp_path: Path, prefect_server
 ) -> None:
+    """Under the Prefect pipeline (one launch for both properties): the run stops, is not retried,
+    and its anomaly report is a Prefect artifact as well as a file."""
     import asyncio
 
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline
-    from lmforge.errors import TrainingDiverged
+    from lmforge.errors import TrainingDiverged, is_retryable
     from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 
     workspace = tmp_path / "ws"
@@ -306,21 +288,34 @@ def test_divergence_under_prefect_still_publishes_the_anomaly_report(
     overrides = [
         *SMALL_CURATE,
         *SMALL_PRETRAIN,
-        "debug.pretrain.nan_at_batches=[52,53]",
+        "debug.pretrain.nan_at_batches=[52,53,54]",
         "pretrain.max_steps=60",
-        "pretrain.guardrails.max_consecutive_spikes=2",
+        "pretrain.guardrails.max_consecutive_spikes=3",
     ]
-    with pytest.raises(TrainingDiverged, match="2 anomalies in a row"):
+    with pytest.raises(TrainingDiverged, match="3 anomalies in a row") as info:
         pipeline(preset="tiny-cpu", overrides=overrides, workspace=str(workspace), stages=["pretrain"])
+    assert not is_retryable(info.value)
+    out = next(workspace.glob("pretrain/train/*/"))
+    assert not (out / "manifest.json").exists()
+    assert len(list((out / "logs").glob("attempt-*"))) == 1  # not retried
+    # the report is written before the run stops, and travels with the error for the Prefect artifact
+    report = json.loads((out / "anomalies.json").read_text())
+    assert [a["micro_batches"] for a in report] == [[52], [53], [54]]
+    assert report[-1]["action"] == "stopped: 3 anomalies in a row" and report[0]["action"].startswith("rolled back")
+    assert [r["step"] for r in info.value.anomalies] == [53, 53, 53]  # each replay of step 53 met the next bad batch
+    assert all(r["shards"] and r["doc_ids"] for r in info.value.anomalies)
+    records = [json.loads(p.read_text()) for p in (out / "logs" / "attempt-1").glob("exit-rank*.json")]
+    assert {r["status"] for r in records} == {"diverged"}
 
-    async def report():
+    async def artifact():
         async with get_client() as client:
             return next(a for a in await client.read_latest_artifacts() if a.key == "pretrain-anomalies")
 
-    artifact = asyncio.run(report())
-    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    assert artifact.description.startswith("training stopped")
-    assert [r["micro_batches"] for r in rows] == [[52], [53]] and rows[-1]["action"] == "stopped: 2 anomalies in a row"
+    published = asyncio.run(artifact())
+    rows = json.loads(published.data) if isinstance(published.data, str) else published.data
+    assert published.description.startswith("training stopped")
+    assert [r["micro_batches"] for r in rows] == [[52], [53], [54]]
+    assert rows[-1]["action"] == "stopped: 3 anomalies in a row"
 
 
 def test_torchrun_launches_the_same_training(curated: tuple[Path, dict], trained: dict, tmp_path: Path) -> None:
