@@ -313,25 +313,58 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
     return ByGroup(config, log)
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of every process it (or they) started and waited for."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_AT = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    """Each phase's report carries the CPU seconds it used (`cpu_s`): on 2 cores CPU, not wall time,
+    is what two workers share, so the summary's CPU column is what a change has to bring down. A
+    server a test leaves running is counted when it is waited for, by the test that stops it."""
+    outcome = yield
+    report = outcome.get_result()
+    start = item.stash.get(_CPU_AT, None)
+    now = _cpu_seconds()
+    if start is not None:
+        report.user_properties.append(("cpu_s", round(now - start, 3)))
+    item.stash[_CPU_AT] = now
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT] = _cpu_seconds()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
-    """Seconds per test file (setup, call and teardown together) and per tier, so the next slow file
-    shows in CI's log where it happens (`--durations` beside it lists the slowest tests)."""
-    files: dict[str, float] = {}
+    """Seconds per test file (setup, call and teardown together), wall and CPU, and per tier, so the
+    next slow file shows in CI's log where it happens (`--durations` beside it lists the slowest tests)."""
+    files: dict[str, list[float]] = {}
     tiers: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) not in ("setup", "call", "teardown"):
                 continue
             path = report.nodeid.split("::", 1)[0]
-            files[path] = files.get(path, 0.0) + report.duration
+            cpu = dict(getattr(report, "user_properties", ())).get("cpu_s", 0.0)
+            row = files.setdefault(path, [0.0, 0.0])
+            row[0] += report.duration
+            row[1] += float(cpu)
             tier = next((k for k in TIERS if k in getattr(report, "keywords", {})), "?")
             tiers[tier] = tiers.get(tier, 0.0) + report.duration
     if not files:
         return
-    terminalreporter.write_sep("=", "seconds per test file (setup + call + teardown)")
-    for path, seconds in sorted(files.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_sep("=", "seconds per test file (setup + call + teardown): wall, CPU")
+    for path, (seconds, cpu) in sorted(files.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{seconds:8.1f}s {cpu:8.1f}s  {path}")
     terminalreporter.write_line(
-        f"{sum(files.values()):8.1f}s  in all; by tier: "
-        + ", ".join(f"{k} {v:.0f}s" for k, v in sorted(tiers.items(), key=lambda kv: -kv[1]))
+        f"{sum(r[0] for r in files.values()):8.1f}s {sum(r[1] for r in files.values()):8.1f}s  in all; "
+        "by tier (wall): " + ", ".join(f"{k} {v:.0f}s" for k, v in sorted(tiers.items(), key=lambda kv: -kv[1]))
     )
