@@ -227,7 +227,7 @@ UNIT_FILES = frozenset(
 )
 E2E_FILES = frozenset(
     {
-        "test_adapters_tiny_cpu.py",
+        "test_adapters.py",
         "test_align_plugin.py",
         "test_base_model.py",
         "test_cli_end_to_end.py",
@@ -286,7 +286,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if worker and folder:
         import json
 
-        groups = {item.nodeid: group_of(item) for item in items}
+        groups = {item.nodeid: [group_of(item), tier_of(item)] for item in items}
         (Path(folder) / f"{worker}.json.tmp").write_text(json.dumps(groups))
         (Path(folder) / f"{worker}.json.tmp").rename(Path(folder) / f"{worker}.json")
 
@@ -301,14 +301,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):  # type: ignore[misc]
-        groups: dict[str, str] | None = None
+        groups: dict[str, list[str]] | None = None
 
-        def _split_scope(self, nodeid: str) -> str:
+        def _group(self, nodeid: str) -> list[str]:
             if self.groups is None:  # every worker has collected (and written its file) before scheduling starts
                 self.groups = {}
                 for path in sorted(Path(os.environ[GROUPS_ENV]).glob("*.json")):
                     self.groups.update(json.loads(path.read_text()))
-            return self.groups.get(nodeid, nodeid.split("::", 1)[0])
+            return self.groups.get(nodeid, [nodeid.split("::", 1)[0], "component"])
+
+        def _split_scope(self, nodeid: str) -> str:
+            return self._group(nodeid)[0]
+
+        def schedule(self) -> None:
+            """xdist's, with the groups queued longest first (the lineage's, then whole-pipeline files,
+            then those that start a component, then unit tests; by test count within each): xdist
+            orders them by test count alone, which started a 2-test 9-minute file last while the
+            other worker had nothing left."""
+            if self.collection is not None or not self.collection_is_completed:
+                return super().schedule()
+            reorder = self.config.option.loadscopereorder
+            self.config.option.loadscopereorder = False
+            self._assign_work_unit = lambda node: None  # the first assignment waits for the order below
+            try:
+                super().schedule()
+            finally:
+                self.config.option.loadscopereorder = reorder
+                del self._assign_work_unit
+            if not self.collection:
+                return
+            rank = {"lineage": 0, "e2e": 1, "component": 2, "unit": 3}
+
+            def weight(scope: str, nodeids: dict) -> tuple[int, int]:
+                tiers = {self._group(n)[1] for n in nodeids}
+                return (0 if scope == "lineage" else min(rank.get(t, 2) for t in tiers), -len(nodeids))
+
+            ordered = sorted(self.workqueue.items(), key=lambda kv: weight(*kv))
+            self.workqueue.clear()
+            self.workqueue.update(ordered)
+            for node in self.nodes:
+                self._assign_work_unit(node)
 
     return ByGroup(config, log)
 
