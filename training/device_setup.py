@@ -5,19 +5,6 @@ from __future__ import annotations
 import sys
 
 
-def deterministic_algorithms(compiled: bool) -> None:
-    """`torch.use_deterministic_algorithms(True, warn_only=True)`, without importing inductor when
-    nothing is compiled. The public call imports `torch._inductor` (2 s of CPU per rank, measured with
-    py-spy on a 2-core host: the largest part of a small pretraining rank's start) only to set
-    inductor's own flag, which matters to compiled code alone; the eager ops read the flag set here."""
-    import torch
-
-    if compiled or "torch._inductor" in sys.modules:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        torch._C._set_deterministic_algorithms(True, warn_only=True)
-
-
 def block_deepspeed_mlflow_import() -> None:
     """DeepSpeed's autotuner imports mlflow when it is installed (1.5 s of a rank's start); a training
     rank logs nothing to MLflow itself (the flow does), so the import is refused there. Call it

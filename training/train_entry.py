@@ -19,7 +19,6 @@ from pathlib import Path
 from lmforge.processes.entry import main
 from training.device_setup import (
     block_deepspeed_mlflow_import,
-    deterministic_algorithms,
     disable_shm_comm_op,
     safe_attention_kernels,
 )
@@ -61,7 +60,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
     cfg = PretrainConfig.model_validate(spec["config"])
     plan = Plan(**spec["plan"])
     out_dir, pack_dir = Path(spec["out_dir"]), Path(spec["pack_dir"])
-    deterministic_algorithms(compiled=cfg.compile)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     trainer = Trainer(
         cfg,
         plan,
