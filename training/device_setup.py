@@ -2,15 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
-
-def block_deepspeed_mlflow_import() -> None:
-    """DeepSpeed's autotuner imports mlflow when it is installed (1.5 s of a rank's start); a training
-    rank logs nothing to MLflow itself (the flow does), so the import is refused there. Call it
-    before anything imports deepspeed; it is a no-op once mlflow is loaded."""
-    sys.modules.setdefault("mlflow", None)  # type: ignore[arg-type]
-
 
 def disable_shm_comm_op() -> None:
     """On CPU, DeepSpeed would JIT-build its shared-memory all-reduce (inference only, 40-90 s)."""

@@ -17,11 +17,7 @@ import sys
 from pathlib import Path
 
 from lmforge.processes.entry import main
-from training.device_setup import (
-    block_deepspeed_mlflow_import,
-    disable_shm_comm_op,
-    safe_attention_kernels,
-)
+from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 
 
 def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
@@ -40,7 +36,6 @@ def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     else:
-        block_deepspeed_mlflow_import()
         import deepspeed
 
         disable_shm_comm_op()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.processes.entry import main
 from training.align.kit import METRICS, barrier, load_model, sharded
-from training.device_setup import block_deepspeed_mlflow_import, disable_shm_comm_op, safe_attention_kernels
+from training.device_setup import disable_shm_comm_op, safe_attention_kernels
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -210,7 +210,6 @@ def train(spec: dict[str, Any], rank: int) -> None:
     method = registered(spec["kind"])
     out_dir = Path(spec["out_dir"])
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
-    block_deepspeed_mlflow_import()  # accelerate imports deepspeed (when installed) even without ZeRO
     disable_shm_comm_op()
     safe_attention_kernels()
     if spec["zero_stage"]:
