@@ -330,11 +330,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
                 del self._assign_work_unit
             if not self.collection:
                 return
-            rank = {"lineage": 0, "e2e": 1, "component": 2, "unit": 3}
+            rank = {"e2e": 1, "component": 2, "unit": 3}
 
             def weight(scope: str, nodeids: dict) -> tuple[int, int]:
-                tiers = {self._group(n)[1] for n in nodeids}
-                return (0 if scope == "lineage" else min(rank.get(t, 2) for t in tiers), -len(nodeids))
+                first = 0 if scope == "lineage" else min(rank[self._group(n)[1]] for n in nodeids)
+                return (first, -len(nodeids))
 
             ordered = sorted(self.workqueue.items(), key=lambda kv: weight(*kv))
             self.workqueue.clear()

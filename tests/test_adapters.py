@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from lmforge.errors import ConfigError
+from tests.test_cli_end_to_end import lmforge
 
 README_COMMAND = ["align.method=lora", "align.dpo.lora=true", "serve.adapters.enabled=true"]
 SHORTER = [
@@ -38,10 +38,6 @@ SHORTER = [
     "align.sft.max_steps=150",
     "align.dpo.max_steps=40",
 ]
-
-
-def lmforge(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _run(workspace: Path, *extra: str) -> dict:
@@ -64,7 +60,10 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, s
     workspace = tmp_path_factory.mktemp("tiny-cpu-adapters")
     sets = [a for s in (*README_COMMAND, *SHORTER) for a in ("--set", s)]
     try:
-        yield workspace, lmforge("run", "--config", "tiny-cpu", "--local", "--workspace", str(workspace), *sets)
+        yield (
+            workspace,
+            lmforge("run", "--config", "tiny-cpu", "--local", "--workspace", str(workspace), *sets, timeout=1500),
+        )
     finally:
         lmforge("serve", "stop", "--workspace", str(workspace), timeout=120)
 
