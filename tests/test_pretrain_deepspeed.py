@@ -318,21 +318,30 @@ def test_repeated_anomalies_stop_the_run_as_non_retryable_and_publish_the_report
     assert rows[-1]["action"] == "stopped: 3 anomalies in a row"
 
 
-def test_torchrun_launches_the_same_training(curated: tuple[Path, dict], trained: dict, tmp_path: Path) -> None:
-    """launcher: torchrun starts the same entry point; with the same config it is the same run."""
+def test_deepspeeds_runner_launches_the_same_training(
+    curated: tuple[Path, dict], trained: dict, tmp_path: Path
+) -> None:
+    """On one node `launcher: auto` starts the ranks with torchrun; `launcher: deepspeed` (DeepSpeed's
+    runner and its launch.py, what a hostfile needs) starts the same entry point: the same run."""
+    assert _launch_command(trained)[1:3] == ["-m", "torch.distributed.run"]  # the shared lineage: auto
     workspace = tmp_path / "ws"
     shutil.copytree(curated[0], workspace)
-    manifest = run_pipeline_locally(small_config(workspace, "pretrain.distributed.launcher=torchrun"), ["pretrain"])[
+    manifest = run_pipeline_locally(small_config(workspace, "pretrain.distributed.launcher=deepspeed"), ["pretrain"])[
         "pretrain/train"
     ]
     assert manifest["key"] == trained["key"]  # the launcher is how, not what: same cache identity
-    attempt = Path(manifest["dir"]) / "logs" / "attempt-1"
-    assert json.loads((attempt / "launch.json").read_text())["command"][1:3] == ["-m", "torch.distributed.run"]
-    records = [json.loads(p.read_text()) for p in attempt.glob("exit-rank*.json")]
+    assert _launch_command(manifest)[1:3] == ["-m", "deepspeed.launcher.runner"]
+    records = [
+        json.loads(p.read_text()) for p in (Path(manifest["dir"]) / "logs" / "attempt-1").glob("exit-rank*.json")
+    ]
     assert sorted(r["rank"] for r in records) == [0, 1] and {r["status"] for r in records} == {"ok"}
-    torchrun, deepspeed = _metrics(manifest), _metrics(trained)
-    assert [r["step"] for r in torchrun] == list(range(1, 161))
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(torchrun, deepspeed)) < 1e-4
+    runner, torchrun = _metrics(manifest), _metrics(trained)
+    assert [r["step"] for r in runner] == list(range(1, 161))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(runner, torchrun)) < 1e-4
+
+
+def _launch_command(manifest: dict) -> list[str]:
+    return json.loads((Path(manifest["dir"]) / "logs" / "attempt-1" / "launch.json").read_text())["command"]
 
 
 def test_planner_memory_matches_what_a_real_run_uses(curated: tuple[Path, dict], tmp_path: Path) -> None:

@@ -90,7 +90,12 @@ class CheckpointConfig(StrictModel):
 class DistributedConfig(StrictModel):
     """How training is spread over processes; none of this changes the cache key."""
 
-    launcher: Literal["deepspeed", "torchrun"] = runtime_field("deepspeed", description="Process launcher.")
+    launcher: Literal["auto", "deepspeed", "torchrun"] = runtime_field(
+        "auto",
+        description="Process launcher: auto = torchrun on one node (one light process that starts the ranks), "
+        "DeepSpeed's runner with a hostfile or several nodes; deepspeed forces DeepSpeed's runner (and its "
+        "launch.py) on one node too.",
+    )
     num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
         "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU."
     )

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+
 
 def disable_shm_comm_op() -> None:
     """On CPU, DeepSpeed would JIT-build its shared-memory all-reduce (inference only, 40-90 s)."""
@@ -33,3 +38,33 @@ def safe_attention_kernels() -> bool:
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
     return True
+
+
+@contextlib.contextmanager
+def imports_without(*names: str) -> Iterator[None]:
+    """Within the block `import NAME` fails at once and `importlib.util.find_spec(NAME)` is None, as
+    if the package were not installed; afterwards both work again (Python's own marker: None in
+    `sys.modules`)."""
+    absent = [name for name in names if name not in sys.modules]
+    for name in absent:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in absent:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+def preload_libraries() -> None:
+    """Import DeepSpeed (where installed) and transformers' model code without what they import only
+    because it is installed: DeepSpeed's autotuner imports mlflow (1.3 s of CPU), transformers'
+    assisted generation scikit-learn (1 s). A rank uses neither and paid both at every start, on 2
+    cores the largest part of a short launch. They stay importable afterwards (a plug-in's method may
+    use them): DeepSpeed and transformers have only recorded them as absent."""
+    with imports_without("mlflow", "sklearn"):
+        if importlib.util.find_spec("deepspeed") is not None:
+            import deepspeed  # noqa: F401
+
+        import transformers.generation.candidate_generator  # noqa: F401  (the one that asks for sklearn)
+        import transformers.modeling_utils  # noqa: F401

@@ -123,6 +123,8 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     _check_resumable(out_dir, cfg.resume)
     d = cfg.distributed
     launcher = d.launcher
+    if launcher == "auto":  # DeepSpeed's runner and launch.py each import deepspeed (9 CPU-s) to start the ranks
+        launcher = "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
     if plan.backend == "deepspeed":
         from training.ds_config import build_ds_config
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from lmforge.processes.entry import main
-from training.device_setup import disable_shm_comm_op, safe_attention_kernels
+from training.device_setup import disable_shm_comm_op, preload_libraries, safe_attention_kernels
 
 
 def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
@@ -101,4 +101,5 @@ def work(spec: dict, rank: int) -> None:
 
 
 if __name__ == "__main__":
+    preload_libraries()
     sys.exit(main(work))

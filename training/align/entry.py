@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.processes.entry import main
 from training.align.kit import METRICS, barrier, load_model, sharded
-from training.device_setup import disable_shm_comm_op, safe_attention_kernels
+from training.device_setup import disable_shm_comm_op, preload_libraries, safe_attention_kernels
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -280,4 +280,5 @@ def finish(
 
 
 if __name__ == "__main__":
+    preload_libraries()
     sys.exit(main(train))
