@@ -256,6 +256,18 @@ def test_rng_state_round_trips_through_json() -> None:
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
+def test_one_node_starts_deepspeed_ranks_with_torchrun_and_several_with_deepspeeds_runner() -> None:
+    from training.config import DistributedConfig
+    from training.steps import launcher_for
+
+    assert launcher_for(DistributedConfig(), "deepspeed") == "torchrun"  # launcher: auto
+    assert launcher_for(DistributedConfig(hostfile="/etc/hosts.ds"), "deepspeed") == "deepspeed"
+    assert launcher_for(DistributedConfig(hostfile="/h", num_nodes=2), "deepspeed") == "deepspeed"
+    assert launcher_for(DistributedConfig(launcher="deepspeed"), "deepspeed") == "deepspeed"
+    assert launcher_for(DistributedConfig(launcher="deepspeed"), "fsdp2") == "torchrun"  # FSDP2: torchrun on one node
+    assert launcher_for(DistributedConfig(hostfile="/h", num_nodes=2, backend="fsdp2"), "fsdp2") == "deepspeed"
+
+
 def test_launch_commands() -> None:
     entry = "training.train_entry"
     command = build_command(entry, Path("/w/spec.json"), Launch("deepspeed", 2), 29555)

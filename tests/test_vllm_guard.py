@@ -225,3 +225,20 @@ def test_every_vllm_process_asks_for_amx_before_its_kernels_run() -> None:
     register()  # no AMX here: nothing; with AMX: granted
     if torch.cpu._is_amx_tile_supported():
         assert torch.cpu._init_amx()
+
+
+def test_a_cpu_server_runs_its_model_in_the_engine_process_unless_asked_for_vllms_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """serve.engine.cpu_executor: uni needs both the flag and VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's
+    CPU platform turns uni back into mp otherwise); mp passes neither."""
+    import torch
+
+    from lmforge.inference.vllm_server import EngineConfig, server_command, server_env
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU executor setting is for CPU hosts")
+    uni, mp = EngineConfig(), EngineConfig(cpu_executor="mp")
+    command = server_command(tmp_path, uni, port=8000, served_name="m")
+    assert command[command.index("--distributed-executor-backend") + 1] == "uni"
+    assert server_env(uni, KEY, context=256)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "--distributed-executor-backend" not in server_command(tmp_path, mp, port=8000, served_name="m")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(mp, KEY, context=256)

@@ -98,6 +98,19 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
+def launcher_for(d: Any, backend: str) -> str:
+    """The launcher that starts the ranks. DeepSpeed on one node: torchrun when `launcher: auto`
+    (DeepSpeed's runner and its launch.py each import deepspeed, 9 CPU-s a launch, only to start
+    the ranks), the runner with a hostfile or several nodes. FSDP2 is plain torch.distributed:
+    torchrun on one node; across nodes DeepSpeed's runner (pdsh, SLURM's srun, OpenMPI) only starts
+    the ranks."""
+    if backend != "deepspeed":
+        return "torchrun" if d.num_nodes == 1 else "deepspeed"
+    if d.launcher == "auto":
+        return "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
+    return str(d.launcher)
+
+
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     from lmforge.processes.launch import RANKS, Launch, run_entry
     from training.device import detect_device, peak_tflops
@@ -122,19 +135,15 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
     d = cfg.distributed
-    launcher = d.launcher
-    if launcher == "auto":  # DeepSpeed's runner and launch.py each import deepspeed (9 CPU-s) to start the ranks
-        launcher = "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
     if plan.backend == "deepspeed":
         from training.ds_config import build_ds_config
 
         atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
     else:
         (out_dir / "ds_config.json").unlink(missing_ok=True)
-        # FSDP2 is plain torch.distributed: torchrun on one node; across nodes DeepSpeed's runner
-        # (pdsh, SLURM's srun, OpenMPI) only starts the ranks
-        launcher = "torchrun" if d.num_nodes == 1 else "deepspeed"
-    launch = Launch(launcher, plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port)
+    launch = Launch(
+        launcher_for(d, plan.backend), plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port
+    )
     spec = {
         "config": cfg.model_dump(mode="json"),
         "plan": dataclasses.asdict(plan),
