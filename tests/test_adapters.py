@@ -34,9 +34,9 @@ README_COMMAND = ["align.method=lora", "align.dpo.lora=true", "serve.adapters.en
 SHORTER = [
     "stages=[curate, pretrain, align, serve]",
     "serve.require_evaluation=false",
-    "pretrain.max_steps=100",
-    "align.sft.max_steps=150",
-    "align.dpo.max_steps=40",
+    "pretrain.max_steps=50",
+    "align.sft.max_steps=100",
+    "align.dpo.max_steps=20",
 ]
 
 
