@@ -283,3 +283,23 @@ def test_fingerprint_names_the_sources(corpus):
     assert {f"https://pypi.org/project/{name}/" for name, _ in fingerprint["pypi"]} == used
     assert json.loads(json.dumps(fingerprint)) == fingerprint == demo_sources_fingerprint(cfg)
     assert demo_sources_fingerprint(cfg.model_copy(update={"max_pypi_docs": 5}))["pypi"] == fingerprint["pypi"][:5]
+
+
+def test_a_distribution_installed_later_in_the_process_is_in_the_next_fingerprint(corpus, tmp_path, monkeypatch):
+    """The descriptions are read once per state of `sys.path`'s folders: a distribution installed (or
+    upgraded) while a process lives, say a Prefect worker between runs, is in the next key."""
+    cfg = corpus["cfg"].model_copy(update={"max_pypi_docs": 10_000})
+
+    def install(name: str, version: str) -> None:
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        long = " ".join(["a description long enough to be a page of the corpus"] * 20)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\n{long}\n")
+
+    before = demo_sources_fingerprint(cfg)["pypi"]
+    install("zz-lmforge-planted", "1.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ["zz-lmforge-planted", "1.0"] in demo_sources_fingerprint(cfg)["pypi"]
+    install("zz-lmforge-planted-too", "2.0")  # into the same folder: its modification time moves
+    after = demo_sources_fingerprint(cfg)["pypi"]
+    assert ["zz-lmforge-planted-too", "2.0"] in after and after != before

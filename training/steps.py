@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Step, StepContext
@@ -25,6 +25,9 @@ from lmforge.engine.stage import BASE_MODEL, TOKEN_SHARDS, TOKENIZER, fine_tunes
 from lmforge.errors import ConfigError, TrainingDiverged
 from lmforge.hashing import atomic_write_json
 from training.metrics import METRICS_FILE, last_logged_step
+
+if TYPE_CHECKING:
+    from lmforge.processes.launch import Launcher
 
 log = logging.getLogger(__name__)
 TRAIN = "pretrain/train"
@@ -98,7 +101,7 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
-def launcher_for(d: Any, backend: str) -> str:
+def launcher_for(d: Any, backend: str) -> Launcher:
     """The launcher that starts the ranks. DeepSpeed on one node: torchrun when `launcher: auto`
     (DeepSpeed's runner and its launch.py each import deepspeed, 9 CPU-s a launch, only to start
     the ranks), the runner with a hostfile or several nodes. FSDP2 is plain torch.distributed:
@@ -108,7 +111,7 @@ def launcher_for(d: Any, backend: str) -> str:
         return "torchrun" if d.num_nodes == 1 else "deepspeed"
     if d.launcher == "auto":
         return "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
-    return str(d.launcher)
+    return d.launcher  # type: ignore[no-any-return]
 
 
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.resources
 import ipaddress
 import json
+import os
 import platform
 import random
 import re
@@ -400,7 +401,43 @@ NOT_CORPUS = frozenset(
 
 
 def _package_descriptions(limit: int) -> list[tuple[str, str, str]]:
-    """(name, version, long description) of installed distributions by canonical name, over 500 chars."""
+    """(name, version, long description) of installed distributions by canonical name, over 500 chars.
+
+    Parsing every distribution's metadata takes a quarter of a second, and ingest's key asks for
+    these names and versions each time it is computed (every run, `lmforge explain`, the key tests
+    thousands of times): the answer is kept for as long as no folder on `sys.path` changed, which
+    installing, upgrading or removing a distribution does (its `.dist-info` folder comes or goes)."""
+    import time
+
+    from lmforge.engine.store import RACY_NS
+
+    folders = _path_stamp()
+    stamp = (limit, folders)
+    if stamp in _DESCRIPTIONS:
+        return list(_DESCRIPTIONS[stamp])
+    found = _read_package_descriptions(limit)
+    now = time.time_ns()
+    if all(mtime is None or now - mtime > RACY_NS for _, mtime in folders):  # else a change may not show yet
+        _DESCRIPTIONS.clear()
+        _DESCRIPTIONS[stamp] = found
+    return list(found)
+
+
+_DESCRIPTIONS: dict[tuple[Any, ...], list[tuple[str, str, str]]] = {}
+
+
+def _path_stamp() -> tuple[tuple[str, int | None], ...]:
+    """Each `sys.path` folder with its modification time (None where it is missing)."""
+    stamps: list[tuple[str, int | None]] = []
+    for entry in sys.path:
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            stamps.append((entry, None))
+    return tuple(stamps)
+
+
+def _read_package_descriptions(limit: int) -> list[tuple[str, str, str]]:
     entries = []
     for dist in importlib.metadata.distributions():
         meta = dist.metadata  # parsed from disk on every access: read it once
