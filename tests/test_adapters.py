@@ -31,12 +31,15 @@ from lmforge.errors import ConfigError
 from tests.test_cli_end_to_end import lmforge
 
 README_COMMAND = ["align.method=lora", "align.dpo.lora=true", "serve.adapters.enabled=true"]
+# Not fewer steps: 50/100/20 passed with this repository's environment and failed in one with pytest-cov
+# installed, whose package description joined the demo corpus (the SFT adapter then ended 0 of 16 chat
+# turns within 24 tokens, against 16 of 16): at that length the release's smoke test is a coin toss.
 SHORTER = [
     "stages=[curate, pretrain, align, serve]",
     "serve.require_evaluation=false",
-    "pretrain.max_steps=50",
-    "align.sft.max_steps=100",
-    "align.dpo.max_steps=20",
+    "pretrain.max_steps=100",
+    "align.sft.max_steps=150",
+    "align.dpo.max_steps=40",
 ]
 
 
