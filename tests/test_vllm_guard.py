@@ -242,3 +242,17 @@ def test_a_cpu_server_runs_its_model_in_the_engine_process_unless_asked_for_vllm
     assert server_env(uni, KEY, context=256)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "--distributed-executor-backend" not in server_command(tmp_path, mp, port=8000, served_name="m")
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(mp, KEY, context=256)
+
+
+def test_a_server_with_adapters_is_started_with_each_one_named_and_room_for_a_hot_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The adapters a release serves reach vLLM by name; the CPU cache holds at least a batch's worth, so a
+    superseded adapter stays loaded beside its successor until evicted."""
+    from lmforge.inference.vllm_server import EngineConfig, LoraModules, server_command
+
+    lora = LoraModules({"lmforge-sft@1": "/a/sft", "lmforge-dpo@2": "/a/dpo"}, max_lora_rank=32, max_loras=12)
+    command = server_command(tmp_path, EngineConfig(), port=8000, served_name="base", lora=lora)
+    assert "--enable-lora" in command and command[command.index("--max-lora-rank") + 1] == "32"
+    assert command[command.index("--max-cpu-loras") + 1] == "12"  # never fewer than a batch (8 by default)
+    at = command.index("--lora-modules")
+    assert command[at + 1 : at + 3] == ["lmforge-sft@1=/a/sft", "lmforge-dpo@2=/a/dpo"]
+    assert "--enable-lora" not in server_command(tmp_path, EngineConfig(), port=8000, served_name="base")
