@@ -93,7 +93,7 @@ class EngineConfig(StrictModel):
         "uni",
         description="CPU only: uni runs the model in the engine process (two processes: API server, engine); "
         "mp is vLLM's CPU default, a third process for the worker. On 2 cores a small model's server was ready "
-        "in 31 s of CPU instead of 62, and idles at a sixth of the CPU (a CPU server has one worker either way).",
+        "after 23 s of CPU instead of 33, and idles at a sixth of the CPU (a CPU server has one worker either way).",
     )
     max_n: int = runtime_field(4, description="Largest `n`/`best_of` a request may ask for (400 beyond).", ge=1)
     api_paths: list[str] = runtime_field(
