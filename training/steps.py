@@ -28,6 +28,7 @@ from training.metrics import METRICS_FILE, last_logged_step
 
 if TYPE_CHECKING:
     from lmforge.processes.launch import Launcher
+    from training.config import DistributedConfig
 
 log = logging.getLogger(__name__)
 TRAIN = "pretrain/train"
@@ -101,7 +102,7 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
-def launcher_for(d: Any, backend: str) -> Launcher:
+def launcher_for(d: DistributedConfig, backend: str) -> Launcher:
     """The launcher that starts the ranks. DeepSpeed on one node: torchrun when `launcher: auto`
     (DeepSpeed's runner and its launch.py each import deepspeed, 9 CPU-s a launch, only to start
     the ranks), the runner with a hostfile or several nodes. FSDP2 is plain torch.distributed:
@@ -111,7 +112,7 @@ def launcher_for(d: Any, backend: str) -> Launcher:
         return "torchrun" if d.num_nodes == 1 else "deepspeed"
     if d.launcher == "auto":
         return "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
-    return d.launcher  # type: ignore[no-any-return]
+    return d.launcher
 
 
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:

@@ -409,15 +409,15 @@ def _package_descriptions(limit: int) -> list[tuple[str, str, str]]:
     installing, upgrading or removing a distribution does (its `.dist-info` folder comes or goes)."""
     import time
 
-    from lmforge.engine.store import RACY_NS
+    from lmforge.engine.store import settled
 
     folders = _path_stamp()
-    stamp = (limit, folders)
+    stamp = (limit, tuple((entry, st.st_mtime_ns if st else None) for entry, st in folders))
     if stamp in _DESCRIPTIONS:
         return list(_DESCRIPTIONS[stamp])
     found = _read_package_descriptions(limit)
     now = time.time_ns()
-    if all(mtime is None or now - mtime > RACY_NS for _, mtime in folders):  # else a change may not show yet
+    if all(st is None or settled(st, now) for _, st in folders):  # else a change may not show yet
         _DESCRIPTIONS.clear()
         _DESCRIPTIONS[stamp] = found
     return list(found)
@@ -426,15 +426,15 @@ def _package_descriptions(limit: int) -> list[tuple[str, str, str]]:
 _DESCRIPTIONS: dict[tuple[Any, ...], list[tuple[str, str, str]]] = {}
 
 
-def _path_stamp() -> tuple[tuple[str, int | None], ...]:
-    """Each `sys.path` folder with its modification time (None where it is missing)."""
-    stamps: list[tuple[str, int | None]] = []
+def _path_stamp() -> list[tuple[str, os.stat_result | None]]:
+    """Each `sys.path` folder with its stat (None where it is missing)."""
+    stamps: list[tuple[str, os.stat_result | None]] = []
     for entry in sys.path:
         try:
-            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+            stamps.append((entry, os.stat(entry or ".")))
         except OSError:
             stamps.append((entry, None))
-    return tuple(stamps)
+    return stamps
 
 
 def _read_package_descriptions(limit: int) -> list[tuple[str, str, str]]:

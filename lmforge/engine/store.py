@@ -83,7 +83,7 @@ def _write_stamps(directory: Path, stamps: dict[str, list[Any]]) -> None:
         log.debug("could not record verified files in %s: %s", directory, exc)
 
 
-def _trusted(st: os.stat_result, now_ns: int) -> bool:
+def settled(st: os.stat_result, now_ns: int) -> bool:
     """False for a file changed so recently that a later write could keep its stamp ("racily clean")."""
     return now_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_NS
 
@@ -97,7 +97,7 @@ def describe_files(
     for rel in rel_paths:
         st = (directory / rel).stat()  # before hashing: a write during the hash changes the stamp
         described[rel] = {"size": st.st_size, "sha256": file_sha256(directory / rel)}
-        if stamps is not None and _trusted(st, now):
+        if stamps is not None and settled(st, now):
             stamps[rel] = [*_stamp(st), described[rel]["sha256"]]
     return described
 
@@ -129,7 +129,7 @@ def verify_outputs(directory: Path, files: dict[str, dict[str, Any]]) -> str | N
         if known.get(rel) != stamp:
             if file_sha256(path) != meta["sha256"]:
                 return f"checksum of {rel} does not match"
-            if not _trusted(st, now):
+            if not settled(st, now):
                 continue
         fresh[rel] = stamp
     if fresh != known:

@@ -365,7 +365,8 @@ def server_env(
 
 
 def cpu_threads_env(cfg: EngineConfig) -> dict[str, str]:
-    """Where a CPU server's worker threads run (nothing on a GPU host). vLLM's `auto` binding gives
+    """A CPU server's environment (nothing on a GPU host): with `cpu_executor: uni`, the switch that
+    keeps vLLM's CPU platform from turning it back into mp; and where the worker's threads run. vLLM's `auto` binding gives
     each server's worker the same cores (all but one, counted from the first) and pins it there
     for its life, so a second server on the host (a promotion, an evaluation's temporary server)
     shares those cores with a busy one while the rest idle: on 2 cores, 1 of 3 promotions under
