@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -119,14 +120,49 @@ def small_config(workspace: Path, *extra: str):
     )
 
 
-@pytest.fixture(scope="session")
-def curated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A workspace with the small demo corpus curated once per session (no Prefect)."""
+def _lineage_root(factory: pytest.TempPathFactory) -> Path:
+    """Where the shared lineage lives: under pytest-xdist, the folder every worker's base temp is in
+    (one per test run), so each stage of the lineage is built once per run, not once per worker."""
+    base = factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "lineage"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _shared_stage(
+    factory: pytest.TempPathFactory, name: str, source: Path | None, stages: list[str], *extra: str
+) -> dict:
+    """The lineage's stage `name`: a copy of `source` (the previous stage's workspace) run through
+    `stages`, built by whichever worker asks first while the others wait on its lock and then read
+    what it returned. A build that failed fails the other workers' tests at once with its error."""
+    import fcntl
+
     from lmforge.engine.executor import run_pipeline_locally
 
-    workspace = tmp_path_factory.mktemp("curated")
-    manifests = run_pipeline_locally(small_config(workspace), ["curate"])
-    return workspace, manifests
+    root = _lineage_root(factory)
+    workspace, done, failed = root / name, root / f"{name}.json", root / f"{name}.failed"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return json.loads(done.read_text())
+        if failed.exists():
+            pytest.fail(f"building the shared lineage's {name!r} failed on another worker: {failed.read_text()}")
+        shutil.rmtree(workspace, ignore_errors=True)  # what a worker that died mid-build left
+        try:
+            if source is not None:
+                shutil.copytree(source, workspace)
+            result = run_pipeline_locally(small_config(workspace, *extra), stages)
+        except BaseException as error:
+            failed.write_text(f"{type(error).__name__}: {error}"[:2000])
+            raise
+        done.write_text(json.dumps(result))
+        return result
+
+
+@pytest.fixture(scope="session")
+def curated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A workspace with the small demo corpus curated once per test run (no Prefect); read-only."""
+    return _lineage_root(tmp_path_factory) / "curated", _shared_stage(tmp_path_factory, "curated", None, ["curate"])
 
 
 @pytest.fixture
@@ -149,51 +185,32 @@ def prefect_server():
 @pytest.fixture(scope="session")
 def trained(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted 2-rank pretraining run of the small model (also the reference for resume tests)."""
-    from lmforge.engine.executor import run_pipeline_locally
-
-    workspace = tmp_path_factory.mktemp("trained")
-    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace), ["pretrain"])["pretrain/train"]
+    return _shared_stage(tmp_path_factory, "trained", curated[0], ["pretrain"])["pretrain/train"]
 
 
 @pytest.fixture(scope="session")
 def aligned(trained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """SFT and DPO of the small pretrained model on 2 ranks, once per session (the reference for resume tests)."""
-    from lmforge.engine.executor import run_pipeline_locally
-
-    workspace = tmp_path_factory.mktemp("aligned")
-    shutil.copytree(Path(trained["dir"]).parents[2], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace), ["align"])
+    """SFT and DPO of the small pretrained model on 2 ranks, once per test run (the reference for resume tests)."""
+    return _shared_stage(tmp_path_factory, "aligned", Path(trained["dir"]).parents[2], ["align"])
 
 
 @pytest.fixture(scope="session")
 def rl_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The small lineage's RL road (reward model, then GRPO from DPO) on 2 ranks, once per session."""
-    from lmforge.engine.executor import run_pipeline_locally
-
-    workspace = tmp_path_factory.mktemp("rl")
-    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace, *SMALL_RL), ["align"])
+    """The small lineage's RL road (reward model, then GRPO from DPO) on 2 ranks, once per test run."""
+    return _shared_stage(tmp_path_factory, "rl", Path(aligned["align/sft"]["dir"]).parents[2], ["align"], *SMALL_RL)
 
 
 @pytest.fixture(scope="session")
 def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The small lineage evaluated on both backends, once per session."""
-    from lmforge.engine.executor import run_pipeline_locally
-
-    workspace = tmp_path_factory.mktemp("evaluated")
-    shutil.copytree(Path(aligned["align/sft"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace), ["evaluate"])
+    """The small lineage evaluated on both backends, once per test run."""
+    return _shared_stage(tmp_path_factory, "evaluated", Path(aligned["align/sft"]["dir"]).parents[2], ["evaluate"])
 
 
 @pytest.fixture(scope="session")
 def quantized(evaluated: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Both schemes of the small DPO model, calibrated (llmcompressor) and gated on vLLM, once per session."""
-    from lmforge.engine.executor import run_pipeline_locally
-
-    workspace = tmp_path_factory.mktemp("quantized")
-    shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace, dirs_exist_ok=True)
-    return run_pipeline_locally(small_config(workspace), ["quantize"])
+    """Both schemes of the small DPO model, calibrated (llmcompressor) and gated on vLLM, once per test run."""
+    source = Path(evaluated["evaluate/report"]["dir"]).parents[2]
+    return _shared_stage(tmp_path_factory, "quantized", source, ["quantize"])
 
 
 # -- tiers and scheduling --------------------------------------------------------------------------
@@ -235,10 +252,9 @@ E2E_FILES = frozenset(
         "test_remote_workspace.py",
     }
 )
-# the session fixtures of the shared trained lineage: a test using one is `e2e`. Under pytest-xdist
-# (`--dist loadgroup`, scripts/test.sh) every such test runs on one worker (the group "lineage",
-# `group_of` below), which builds the lineage once, and every other test runs with the rest of its file (a module
-# fixture, a file's Prefect server or S3 bucket, is built once): the files are spread over the workers
+# the session fixtures of the shared trained lineage: a test using one is `e2e`. Each stage of the
+# lineage is built once per test run, by the first pytest-xdist worker that asks for it, in a folder
+# every worker reads (`_shared_stage` above); the tests are spread over the workers a file at a time.
 LINEAGE_FIXTURES = frozenset({"trained", "aligned", "rl_aligned", "evaluated", "quantized"})
 COMPONENT_FIXTURES = frozenset({"curated", "curated_copy", "prefect_server", "s3", "s3_endpoint"})
 TIERS = ("unit", "component", "e2e")
@@ -261,8 +277,22 @@ GROUPS_ENV = "LMFORGE_XDIST_GROUPS"
 
 
 def group_of(item: pytest.Item) -> str:
-    lineage = set(getattr(item, "fixturenames", ())) & LINEAGE_FIXTURES
-    return "lineage" if lineage else item.nodeid.split("::", 1)[0]
+    return item.nodeid.split("::", 1)[0]
+
+
+# Seconds each test file took in a whole run (`pytest --store-durations`, scripts/test.sh's
+# run on 2 cores), for the scheduler below: the files start longest first, so the run does not end
+# with one worker busy on a long file that started last. A file not in it counts by its tier.
+DURATIONS = Path(__file__).with_name("durations.json")
+TIER_SECONDS = {"e2e": 300.0, "component": 60.0, "unit": 2.0}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"write each test file's seconds (setup + call + teardown) to {DURATIONS.name} for the scheduler",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -284,8 +314,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier_of(item)))
     worker, folder = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(GROUPS_ENV)
     if worker and folder:
-        import json
-
         groups = {item.nodeid: [group_of(item), tier_of(item)] for item in items}
         (Path(folder) / f"{worker}.json.tmp").write_text(json.dumps(groups))
         (Path(folder) / f"{worker}.json.tmp").rename(Path(folder) / f"{worker}.json")
@@ -293,11 +321,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
-    """`--dist loadgroup` with the groups above: the lineage's tests on one worker, every other file whole."""
+    """`--dist loadgroup` with the groups above: every file whole on one worker, longest first."""
     if config.getvalue("dist") != "loadgroup" or not os.environ.get(GROUPS_ENV):
         return None
-    import json
-
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):  # type: ignore[misc]
@@ -314,10 +340,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
             return self._group(nodeid)[0]
 
         def schedule(self) -> None:
-            """xdist's, with the groups queued longest first (the lineage's, then whole-pipeline files,
-            then those that start a component, then unit tests; by test count within each): xdist
-            orders them by test count alone, which started a 2-test 9-minute file last while the
-            other worker had nothing left."""
+            """xdist's, with the groups queued longest first by their recorded seconds (a file with
+            none by its tier): xdist orders them by test count alone, which started a 2-test 9-minute
+            file last while the other worker had nothing left."""
             if self.collection is not None or not self.collection_is_completed:
                 return super().schedule()
             reorder = self.config.option.loadscopereorder
@@ -330,13 +355,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
                 del self._assign_work_unit
             if not self.collection:
                 return
-            rank = {"e2e": 1, "component": 2, "unit": 3}
+            recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
-            def weight(scope: str, nodeids: dict) -> tuple[int, int]:
-                first = 0 if scope == "lineage" else min(rank[self._group(n)[1]] for n in nodeids)
-                return (first, -len(nodeids))
+            def seconds(scope: str, nodeids: dict) -> float:
+                if scope in recorded:
+                    return float(recorded[scope])
+                return max(TIER_SECONDS[self._group(n)[1]] for n in nodeids) + len(nodeids)
 
-            ordered = sorted(self.workqueue.items(), key=lambda kv: weight(*kv))
+            ordered = sorted(self.workqueue.items(), key=lambda kv: -seconds(*kv))
             self.workqueue.clear()
             self.workqueue.update(ordered)
             for node in self.nodes:
@@ -393,6 +419,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tiers[tier] = tiers.get(tier, 0.0) + report.duration
     if not files:
         return
+    if config.getoption("store_durations", False):
+        DURATIONS.write_text(json.dumps({p: round(w, 1) for p, (w, _) in sorted(files.items())}, indent=1) + "\n")
     terminalreporter.write_sep("=", "seconds per test file (setup + call + teardown): wall, CPU")
     for path, (seconds, cpu) in sorted(files.items(), key=lambda kv: -kv[1][0]):
         terminalreporter.write_line(f"{seconds:8.1f}s {cpu:8.1f}s  {path}")
