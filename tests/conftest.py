@@ -252,9 +252,13 @@ E2E_FILES = frozenset(
         "test_remote_workspace.py",
     }
 )
-# the session fixtures of the shared trained lineage: a test using one is `e2e`. Each stage of the
-# lineage is built once per test run, by the first pytest-xdist worker that asks for it, in a folder
-# every worker reads (`_shared_stage` above); the tests are spread over the workers a file at a time.
+# the session fixtures of the shared trained lineage: a test using one is `e2e`. Under pytest-xdist
+# (`--dist loadgroup`, scripts/test.sh) every such test runs on one worker (the group "lineage",
+# `group_of` below), and every other test with the rest of its file (a module fixture, a file's Prefect
+# server or S3 bucket, is built once): the files are spread over the workers. Each stage is built once
+# per run in a folder every worker reads (`_shared_stage` above: `curated` serves every worker). Files
+# spread by recorded seconds with the lineage's tests as files too were measured slower (42:46 against
+# 38:56): two workers training at once on 2 cores took 5% more CPU, and waited on each other's builds.
 LINEAGE_FIXTURES = frozenset({"trained", "aligned", "rl_aligned", "evaluated", "quantized"})
 COMPONENT_FIXTURES = frozenset({"curated", "curated_copy", "prefect_server", "s3", "s3_endpoint"})
 TIERS = ("unit", "component", "e2e")
@@ -277,22 +281,8 @@ GROUPS_ENV = "LMFORGE_XDIST_GROUPS"
 
 
 def group_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-# Seconds each test file took in a whole run (`pytest --store-durations`, scripts/test.sh's
-# run on 2 cores), for the scheduler below: the files start longest first, so the run does not end
-# with one worker busy on a long file that started last. A file not in it counts by its tier.
-DURATIONS = Path(__file__).with_name("durations.json")
-TIER_SECONDS = {"e2e": 300.0, "component": 60.0, "unit": 2.0}
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--store-durations",
-        action="store_true",
-        help=f"write each test file's seconds (setup + call + teardown) to {DURATIONS.name} for the scheduler",
-    )
+    lineage = set(getattr(item, "fixturenames", ())) & LINEAGE_FIXTURES
+    return "lineage" if lineage else item.nodeid.split("::", 1)[0]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -321,7 +311,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
-    """`--dist loadgroup` with the groups above: every file whole on one worker, longest first."""
+    """`--dist loadgroup` with the groups above: the lineage's tests on one worker, every other file whole."""
     if config.getvalue("dist") != "loadgroup" or not os.environ.get(GROUPS_ENV):
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -340,9 +330,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
             return self._group(nodeid)[0]
 
         def schedule(self) -> None:
-            """xdist's, with the groups queued longest first by their recorded seconds (a file with
-            none by its tier): xdist orders them by test count alone, which started a 2-test 9-minute
-            file last while the other worker had nothing left."""
+            """xdist's, with the groups queued longest first (the lineage's, then whole-pipeline files,
+            then those that start a component, then unit tests; by test count within each): xdist
+            orders them by test count alone, which started a 2-test 9-minute file last while the
+            other worker had nothing left."""
             if self.collection is not None or not self.collection_is_completed:
                 return super().schedule()
             reorder = self.config.option.loadscopereorder
@@ -355,14 +346,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
                 del self._assign_work_unit
             if not self.collection:
                 return
-            recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+            rank = {"e2e": 1, "component": 2, "unit": 3}
 
-            def seconds(scope: str, nodeids: dict) -> float:
-                if scope in recorded:
-                    return float(recorded[scope])
-                return max(TIER_SECONDS[self._group(n)[1]] for n in nodeids) + len(nodeids)
+            def weight(scope: str, nodeids: dict) -> tuple[int, int]:
+                first = 0 if scope == "lineage" else min(rank[self._group(n)[1]] for n in nodeids)
+                return (first, -len(nodeids))
 
-            ordered = sorted(self.workqueue.items(), key=lambda kv: -seconds(*kv))
+            ordered = sorted(self.workqueue.items(), key=lambda kv: weight(*kv))
             self.workqueue.clear()
             self.workqueue.update(ordered)
             for node in self.nodes:
@@ -419,8 +409,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tiers[tier] = tiers.get(tier, 0.0) + report.duration
     if not files:
         return
-    if config.getoption("store_durations", False):
-        DURATIONS.write_text(json.dumps({p: round(w, 1) for p, (w, _) in sorted(files.items())}, indent=1) + "\n")
     terminalreporter.write_sep("=", "seconds per test file (setup + call + teardown): wall, CPU")
     for path, (seconds, cpu) in sorted(files.items(), key=lambda kv: -kv[1][0]):
         terminalreporter.write_line(f"{seconds:8.1f}s {cpu:8.1f}s  {path}")
