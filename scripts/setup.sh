@@ -16,7 +16,7 @@
 # And .venv-docs from requirements/docs.lock: MkDocs with the Material theme, for the docs site the
 # lint step builds (mkdocs build --strict). LMFORGE_SKIP_DOCS_ENV=1 skips it.
 # With LMFORGE_LLAMACPP_ENV=1 (scripts/test.sh sets it), also .venv-llamacpp from
-# requirements/llamacpp.lock: llama.cpp built from source (about 2 minutes) for GGUF export and
+# requirements/llamacpp.lock: llama.cpp built from source (about 3 minutes) for GGUF export and
 # `serve.engine.name: llamacpp`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,39 +42,8 @@ esac
 # --no-compile: pip would byte-compile every module it installs (76 s of CPU for .venv's 37,000 files
 # on 2 cores, about 2 minutes with the side environments); Python compiles what is imported, once,
 # into __pycache__ when it first imports it, which is a fraction of them.
-# uv installs the CPU locks (exact pins, --no-deps: nothing to resolve, so the same wheels pip takes)
-# with half of pip's CPU (26 against 55 CPU-s for .venv, nothing cached), from the indexes and
-# wheel folders pip is configured with. It lives in .venv-uv, not .venv: every distribution installed
-# in .venv is part of the demo corpus. Where uv fails, pip installs. LMFORGE_NO_UV=1 always uses pip.
-UV_PIN=uv==0.13.9 UV="" uv_args=()
-find_uv() {  # installs uv into .venv-uv (once) and sets UV and uv_args, when the mode installs a lock
-  [ "${LMFORGE_NO_UV:-0}" != 1 ] && [ "$mode" = cpu ] || return 0
-  if [ "$(cat .venv-uv/.lmforge-installed 2>/dev/null)" != "$UV_PIN" ]; then
-    rm -rf .venv-uv
-    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-compile --target .venv-uv "$UV_PIN" \
-      && echo "$UV_PIN" > .venv-uv/.lmforge-installed \
-      || { echo "could not install $UV_PIN: installing with pip"; return 0; }
-  fi
-  UV=.venv-uv/bin/uv
-  local key value url
-  while IFS= read -r line; do  # pip's configuration (pip.conf, PIP_* variables): key='value'
-    key=${line%%=*} value=${line#*=} value=${value#\'} value=${value%\'}
-    case "$key" in
-      *.find-links) for url in $value; do uv_args+=(--find-links "$url"); done ;;
-      *.extra-index-url) for url in $value; do uv_args+=(--extra-index-url "$url"); done ;;
-      *.index-url) uv_args+=(--index-url "$value") ;;
-      *.cert) export SSL_CERT_FILE="$value" ;;
-    esac
-  done < <("$PYTHON" -m pip config list 2>/dev/null)
-  uv_args+=(--index-strategy unsafe-best-match)  # as pip: the pinned version from whichever index has it
-}
-
 pip_install() {  # pip_install VENV ARGS...: the CPU torch wheel from pip's find-links, else PyTorch's CPU index
   local venv=$1; shift
-  if [ -n "$UV" ]; then
-    "$UV" pip install --quiet --python "$venv/bin/python" "${uv_args[@]}" "$@" && return 0
-    echo "uv could not install into $venv: installing with pip"
-  fi
   if ! "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile "$@"; then
     [ "$mode" = cpu ] || return 1
     echo "retrying with PyTorch's CPU package index for torch==2.13.0+cpu"
@@ -217,7 +186,6 @@ want=$(cat "$requirements" pyproject.toml | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.lmforge-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import lmforge" 2>/dev/null; then
   echo "lmforge environment is up to date ($VENV)"
-  find_uv
   start_llamacpp_env
   start_side_envs
   finish_side_envs
@@ -227,10 +195,9 @@ fi
 
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
 start_llamacpp_env
+start_side_envs
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 echo "installing $requirements into $VENV (a few minutes the first time)"
-find_uv
-start_side_envs
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$(grep -E '^pip==' requirements/cpu.lock)"
 pip_install "$VENV" "${install[@]}"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
