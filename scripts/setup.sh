@@ -16,7 +16,7 @@
 # And .venv-docs from requirements/docs.lock: MkDocs with the Material theme, for the docs site the
 # lint step builds (mkdocs build --strict). LMFORGE_SKIP_DOCS_ENV=1 skips it.
 # With LMFORGE_LLAMACPP_ENV=1 (scripts/test.sh sets it), also .venv-llamacpp from
-# requirements/llamacpp.lock: llama.cpp built from source (about 3 minutes) for GGUF export and
+# requirements/llamacpp.lock: llama.cpp built from source (about 2 minutes) for GGUF export and
 # `serve.engine.name: llamacpp`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -257,8 +257,8 @@ E2E_FILES = frozenset(
 # `group_of` below), and every other test with the rest of its file (a module fixture, a file's Prefect
 # server or S3 bucket, is built once): the files are spread over the workers. Each stage is built once
 # per run in a folder every worker reads (`_shared_stage` above: `curated` serves every worker). Files
-# spread by recorded seconds with the lineage's tests as files too were measured slower (42:46 against
-# 38:56): two workers training at once on 2 cores took 5% more CPU, and waited on each other's builds.
+# spread by recorded seconds with the lineage's tests as files too were not faster on a fresh clone
+# (tests 42:46, 4,135 CPU-s, against 38:56 and 3,919 for this order; other changes ran in between).
 LINEAGE_FIXTURES = frozenset({"trained", "aligned", "rl_aligned", "evaluated", "quantized"})
 COMPONENT_FIXTURES = frozenset({"curated", "curated_copy", "prefect_server", "s3", "s3_endpoint"})
 TIERS = ("unit", "component", "e2e")
