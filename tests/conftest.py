@@ -132,9 +132,10 @@ def _lineage_root(factory: pytest.TempPathFactory) -> Path:
 def _shared_stage(
     factory: pytest.TempPathFactory, name: str, source: Path | None, stages: list[str], *extra: str
 ) -> dict:
-    """The lineage's stage `name`: a copy of `source` (the previous stage's workspace) run through
-    `stages`, built by whichever worker asks first while the others wait on its lock and then read
-    what it returned. A build that failed fails the other workers' tests at once with its error."""
+    """The lineage's stage `name` in `_lineage_root(factory) / name`: a copy of `source` (the previous
+    stage's workspace) run through `stages`, built by whichever worker asks first while the others wait
+    on its lock and then read what it returned. A build that failed fails the other workers' tests at
+    once with its error."""
     import fcntl
 
     from lmforge.engine.executor import run_pipeline_locally
@@ -162,7 +163,8 @@ def _shared_stage(
 @pytest.fixture(scope="session")
 def curated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A workspace with the small demo corpus curated once per test run (no Prefect); read-only."""
-    return _lineage_root(tmp_path_factory) / "curated", _shared_stage(tmp_path_factory, "curated", None, ["curate"])
+    manifests = _shared_stage(tmp_path_factory, "curated", None, ["curate"])
+    return Path(manifests["curate/pack"]["dir"]).parents[2], manifests
 
 
 @pytest.fixture
