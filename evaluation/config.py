@@ -252,6 +252,12 @@ class EvaluateConfig(StrictModel):
         default_factory=lambda: list(BACKENDS),
         description="; ".join(f"{b.name}: {b.description}" for b in BACKENDS.values()) + " (evaluation.backends).",
     )
+    backend_models: dict[BackendName, list[str]] = runtime_field(
+        default_factory=dict,
+        description="Models evaluated on a backend, by role, where not every model of `models`: {vllm: [dpo]} "
+        "checks the serving engine against hf on the model that ships and evaluates the others on hf alone "
+        "(one temporary vLLM server instead of one per model). A backend not named here takes `models`.",
+    )
     limit: dict[str, int] = Field(
         default_factory=dict,
         description="Items per task for the metric run ({task: n}); contamination always checks every item.",
@@ -305,3 +311,15 @@ class EvaluateConfig(StrictModel):
     @classmethod
     def _known_roles(cls, models: list[str]) -> list[str]:
         return check_roles(models)
+
+    @field_validator("backend_models")
+    @classmethod
+    def _backend_roles(cls, per_backend: dict[str, list[str]]) -> dict[str, list[str]]:
+        for models in per_backend.values():
+            check_roles(models)
+        return per_backend
+
+    def evaluates(self, role: str, backend: str) -> bool:
+        """Whether `role`'s model is evaluated on `backend` (when the lineage has it)."""
+        narrowed: dict[str, list[str]] = {str(b): models for b, models in self.backend_models.items()}
+        return backend in self.backends and role in self.models and role in narrowed.get(backend, self.models)

@@ -368,7 +368,7 @@ def _run_step(role: str, backend: str) -> Step:
         derive=lambda v: run_identity(v, backend),
         upstream=lambda c: (model, TASKS),
         finalize=finalize,
-        when=lambda c: role in c.evaluate.models and backend in c.evaluate.backends and _graph().has(model, c),
+        when=lambda c: c.evaluate.evaluates(role, backend) and _graph().has(model, c),
         retries=2,
         progress=lambda ctx: runs.progress(ctx.out_dir),
         code=("evaluation.lmeval_entry", "evaluation.build", "evaluation.backends", *backends.backend(backend).code),

@@ -98,6 +98,8 @@ SMALL_EVAL = [
     "evaluate.builtin.ppl_max_chars=1500",
     "evaluate.limit={lmforge_continuation: 20, lmforge_chat_exact: 20, lmforge_preference: 20, lmforge_humaneval: 3}",
     "evaluate.bootstrap_iters=100",
+    # vLLM checked against hf on the model that ships (one temporary server, not three); every model on hf
+    "evaluate.backend_models={vllm: [dpo]}",
     # the judged steps have tests of their own (test_judge*.py, test_safety_gate.py): the shared lineage skips them
     "evaluate.judge.enabled=false",
     "evaluate.safety.enabled=false",
@@ -204,7 +206,7 @@ def rl_aligned(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="session")
 def evaluated(aligned: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The small lineage evaluated on both backends, once per test run."""
+    """The small lineage evaluated (every model on hf, the shipped one on vLLM too), once per test run."""
     return _shared_stage(tmp_path_factory, "evaluated", Path(aligned["align/sft"]["dir"]).parents[2], ["evaluate"])
 
 

@@ -205,6 +205,7 @@ ROWS = [
     # which steps run, and how evaluation talks to its backends
     ("evaluate.models=[dpo]", set()),
     ("evaluate.backends=[hf]", set()),
+    ("evaluate.backend_models={vllm: [dpo]}", set()),
     ("evaluate.batch_size=2", set()),
     ("evaluate.num_concurrent=1", set()),
     # how the judge is reached, not what it is asked: no key changes

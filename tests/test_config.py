@@ -54,6 +54,8 @@ def test_set_overrides_parse_yaml_values() -> None:
         ("pretrain.model.num_heads=3", "pretrain.model: hidden_size 256 is not divisible by num_heads 3"),
         ("curate.inputs=[/nonexistent/*.jsonl]", "curate.inputs[0]: no file matches '/nonexistent/*.jsonl'"),
         ("runtime.workers=0", "runtime.workers: Input should be greater than or equal to 1"),
+        ("evaluate.backend_models={vllm: [dpoo]}", "evaluate.backend_models: no model role 'dpoo'"),
+        ("evaluate.backend_models={vlm: [dpo]}", "evaluate.backend_models.vlm.[key]: Input should be 'hf' or 'vllm'"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_field(override: str, expected: str) -> None:
@@ -249,3 +251,23 @@ def test_urls_without_credentials_still_load() -> None:
         check_paths=False,
     )
     assert config.evaluate.judge.endpoint.url == "https://judge.example/v1"
+
+
+def test_backend_models_narrows_one_backend_and_leaves_the_others_every_model() -> None:
+    from evaluation.steps import RUN_STEPS
+
+    def evaluated(*overrides: str) -> set[str]:
+        config = load_config("tiny-cpu", list(overrides))
+        return {step.name for step in RUN_STEPS if step.enabled(config)}
+
+    every = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
+    assert evaluated() == every
+    assert evaluated("evaluate.backend_models={vllm: [dpo]}") == every - {
+        "evaluate/pretrained-vllm",
+        "evaluate/sft-vllm",
+    }
+    # a role outside evaluate.models, or a backend outside evaluate.backends, stays off
+    assert evaluated("evaluate.models=[sft]", "evaluate.backend_models={vllm: [dpo]}") == {"evaluate/sft-hf"}
+    assert evaluated("evaluate.backends=[hf]", "evaluate.backend_models={vllm: [dpo], hf: [sft]}") == {
+        "evaluate/sft-hf"
+    }

@@ -182,19 +182,22 @@ def test_hostile_humaneval_code_is_stopped_and_scores_zero_through_lm_eval(tmp_p
 
 
 @pytest.mark.slow
-def test_every_model_is_evaluated_on_both_backends_with_intervals(evaluated: dict) -> None:
+def test_every_model_is_evaluated_on_hf_and_the_shipped_one_on_vllm_too_with_intervals(evaluated: dict) -> None:
     report = json.loads((Path(evaluated["evaluate/report"]["dir"]) / "report.json").read_text())
     seen = {(r["model"], r["backend"], r["task"]) for r in report["results"]}
-    for model in ("pretrained", "sft", "dpo"):
-        for backend in ("hf", "vllm"):
-            for task in (
-                "lmforge_continuation",
-                "lmforge_heldout_ppl",
-                "lmforge_chat_exact",
-                "lmforge_preference",
-                "lmforge_humaneval",
-            ):
-                assert (model, backend, task) in seen
+    # the lineage sets evaluate.backend_models={vllm: [dpo]}: vLLM only where it is compared with hf
+    assert {m for m, b, _ in seen if b == "vllm"} == {"dpo"} and "evaluate/sft-vllm" not in evaluated
+    tasks = (
+        "lmforge_continuation",
+        "lmforge_heldout_ppl",
+        "lmforge_chat_exact",
+        "lmforge_preference",
+        "lmforge_humaneval",
+    )
+    for model, backend in (("pretrained", "hf"), ("sft", "hf"), ("dpo", "hf"), ("dpo", "vllm")):
+        assert all((model, backend, task) in seen for task in tasks), (model, backend)
+    # the hf-vs-vLLM agreement covers the shipped model's every task
+    assert {(a["model"], a["task"]) for a in report["backend_agreement"]} == {("dpo", t) for t in tasks}
     row = next(r for r in report["results"] if r["task"] == "lmforge_continuation" and r["backend"] == "hf")
     assert row["ci_low"] <= row["value"] <= row["ci_high"] and row["stderr"] is not None and row["items"] == 20
     assert {(d["from"], d["to"]) for d in report["deltas"]} == {("pretrained", "sft"), ("sft", "dpo")}
