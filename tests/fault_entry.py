@@ -1,13 +1,17 @@
 """An entry module for the launcher's tests: the rank `spec["abort_rank"]` dies of SIGABRT, as a C++
-library's std::terminate does, inside `tear_down_badly`; the other ranks finish."""
+library's std::terminate does, inside `tear_down_badly`; the other ranks finish. It aborts only once
+the others have recorded their outcome: on a loaded host rank 0 was still importing when rank 1
+aborted, and torchrun then stopped it before it could record (2 ranks without a record, not 1)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
-from lmforge.processes.entry import main
+from lmforge.processes.entry import EXIT_RECORD, main
 
 
 def tear_down_badly() -> None:
@@ -16,6 +20,15 @@ def tear_down_badly() -> None:
 
 def work(spec: dict[str, Any], rank: int) -> None:
     if rank == spec["abort_rank"]:
+        attempt_dir = Path(
+            spec.get("attempt_dir") or Path(spec["out_dir"]) / "logs" / f"attempt-{spec.get('attempt', 0)}"
+        )
+        others = [
+            attempt_dir / EXIT_RECORD.format(rank=r) for r in range(int(os.environ.get("WORLD_SIZE", "1"))) if r != rank
+        ]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
         tear_down_badly()
 
 

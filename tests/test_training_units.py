@@ -341,7 +341,7 @@ def test_a_rank_that_dies_of_a_fatal_signal_is_named_with_where_it_was(tmp_path:
     message = str(info.value)
     assert (
         "1 rank(s) died without a record (rank 1: Fatal Python error: Aborted in tear_down_badly at "
-        "tests/fault_entry.py:14, see logs/attempt-1/fault-rank1.txt), others reported ['ok']"
+        "tests/fault_entry.py:18, see logs/attempt-1/fault-rank1.txt), others reported ['ok']"
     ) in message
     attempt = tmp_path / "logs" / "attempt-1"
     assert "tear_down_badly" in (attempt / "fault-rank1.txt").read_text()
