@@ -43,13 +43,17 @@ esac
 
 # --no-compile: pip would byte-compile every module it installs (76 s of CPU for .venv's 37,000 files
 # on 2 cores, about 2 minutes with the side environments); Python compiles what is imported, once,
-# into __pycache__ when it first imports it, which is a fraction of them.
+# into __pycache__ when it first imports it, which is a fraction of them. Not when PYTHONDONTWRITEBYTECODE
+# is set: then Python never writes them, and every process compiled every module it imported again
+# (7 s of CPU more for each quantization process), so pip compiles them all at install.
+compile=(--no-compile)
+[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || compile=(--compile)
 pip_install() {  # pip_install VENV ARGS...: the CPU torch wheel from pip's find-links, else PyTorch's CPU index
   local venv=$1; shift
-  if ! "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile "$@"; then
+  if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "${compile[@]}" "$@"; then
     [ "$mode" = cpu ] || return 1
     echo "retrying with PyTorch's CPU package index for torch==2.13.0+cpu"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile "$@" \
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "${compile[@]}" "$@" \
       --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 }
@@ -122,7 +126,7 @@ setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_L
     return 1
   fi
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile --no-deps \
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "${compile[@]}" --no-deps \
     $(grep -vE '^(#|pip==|llama-cpp-python==)' "$req" | tr '\n' ' ') "./$source"
   # llama.cpp's own converter, vendored in the same sdist: convert_hf_to_gguf.py with its conversion/ and gguf-py/
   rm -rf "$venv/llama.cpp" && mkdir -p "$venv/llama.cpp"
