@@ -20,12 +20,9 @@ def tear_down_badly() -> None:
 
 def work(spec: dict[str, Any], rank: int) -> None:
     if rank == spec["abort_rank"]:
-        attempt_dir = Path(
-            spec.get("attempt_dir") or Path(spec["out_dir"]) / "logs" / f"attempt-{spec.get('attempt', 0)}"
-        )
-        others = [
-            attempt_dir / EXIT_RECORD.format(rank=r) for r in range(int(os.environ.get("WORLD_SIZE", "1"))) if r != rank
-        ]
+        # the launcher puts both in every spec (lmforge.processes.launch)
+        attempt_dir, world = Path(spec["attempt_dir"]), int(spec["world_size"])
+        others = [attempt_dir / EXIT_RECORD.format(rank=r) for r in range(world) if r != rank]
         deadline = time.monotonic() + 120
         while not all(p.exists() for p in others) and time.monotonic() < deadline:
             time.sleep(0.05)
