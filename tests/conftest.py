@@ -395,6 +395,95 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_CPU_AT] = _cpu_seconds()
 
 
+class _CpuSampler:
+    """The machine's busy share (both cores, from /proc/stat) every few seconds while the tests run, read
+    by the controller: the timeline below shows when the two workers left the cores idle."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        import threading
+
+        self.samples: list[tuple[float, float]] = []  # (time, busy share 0..1 since the sample before)
+        self._stop = threading.Event()
+        self._every = every
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    def _run(self) -> None:
+        import time
+
+        total, idle = self._read()
+        while not self._stop.wait(self._every):
+            now_total, now_idle = self._read()
+            if now_total > total:
+                self.samples.append((time.time(), 1.0 - (now_idle - idle) / (now_total - total)))
+            total, idle = now_total, now_idle
+
+    def busy(self, start: float, stop: float) -> float | None:
+        inside = [b for t, b in self.samples if start < t <= stop + self._every / 2]
+        return sum(inside) / len(inside) if inside else None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_SAMPLER = pytest.StashKey[_CpuSampler]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER") and Path("/proc/stat").exists():
+        session.config.stash[_SAMPLER] = _CpuSampler()
+
+
+def _timeline(terminalreporter, window: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    """Per two minutes of the run: how busy the cores were, and the file each worker spent most of the
+    window on (with its test phases' CPU per second of it): a stretch of idle cores names what waited."""
+    sampler = terminalreporter.config.stash.get(_SAMPLER, None)
+    phases = []
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            node, start, stop = (
+                getattr(report, "node", None),
+                getattr(report, "start", None),
+                getattr(report, "stop", None),
+            )
+            if getattr(report, "when", None) in ("setup", "call", "teardown") and node is not None and start:
+                cpu = float(dict(getattr(report, "user_properties", ())).get("cpu_s", 0.0))
+                phases.append((node.gateway.id, start, stop, cpu, report.nodeid.split("::", 1)[0]))
+    if sampler is not None:
+        sampler.close()
+    if not phases:
+        return
+    begin, end = min(p[1] for p in phases), max(p[2] for p in phases)
+    workers = sorted({p[0] for p in phases})
+    terminalreporter.write_sep("=", "timeline: cores busy, and each worker's main file (its CPU per second)")
+    t = begin
+    while t < end:
+        cells = []
+        for worker in workers:
+            by_file: dict[str, list[float]] = {}
+            for w, start, stop, cpu, path in phases:
+                overlap = min(stop, t + window) - max(start, t)
+                if w == worker and overlap > 0:
+                    row = by_file.setdefault(path, [0.0, 0.0])
+                    row[0] += overlap
+                    row[1] += cpu * overlap / max(stop - start, 1e-6)
+            if by_file:
+                path, (wall, cpu) = max(by_file.items(), key=lambda kv: kv[1][0])
+                cells.append(f"{worker} {Path(path).name} {cpu / wall:.1f}")
+            else:
+                cells.append(f"{worker} -")
+        busy = sampler.busy(t, t + window) if sampler is not None else None
+        share = f"{100 * busy:3.0f}%" if busy is not None else "  ?"
+        terminalreporter.write_line(f"{(t - begin) / 60:5.0f} min {share}  " + "  |  ".join(cells))
+        t += window
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     """Seconds per test file (setup, call and teardown together), wall and CPU, and per tier, so the
     next slow file shows in CI's log where it happens (`--durations` beside it lists the slowest tests)."""
@@ -420,3 +509,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         f"{sum(r[0] for r in files.values()):8.1f}s {sum(r[1] for r in files.values()):8.1f}s  in all; "
         "by tier (wall): " + ", ".join(f"{k} {v:.0f}s" for k, v in sorted(tiers.items(), key=lambda kv: -kv[1]))
     )
+    _timeline(terminalreporter)
