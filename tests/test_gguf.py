@@ -62,6 +62,9 @@ def test_q8_0_and_q4_k_m_load_in_llama_cpp_and_are_gated_against_bf16(gguf_works
     assert verdict["chosen"] == min(
         (k for k in ("Q8_0", "Q4_K_M") if types[k]["eligible"]), key=lambda k: types[k]["bytes"]
     )
+    # the tokenizer serving needs is in the output itself, not only in the model folder it was made from
+    assert Path(verdict["tokenizer_dir"]) == Path(step["dir"]) / "tokenizer"
+    assert {"tokenizer.json", "config.json"} <= {p.name for p in Path(verdict["tokenizer_dir"]).iterdir()}
     modelfile = (Path(step["dir"]) / "Modelfile").read_text()
     assert f"FROM ./model-{verdict['chosen']}.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
     assert "<|im_start|>" in modelfile  # ChatML template

@@ -33,6 +33,47 @@ def test_an_unknown_or_unsupported_choice_is_one_line_naming_the_field() -> None
         )
 
 
+class _GgufContext:
+    """What LlamaCppBackend.choose reads of its step context: the GGUF output's folder and manifest."""
+
+    def __init__(self, directory: Path, key: str) -> None:
+        self.directory, self.key = directory, key
+
+    def path(self, product: object) -> Path:
+        return self.directory
+
+    def manifest(self, product: object) -> dict:
+        return {"step": "quantize/gguf", "key": self.key, "digest": "d", "dir": str(self.directory)}
+
+
+def test_a_gguf_output_made_on_another_machine_is_served_with_its_own_tokenizer_copy(tmp_path: Path) -> None:
+    """Issue 51: the llama.cpp backend took its tokenizer from the model folder the verdict recorded, a path
+    on the machine that made the GGUF output (absent on one that fetched it from a shared workspace)."""
+    import json
+
+    from serving.backends.llamacpp import LlamaCpp
+
+    key = "0123abcd"
+    here = tmp_path / "ws" / "quantize" / "gguf" / key
+    here.mkdir(parents=True)
+    there = f"/elsewhere/ws/quantize/gguf/{key}"
+    verdict = {
+        "model": "dpo",
+        "model_dir": "/elsewhere/ws/align/dpo/feedbeef/hf",
+        "chosen": "Q8_0",
+        "decision": "GGUF gate: Q8_0 ships",
+        "file": f"{there}/model-Q8_0.gguf",
+        "tokenizer_dir": f"{there}/tokenizer",
+    }
+    (here / "verdict.json").write_text(json.dumps(verdict))
+    ctx = _GgufContext(here, key)
+    name, model, source = LlamaCpp().choose(ctx)  # type: ignore[arg-type]
+    assert model == here / "model-Q8_0.gguf" and source["tokenizer_dir"] == str(here / "tokenizer")
+    # an output made before it kept a tokenizer: the recorded model folder, as before
+    (here / "verdict.json").write_text(json.dumps({k: v for k, v in verdict.items() if k != "tokenizer_dir"}))
+    assert LlamaCpp().choose(ctx)[2]["tokenizer_dir"] == verdict["model_dir"]  # type: ignore[arg-type]
+
+
 def test_the_release_and_the_step_name_no_backend() -> None:
     """Backend names live in serving/backends/ only: the rest of the project reaches them by `serve.backend`."""
     names = ("vllm", "llamacpp", "llama.cpp")

@@ -86,9 +86,13 @@ class LlamaCpp(ServingBackend):
         if verdict["chosen"] is None:
             raise GateFailed(f"serve.backend=llamacpp: {verdict['decision']}")
         manifest = ctx.manifest(GGUF_MODEL)
+        here = Path(manifest["dir"])
+        # the tokenizer the SLO benchmark sizes its prompts with: the copy inside this output (outputs made
+        # before it had one name the model folder on the machine that made them, which may not exist here)
+        tokenizer = verdict.get("tokenizer_dir")
         return (
             f"{verdict['model']}-gguf-{verdict['chosen']}",
-            relocated(verdict["file"], manifest["key"], Path(manifest["dir"])),  # recorded where it was made
+            relocated(verdict["file"], manifest["key"], here),  # recorded where it was made
             {
                 "step": manifest["step"],
                 "key": manifest["key"],
@@ -96,7 +100,9 @@ class LlamaCpp(ServingBackend):
                 "type": verdict["chosen"],
                 "verdict": verdict["decision"],
                 "from": verdict["model"],
-                "tokenizer_dir": verdict["model_dir"],
+                "tokenizer_dir": str(relocated(tokenizer, manifest["key"], here))
+                if tokenizer
+                else verdict["model_dir"],
             },
         )
 

@@ -82,6 +82,37 @@ def staged(model_dir: Path, out: Path) -> Path:
     return out
 
 
+# what a transformers tokenizer is saved as (any of them a model folder has), and the model's config.json (its
+# context length, and what AutoTokenizer reads when tokenizer_config.json names no class): the GGUF output keeps a copy
+TOKENIZER_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> Path:
+    """The model's tokenizer files copied into `out`: what serving the GGUF file needs besides it (the SLO
+    benchmark sizes its prompts in tokens), so the output serves on a machine without the model's folder."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
+    if not (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists():
+        raise GgufFailed(f"{model_dir}: no tokenizer.json or tokenizer.model to keep beside the GGUF file")
+    return out
+
+
 def convert(model_dir: Path, out_file: Path, python: Path, work: Path) -> dict[str, Any]:
     """HF directory -> bf16 GGUF with llama.cpp's converter; one line when it does not know the architecture."""
     config = json.loads((model_dir / "config.json").read_text())

@@ -458,6 +458,7 @@ def _gguf_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     template_file = work / "staged" / "chat_template.jinja"
     template = template_file.read_text() if template_file.exists() else ""
     shutil.rmtree(work / "staged")
+    tokenizer_dir = gguf.copy_tokenizer(model_dir, ctx.out_dir / "tokenizer")
     sizes = {"bf16": conversion["bytes"]}
     for kind in cfg.gguf.types:
         files[kind] = ctx.out_dir / f"model-{kind}.gguf"
@@ -515,6 +516,7 @@ def _gguf_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     verdict = {
         "model": role,
         "model_dir": str(model_dir),
+        "tokenizer_dir": str(tokenizer_dir),  # in this output: serving it needs no other step's folder
         "architecture": conversion["architecture"],
         "transformers_token_perplexity": hf_ppl,
         "conversion_drift": drift,
