@@ -1,6 +1,6 @@
 """What starting a process costs on CPU, lmforge's way against the earlier one, in one command:
 
-    .venv/bin/python benchmarks/launch_cost.py --model DIR [--rounds 2]
+    .venv/bin/python benchmarks/launch_cost.py [--model DIR] [--rounds 2]
 
 DIR is a Hugging Face model folder vLLM can serve (e.g. `<workspace>/align/sft/<key>/hf` of the
 test lineage). On a 2-core host almost every second a launch costs is CPU, so CPU seconds are the
@@ -13,7 +13,8 @@ figure (wall time follows them when the host is busy):
 - starting training ranks: the launcher's imports (`torch.distributed.run`, what
   `pretrain.distributed.launcher: auto` starts on one node, against DeepSpeed's runner and its
   `launch.py`), and a rank's library imports (`training.device_setup.preload_libraries`, without
-  mlflow and scikit-learn, against a plain import of the same libraries).
+  mlflow and scikit-learn, against a plain import of the same libraries), and an alignment rank's
+  that is not QLoRA's (the same, without bitsandbytes, against preloaded).
 
 Each figure is the median of `--rounds` runs, each in a fresh process.
 """
@@ -93,15 +94,16 @@ def median(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, help="a model folder vLLM can serve; without it, no vLLM figures")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    print("vLLM server on CPU (CPU seconds of all its processes)")
-    servers = {e: median([vllm_server(args.model, e) for _ in range(args.rounds)]) for e in ("uni", "mp")}
-    for field in servers["uni"]:
-        uni, mp = servers["uni"][field], servers["mp"][field]
-        print(f"  {field:18} uni {uni:7.1f}   mp {mp:7.1f}   uni/mp {uni / mp:5.2f}")
+    if args.model is not None:
+        print("vLLM server on CPU (CPU seconds of all its processes)")
+        servers = {e: median([vllm_server(args.model, e) for _ in range(args.rounds)]) for e in ("uni", "mp")}
+        for field in servers["uni"]:
+            uni, mp = servers["uni"][field], servers["mp"][field]
+            print(f"  {field:18} uni {uni:7.1f}   mp {mp:7.1f}   uni/mp {uni / mp:5.2f}")
 
     print("starting training ranks (CPU seconds, fresh processes)")
     launchers = {
@@ -117,6 +119,14 @@ def main() -> None:
     lean = statistics.median(child_cpu(preload) for _ in range(args.rounds))
     plain = statistics.median(child_cpu(RANK_IMPORTS) for _ in range(args.rounds))
     print(f"  rank imports       preloaded {lean:5.1f}   plain {plain:6.1f}   ratio {lean / plain:5.2f}  (per rank)")
+    # an alignment rank that is not QLoRA's imports its libraries without bitsandbytes (training/align/entry.py)
+    no_bnb = (
+        "from training.device_setup import imports_without, preload_libraries; preload_libraries()\n"
+        f"with imports_without('bitsandbytes'):\n    {RANK_IMPORTS}"
+    )
+    lean_align = statistics.median(child_cpu(no_bnb) for _ in range(args.rounds))
+    print(f"  align rank imports without bitsandbytes {lean_align:5.1f}   preloaded {lean:5.1f}   "
+          f"ratio {lean_align / lean:5.2f}  (per rank, not QLoRA)")  # fmt: skip
 
 
 if __name__ == "__main__":

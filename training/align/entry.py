@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmforge.processes.entry import main
 from training.align.kit import METRICS, barrier, load_model, sharded
-from training.device_setup import disable_shm_comm_op, preload_libraries, safe_attention_kernels
+from training.device_setup import disable_shm_comm_op, imports_without, preload_libraries, safe_attention_kernels
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -208,6 +208,14 @@ def train(spec: dict[str, Any], rank: int) -> None:
     from training.align.methods import method as registered
 
     method = registered(spec["kind"])
+    if not spec.get("quantized_base"):
+        # Only QLoRA quantizes with bitsandbytes; peft, TRL and transformers import it because it is
+        # installed (1.4 s of CPU per rank on 2 cores, and a warning about its CPU kernels in every log).
+        # The rank's libraries are imported here without it: they record it as absent for this process.
+        with imports_without("bitsandbytes"):
+            import peft  # noqa: F401
+            import transformers.trainer  # noqa: F401
+            import trl  # noqa: F401
     out_dir = Path(spec["out_dir"])
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
     disable_shm_comm_op()
