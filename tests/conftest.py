@@ -278,6 +278,18 @@ def tier_of(item: pytest.Item) -> str:
     return "component"
 
 
+# The longest files outside the lineage, by their seconds on a fresh clone (2026-11-29, `2d52b09`): queued
+# longest first on the worker the lineage leaves free. By test count, test_adapters.py (4 tests, 11 minutes,
+# all CPU) came after test_orchestration.py, whose killed-stage test waits a minute on Prefect, while the
+# lineage's worker ran the CLI's load tests: the cores were 72-85% busy for 4 minutes (the timeline below).
+LONG_FILES = {
+    "test_adapters.py": 676.0,
+    "test_base_model.py": 441.0,
+    "test_orchestration.py": 328.0,
+    "test_remote_workspace.py": 324.0,
+}
+
+
 # Where each pytest-xdist worker writes the group of every test it collected, for the controller's
 # scheduler (`pytest_xdist_make_scheduler` below). pytest-xdist 3.8's own `--dist loadgroup` renames
 # node ids through `item._nodeid`, which pytest 9 no longer reads: its groups are silently ignored.
@@ -352,9 +364,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-
                 return
             rank = {"e2e": 1, "component": 2, "unit": 3}
 
-            def weight(scope: str, nodeids: dict) -> tuple[int, int]:
+            def weight(scope: str, nodeids: dict) -> tuple[int, float, int]:
                 first = 0 if scope == "lineage" else min(rank[self._group(n)[1]] for n in nodeids)
-                return (first, -len(nodeids))
+                return (first, -LONG_FILES.get(Path(scope).name, 0.0), -len(nodeids))
 
             ordered = sorted(self.workqueue.items(), key=lambda kv: weight(*kv))
             self.workqueue.clear()
