@@ -36,7 +36,7 @@ class StorageConfig(StrictModel):
     local_copy: str | None = runtime_field(
         None,
         description="This machine's working copy of a remote workspace (steps read and write local files; "
-        "outputs are uploaded when they finish); None: ~/.cache/lmforge/workspaces/<digest of the URL>.",
+        "outputs are uploaded when they finish); None: ~/.cache/lmforge/workspaces/<digest of the URL and endpoint>.",
     )
     local_copy_max_gb: float | None = runtime_field(
         None,

@@ -339,6 +339,49 @@ def test_the_working_copy_stays_under_its_bound_removing_least_recently_used_pub
     assert local_only.check("demo/step", "k3")[0] is not None
 
 
+def test_an_output_the_store_lost_is_kept_in_the_working_copy_and_published_again(s3: S3, tmp_path: Path) -> None:
+    """Issue 51: a working copy trusted its `.published` marker, so an output the store had lost (a lifecycle
+    rule, another endpoint with the same bucket name) was evicted: the only copy was gone."""
+    maker = _machine(s3, tmp_path / "maker")
+    for key in ("k1", "k2", "k3"):
+        _make(maker, key=key)
+    bounded = _machine(s3, tmp_path / "small", budget=8000)  # room for two outputs of ~3 kB
+    bounded.used.clear()
+    for key in ("k1", "k2"):
+        assert bounded.check("demo/step", key)[0] is not None
+        time.sleep(0.05)
+    fs = s3.fs()
+    fs.rm(f"{s3.bucket}/ws/demo/step/k1", recursive=True)  # the store loses k1
+    bounded.used.clear()  # a later run
+    assert bounded.check("demo/step", "k3")[0] is not None  # over the bound: k1 is least recently used
+    kept = sorted(p.parent.name for p in (tmp_path / "small/demo/step").glob(f"*/{MANIFEST}"))
+    assert kept == ["k1", "k3"] and not (tmp_path / "small/demo/step/k1" / PUBLISHED).exists()
+    assert bounded.check("demo/step", "k1")[0] is not None  # published again from the working copy
+    fs.invalidate_cache()
+    assert fs.exists(f"{s3.bucket}/ws/demo/step/k1/{MANIFEST}")
+    bounded.used.clear()
+
+
+def test_a_store_opened_inside_a_step_never_evicts_that_steps_inputs(s3: S3, tmp_path: Path) -> None:
+    """Issue 51: the judge's, the answer sets' and the safety gate's stores bound the working copy too, and
+    knew only what they used themselves: the running step's input, least recently used, was removed."""
+    maker = _machine(s3, tmp_path / "maker")
+    for key in ("k1", "k2", "k3"):
+        _make(maker, key=key)
+    step = _machine(s3, tmp_path / "small", budget=8000)  # room for two outputs of ~3 kB
+    step.used.clear()  # a run starting
+    step.hold([step.step_dir("demo/step", "k1")])  # what open_step does for the step's inputs
+    assert step.check("demo/step", "k1")[0] is not None
+    time.sleep(0.05)
+    inner = _machine(s3, tmp_path / "small", budget=8000)  # a store the step opens (the judge's)
+    for key in ("k2", "k3"):
+        assert inner.check("demo/step", key)[0] is not None
+        time.sleep(0.05)
+    kept = sorted(p.parent.name for p in (tmp_path / "small/demo/step").glob(f"*/{MANIFEST}"))
+    assert "k1" in kept  # the step's input stayed; the bound is met as far as what is in use allows
+    step.used.clear()
+
+
 def test_an_unreachable_store_or_credentials_in_the_config_fail_in_one_line(s3: S3, tmp_path: Path) -> None:
     from lmforge.config import load_config
 
@@ -363,12 +406,18 @@ def test_an_unreachable_store_or_credentials_in_the_config_fail_in_one_line(s3: 
 RUN = """
 import json, logging, sys
 from lmforge.config import load_config
+from lmforge.engine import codeprint
 from lmforge.engine.executor import run_pipeline_locally
 from tests.conftest import SMALL_CURATE
 logging.basicConfig(level=logging.INFO)
-workspace, local, endpoint = sys.argv[1:4]
+workspace, local, endpoint, *drift = sys.argv[1:]
+more = []
+if drift:  # as after an upgrade of datasketch (drift: no key changes), with on_code_drift: rerun
+    real = codeprint.library_version
+    codeprint.library_version = lambda dist: "99.0" if dist == "datasketch" else real(dist)
+    more = ["runtime.on_code_drift=rerun"]
 config = load_config("tiny-cpu", [*SMALL_CURATE, f"runtime.storage.options={{endpoint_url: {endpoint}}}",
-                                  f"runtime.storage.local_copy={local}", "runtime.workers=1"], workspace)
+                                  f"runtime.storage.local_copy={local}", "runtime.workers=1", *more], workspace)
 manifests = run_pipeline_locally(config, ["curate"])
 print(json.dumps({name: m["digest"] for name, m in manifests.items()}))
 """
@@ -408,6 +457,26 @@ def test_two_machines_curating_one_workspace_at_once_compute_each_step_once_and_
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert third.returncode == 0, third.stderr[-3000:]
     assert ": computed in " not in third.stderr and json.loads(third.stdout.strip().splitlines()[-1]) == digests[0]
+
+    # Issue 51: with `on_code_drift: rerun`, an output made by other code (a library upgrade) is computed
+    # again and its commit replaces the store's. Before, the rerun adopted the store's stale output, so every
+    # run recomputed it. The other machine's working copy, stale too, takes the new output from the store.
+    def again(name: str) -> str:
+        run = subprocess.run([sys.executable, "-c", RUN, s3.url(), str(tmp_path / f"copy-{name}"), s3.endpoint, "drift"],
+                             env={**env, "HOME": str(tmp_path / f"home-{name}")}, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=900)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(run.stdout.strip().splitlines()[-1]) == digests[0]  # the same bytes: same keys after
+        return run.stderr
+
+    rerun = again("one")
+    assert "curate/minhash: computed in " in rerun and "runtime.on_code_drift=rerun" in rerun
+    (manifest_path,) = fs.glob(f"{s3.bucket}/ws/curate/minhash/*/{MANIFEST}")
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(manifest_path))["code"]["libraries"]["datasketch"] == "99.0"
+    assert ": computed in " not in again("one")  # converged: the rerun's output is reused
+    stale = again("two")  # its working copy still held the old code's output
+    assert ": computed in " not in stale and "the store's, computed again by this code, replaces it" in stale
 
 
 PRETRAIN = """

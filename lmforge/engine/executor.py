@@ -85,6 +85,10 @@ def plan_step(step: Step, config: PipelineBase, store: StageStore, upstream: dic
     key = step_key(components)
     manifest, reason = store.check(step.name, key)
     drift = codeprint.drift(step, manifest.get("code")) if manifest else []
+    if drift and store.remote is not None:  # another machine may have computed it again with this code
+        current, why = store.current_on_store(step.name, key, lambda m: not codeprint.drift(step, m.get("code")))
+        if current is not None:
+            manifest, reason, drift = current, why, []
     rerun = bool(drift) and config.runtime.on_code_drift == "rerun"
     if rerun:
         manifest, reason = None, "; ".join(drift) + " (runtime.on_code_drift=rerun)"
@@ -118,6 +122,7 @@ def open_step(
         store.invalidate(plan.directory)
     plan.directory.mkdir(parents=True, exist_ok=True)
     needed = {name: local_copy(store, name, upstream[name]) for name in plan.upstream_names}
+    store.hold([plan.directory, *(Path(m["dir"]) for m in needed.values())])
     return StepContext(
         plan.step.name,
         plan.key,
@@ -334,6 +339,8 @@ def _plan_and_compute(
     if plan.cached:
         report_reuse(plan)
         return plan.manifest, True  # type: ignore[return-value]
+    if plan.rerun_for_drift:  # the store's copy too, or the rerun would adopt it and never converge
+        store.retract(step.name, plan.key, lambda m: bool(codeprint.drift(step, m.get("code"))))
     with store.lock(step.name, plan.key) as lock_fd:
         plan = plan_step(step, config, store, upstream)
         if plan.cached:

@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -75,7 +75,12 @@ def local_workspace(config: Any) -> Path:
     storage = config.runtime.storage
     if storage.local_copy:
         return Path(storage.local_copy).expanduser()
-    return Path("~/.cache/lmforge/workspaces").expanduser() / digest(workspace, length=16)
+    # by endpoint too: one bucket name behind two endpoints is two stores, and a working copy's record of
+    # what it published to one says nothing of the other
+    endpoint = (storage.options or {}).get("endpoint_url")
+    return Path("~/.cache/lmforge/workspaces").expanduser() / digest(
+        workspace if not endpoint else f"{workspace} at {endpoint}", length=16
+    )
 
 
 def remote_workspace(config: Any) -> RemoteWorkspace | None:
@@ -262,6 +267,22 @@ class RemoteWorkspace:
         (directory / PUBLISHED).touch()
         return committed or manifest
 
+    def retract(self, step: str, key: str, stale: Callable[[dict[str, Any]], bool]) -> bool:
+        """Withdraw the store's output of `key` when `stale(manifest)` still holds for it (made by other
+        code, and `runtime.on_code_drift: rerun`): its manifest, and its checkpoints, which no rerun may
+        resume. Its files stay where they are (a machine fetching them meanwhile still gets what its
+        manifest lists); the rerun commits under a prefix of its own. True when it was withdrawn."""
+        stored = self.manifest(step, key)
+        if stored is None or not stale(stored):
+            return False  # absent, or another machine already committed the current code's output
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(step, key, MANIFEST))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(step, key, CHECKPOINTS), recursive=True)
+        self.fs.invalidate_cache(self.path(step, key))
+        log.warning("%s/%s: withdrew the store's output made by other code, to compute it again", step, key)
+        return True
+
     # -- leases ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -355,6 +376,8 @@ class RemoteWorkspace:
                 break
             if directory in keep or not (directory / PUBLISHED).exists():
                 continue
+            if not self._still_stored(local_root, directory):
+                continue
             shutil.rmtree(directory, ignore_errors=True)
             total -= sizes[directory]
             removed.append(directory)
@@ -362,6 +385,24 @@ class RemoteWorkspace:
             log.info("working copy %s: removed %d least recently used output(s) on the store to stay under %.2f GB",
                      local_root, len(removed), self.budget / 2**30)  # fmt: skip
         return removed
+
+    def _still_stored(self, local_root: Path, directory: Path) -> bool:
+        """Whether the store still holds the output this working copy published (a lifecycle rule, or a
+        bucket of the same name behind another endpoint, may have lost it): only then may the working copy's
+        be removed. One that is gone is kept, and published again the next time a run checks it."""
+        stage, name, key = directory.relative_to(local_root).parts
+        try:
+            here = json.loads((directory / MANIFEST).read_text()).get("digest")
+        except (OSError, json.JSONDecodeError):
+            return True  # no usable manifest: nothing the store could lose
+        self.fs.invalidate_cache(self.path(f"{stage}/{name}", key))
+        stored = self.manifest(f"{stage}/{name}", key)
+        if stored is not None and stored.get("digest") == here:
+            return True
+        (directory / PUBLISHED).unlink(missing_ok=True)
+        log.warning("%s: the store no longer holds this output; the working copy's is kept and will be "
+                    "published again", self.url_of(f"{stage}/{name}", key))  # fmt: skip
+        return False
 
 
 CHECKPOINTS = "checkpoints"  # a step's checkpoint folders: <out>/checkpoints/<name>-<step number>/

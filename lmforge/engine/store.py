@@ -25,8 +25,9 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,6 +62,7 @@ def list_outputs(directory: Path, exclude: tuple[str, ...] = ()) -> list[str]:
 
 
 VERIFIED = ".verified.json"
+IN_USE: set[Path] = set()  # what no store of this process evicts from a working copy (`StageStore.used`)
 RACY_NS = 2_000_000_000  # a file modified this close to its stamp may still change within the same timestamp tick
 
 
@@ -188,7 +190,10 @@ class StageStore:
         # downloaded, nothing uploaded (an output made here and not yet published stays so), and the
         # working copy is not bounded (no eviction, no use recorded)
         self.fetch = fetch
-        self.used: set[Path] = set()  # outputs this run reused or made: never evicted from the working copy
+        # outputs this process's run reused or made, and the inputs of the step it computes: never evicted
+        # from the working copy. One set for every store of the process: the stores the judge, the answer
+        # sets and the safety gate open inside a step evict too, and removed that step's inputs
+        self.used = IN_USE
 
     @classmethod
     def for_config(cls, config: Any, fetch: bool = True) -> StageStore:
@@ -242,6 +247,37 @@ class StageStore:
             manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
         return manifest, reason
 
+    def current_on_store(
+        self, step: str, key: str, current: Callable[[dict[str, Any]], bool]
+    ) -> tuple[dict[str, Any] | None, str]:
+        """For a working copy whose output of `key` was made by other code (drift): the store's output of
+        the key when `current(manifest)` holds for it (another machine computed it again), fetched in place
+        of the stale copy (only its manifest when this store does not fetch); else (None, why)."""
+        if self.remote is None:
+            return None, "no store"
+        stored = self.remote.manifest(step, key)
+        if stored is None or not current(stored):
+            return None, "the store's output was made by other code too"
+        directory = self.step_dir(step, key)
+        if not self.fetch:
+            return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
+        shutil.rmtree(directory, ignore_errors=True)  # the stale copy: nothing of it is kept
+        problem = self.remote.fetch(step, key, directory, stored)
+        if problem:
+            return None, f"output on the store is damaged: {problem}"
+        self._used(directory)
+        log.info("%s/%s: the working copy's output was made by other code; the store's, computed again by "
+                 "this code, replaces it", step, key)  # fmt: skip
+        manifest = {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}
+        return manifest, f"fetched from {self.remote.url} (computed again by the current code)"
+
+    def retract(self, step: str, key: str, stale: Callable[[dict[str, Any]], bool]) -> None:
+        """Before computing an output again because its code drifted (`runtime.on_code_drift: rerun`): in a
+        remote workspace, withdraw the store's stale output, so the rerun's commit is the one every machine
+        finds (it adopted the stale one, and the rerun never converged) and no checkpoint of it is resumed."""
+        if self.remote is not None and self.fetch:
+            self.remote.retract(step, key, stale)
+
     def here(self, step: str, key: str, recorded: str | os.PathLike[str]) -> Path:
         """`relocated` into this workspace's copy of `<step>/<key>`, fetched from the store first if need be."""
         if self.remote is not None and self.read_manifest(self.step_dir(step, key)) is None:
@@ -258,6 +294,10 @@ class StageStore:
         if self.remote is None or CHECKPOINTS not in bookkeeping:
             return None
         return CheckpointMirror(self.remote, step, key, self.step_dir(step, key), self.remote.keep_checkpoints)
+
+    def hold(self, directories: list[Path]) -> None:
+        """Outputs a step computing in this process reads or writes: no store of the process evicts them."""
+        self.used.update(Path(d) for d in directories)
 
     def _used(self, directory: Path) -> None:
         from lmforge.engine.remote import touch_used
