@@ -81,6 +81,33 @@ def test_an_output_made_on_one_machine_is_fetched_and_verified_on_another(s3: S3
     assert (tmp_path / "two/demo/step/k1/sub/b.bin").stat().st_size == 3000
 
 
+def test_a_fetched_output_is_hashed_once_on_this_machine(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: an output was hashed when it was downloaded and again by every later process on the
+    machine (no stat stamps were recorded for downloaded files). Now the fetch's hashing is the only one."""
+    import lmforge.engine.remote as remote_module
+    import lmforge.engine.store as store_module
+    from lmforge.hashing import file_sha256
+
+    _make(_machine(s3, tmp_path / "one"))
+    hashed: list[str] = []
+
+    def counting(path: Path) -> str:
+        hashed.append(Path(path).name)
+        return file_sha256(path)
+
+    monkeypatch.setattr(remote_module, "file_sha256", counting)
+    monkeypatch.setattr(store_module, "file_sha256", counting)
+    for _ in range(3):  # the run that fetches it, then two later runs (processes) on this machine
+        assert _machine(s3, tmp_path / "two").check("demo/step", "k1")[0] is not None
+    assert sorted(hashed) == ["a.txt", "b.bin"]
+    (tmp_path / "two/demo/step/k1/a.txt").write_text("alphA")  # a later write is still caught
+    manifest, reason = _machine(s3, tmp_path / "two").check("demo/step", "k1")
+    assert manifest is not None and reason.startswith("fetched from")  # repaired from the store
+    assert (tmp_path / "two/demo/step/k1/a.txt").read_text() == "alpha"
+
+
 def test_when_two_machines_commit_one_key_the_first_manifest_wins_and_the_other_takes_its_output(
     s3: S3, tmp_path: Path
 ) -> None:

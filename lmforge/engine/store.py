@@ -85,6 +85,12 @@ def _write_stamps(directory: Path, stamps: dict[str, list[Any]]) -> None:
         log.debug("could not record verified files in %s: %s", directory, exc)
 
 
+def stamp_fetched(directory: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Record the stat stamps of an output `RemoteWorkspace.fetch` just verified (it hashed every file
+    and dated them back, so a later write changes their stamps): the next process hashes none of them."""
+    _write_stamps(directory, {rel: [*_stamp((directory / rel).stat()), meta["sha256"]] for rel, meta in files.items()})
+
+
 def settled(st: os.stat_result, now_ns: int) -> bool:
     """False for a file changed so recently that a later write could keep its stamp ("racily clean")."""
     return now_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_NS
@@ -239,6 +245,7 @@ class StageStore:
             problem = self.remote.fetch(step, key, directory, stored)
             if problem:
                 return None, f"output on the store is damaged: {problem}"
+            stamp_fetched(directory, stored.get("outputs", {}))
             # fetch verified every listed file against its digest: hashing them all again here would double it
             manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.remote.url}"
         if manifest is not None:
@@ -265,6 +272,7 @@ class StageStore:
         problem = self.remote.fetch(step, key, directory, stored)
         if problem:
             return None, f"output on the store is damaged: {problem}"
+        stamp_fetched(directory, stored.get("outputs", {}))
         self._used(directory)
         log.info("%s/%s: the working copy's output was made by other code; the store's, computed again by "
                  "this code, replaces it", step, key)  # fmt: skip
@@ -316,6 +324,7 @@ class StageStore:
         problem = self.remote.fetch(step, key, directory, committed)
         if problem:
             raise RuntimeError(f"{step}/{key}: {problem}")
+        stamp_fetched(directory, committed.get("outputs", {}))
         return {**committed, "dir": str(directory)}
 
     def _check_local(self, step: str, key: str) -> tuple[dict[str, Any] | None, str]:
