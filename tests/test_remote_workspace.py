@@ -99,9 +99,11 @@ def test_a_fetched_output_is_hashed_once_on_this_machine(
 
     monkeypatch.setattr(remote_module, "file_sha256", counting)
     monkeypatch.setattr(store_module, "file_sha256", counting)
+    bounded: list[Path] = []  # bounding walks every output of the working copy: only when it grew
+    monkeypatch.setattr(RemoteWorkspace, "bound", lambda self, root, keep: bounded.append(root) or [])
     for _ in range(3):  # the run that fetches it, then two later runs (processes) on this machine
         assert _machine(s3, tmp_path / "two").check("demo/step", "k1")[0] is not None
-    assert sorted(hashed) == ["a.txt", "b.bin"]
+    assert sorted(hashed) == ["a.txt", "b.bin"] and len(bounded) == 1
     (tmp_path / "two/demo/step/k1/a.txt").write_text("alphA")  # a later write is still caught
     manifest, reason = _machine(s3, tmp_path / "two").check("demo/step", "k1")
     assert manifest is not None and reason.startswith("fetched from")  # repaired from the store
@@ -358,12 +360,17 @@ def test_the_working_copy_stays_under_its_bound_removing_least_recently_used_pub
         assert bounded.check("demo/step", key)[0] is not None
         time.sleep(0.05)
     bounded.used.clear()  # a later run: nothing of it in use yet
-    assert bounded.check("demo/step", "k1")[0] is not None  # fetched again; k2 (least recently used) leaves
+    assert bounded.check("demo/step", "k1")[0] is not None  # reused here (a cache hit bounds nothing)
+    assert len(list((tmp_path / "small/demo/step").glob(f"*/{MANIFEST}"))) == 3
+    _make(maker, key="k4")
+    assert (
+        bounded.check("demo/step", "k4")[0] is not None
+    )  # fetched: the copy grew, k2 and k3 (least recently used) leave
     kept = sorted(p.parent.name for p in (tmp_path / "small/demo/step").glob(f"*/{MANIFEST}"))
-    assert kept == ["k1", "k3"]
+    assert kept == ["k1", "k4"]
     local_only = StageStore(tmp_path / "small")  # an output never published is never evicted
     assert all((tmp_path / "small/demo/step" / k / PUBLISHED).exists() for k in kept)
-    assert local_only.check("demo/step", "k3")[0] is not None
+    assert local_only.check("demo/step", "k4")[0] is not None
 
 
 def test_an_output_the_store_lost_is_kept_in_the_working_copy_and_published_again(s3: S3, tmp_path: Path) -> None:

@@ -250,7 +250,7 @@ class StageStore:
             manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.remote.url}"
         if manifest is not None:
             if self.fetch:
-                self._used(directory)
+                self._used(directory, grew=reason.startswith("fetched"))
             manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
         return manifest, reason
 
@@ -307,12 +307,15 @@ class StageStore:
         """Outputs a step computing in this process reads or writes: no store of the process evicts them."""
         self.used.update(Path(d) for d in directories)
 
-    def _used(self, directory: Path) -> None:
+    def _used(self, directory: Path, grew: bool = True) -> None:
+        """Record a use of `directory` (the working copy's LRU order); bound the working copy when it grew
+        (an output fetched or made here): a cache hit on what is already here adds nothing, and bounding
+        walks every output of the working copy."""
         from lmforge.engine.remote import touch_used
 
         touch_used(directory)
         self.used.add(directory)
-        if self.remote is not None:
+        if self.remote is not None and grew:
             self.remote.bound(self.root, self.used)
 
     def _publish(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
