@@ -457,6 +457,27 @@ print(json.dumps({name: m["digest"] for name, m in manifests.items()}))
 """
 
 
+EXPLAIN = """
+import json, sys
+import s3fs
+writes = []
+for name in ("_pipe_file", "_put_file", "_rm", "_rm_file", "_mkdir", "_makedirs", "_touch", "_cp_file"):
+    original = getattr(s3fs.S3FileSystem, name)
+    async def counted(self, *args, _name=name, _original=original, **kwargs):
+        writes.append(_name)
+        return await _original(self, *args, **kwargs)
+    setattr(s3fs.S3FileSystem, name, counted)
+from lmforge.config import load_config
+from lmforge.engine.explain import explain
+from tests.conftest import SMALL_CURATE
+workspace, local, endpoint = sys.argv[1:4]
+config = load_config("tiny-cpu", [*SMALL_CURATE, f"runtime.storage.options={{endpoint_url: {endpoint}}}",
+                                  f"runtime.storage.local_copy={local}"], workspace)
+lines = explain(config, ["curate"])
+print(json.dumps({"writes": writes, "reused": all(e.reuse for e in lines), "steps": len(lines)}))
+"""
+
+
 @pytest.mark.slow
 def test_two_machines_curating_one_workspace_at_once_compute_each_step_once_and_both_succeed(
     s3: S3, tmp_path: Path
@@ -511,6 +532,15 @@ def test_two_machines_curating_one_workspace_at_once_compute_each_step_once_and_
     assert ": computed in " not in again("one")  # converged: the rerun's output is reused
     stale = again("two")  # its working copy still held the old code's output
     assert ": computed in " not in stale and "the store's, computed again by this code, replaces it" in stale
+
+    # `lmforge explain` on a machine that has nothing yet: every step found on the store, and not one write
+    # request (s3fs's write methods counted; the reachability probe of a store that computes writes one)
+    looked = subprocess.run([sys.executable, "-c", EXPLAIN, s3.url(), str(tmp_path / "copy-explain"), s3.endpoint],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert looked.returncode == 0, looked.stderr[-3000:]
+    seen = json.loads(looked.stdout.strip().splitlines()[-1])
+    assert seen == {"writes": [], "reused": True, "steps": len(digests[0])}, seen
+    assert not (tmp_path / "copy-explain").exists() or not any((tmp_path / "copy-explain").rglob("*.json"))
 
 
 PRETRAIN = """

@@ -163,6 +163,14 @@ class RemoteWorkspace:
 
     # -- reachability ---------------------------------------------------------------------
 
+    def check_readable(self) -> None:
+        """What a read-only store (`lmforge explain`, planning) needs: the store answers a listing of the
+        workspace. It writes nothing (`check_access` writes and deletes a probe)."""
+        try:
+            self.fs.exists(self.path(MANIFEST))
+        except Exception as exc:  # noqa: BLE001 - every cause is reported as one line naming the URL
+            raise StoreUnreachable(f"workspace {self.url}: cannot read the store ({_one_line(exc)})") from exc
+
     def check_access(self) -> None:
         """Write, conditionally create and delete a probe object: the store is reachable, this machine's
         credentials may write, and it offers the conditional create the commit rule and leases need."""

@@ -204,11 +204,14 @@ class StageStore:
     @classmethod
     def for_config(cls, config: Any, fetch: bool = True) -> StageStore:
         """The store of `config.workspace`; a remote one is checked once per process (reachable, writable,
-        conditional creates), failing in one line naming the URL before any step runs."""
+        conditional creates; only readable for a read-only store), failing in one line naming the URL before
+        any step runs."""
         from lmforge.engine.remote import local_workspace, remote_workspace
 
         remote = remote_workspace(config)
-        if remote is not None and remote.url not in _REACHED:
+        if remote is not None and not fetch:
+            remote.check_readable()  # a read-only store (explain) makes no write request, not even a probe
+        elif remote is not None and remote.url not in _REACHED:
             remote.check_access()
             _REACHED.add(remote.url)
         return cls(local_workspace(config), config.runtime.verify, remote, fetch)
