@@ -427,6 +427,8 @@ def test_an_unreachable_store_or_credentials_in_the_config_fail_in_one_line(s3: 
     closed = load_config("tiny-cpu", ["runtime.storage.options={endpoint_url: http://127.0.0.1:9}"], s3.url())
     with pytest.raises(StoreUnreachable, match=r"^workspace s3://lmforge-\w+/ws: cannot write to the store"):
         StageStore.for_config(closed)
+    with pytest.raises(StoreUnreachable, match=r"^workspace s3://lmforge-\w+/ws: cannot read the store"):
+        StageStore.for_config(closed, fetch=False)  # explain: a read, not a probe written
     with pytest.raises(ConfigError, match=r"runtime.storage.options.secret: credentials never go in the config"):
         load_config("tiny-cpu", ["runtime.storage.options={secret: abc}"], s3.url())
     with pytest.raises(ConfigError, match=r"workspace nope://x: no fsspec filesystem for nope://"):
