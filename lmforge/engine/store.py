@@ -85,12 +85,6 @@ def _write_stamps(directory: Path, stamps: dict[str, list[Any]]) -> None:
         log.debug("could not record verified files in %s: %s", directory, exc)
 
 
-def stamp_fetched(directory: Path, files: dict[str, dict[str, Any]]) -> None:
-    """Record the stat stamps of an output `RemoteWorkspace.fetch` just verified (it hashed every file
-    and dated them back, so a later write changes their stamps): the next process hashes none of them."""
-    _write_stamps(directory, {rel: [*_stamp((directory / rel).stat()), meta["sha256"]] for rel, meta in files.items()})
-
-
 def settled(st: os.stat_result, now_ns: int) -> bool:
     """False for a file changed so recently that a later write could keep its stamp ("racily clean")."""
     return now_ns - max(st.st_mtime_ns, st.st_ctime_ns) >= RACY_NS
@@ -245,10 +239,9 @@ class StageStore:
                 return None, reason
             if not self.fetch:
                 return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
-            problem = self.remote.fetch(step, key, directory, stored)
+            problem = self._fetch(step, key, directory, stored)
             if problem:
                 return None, f"output on the store is damaged: {problem}"
-            stamp_fetched(directory, stored.get("outputs", {}))
             # fetch verified every listed file against its digest: hashing them all again here would double it
             manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.remote.url}"
         if manifest is not None:
@@ -272,10 +265,9 @@ class StageStore:
         if not self.fetch:
             return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
         shutil.rmtree(directory, ignore_errors=True)  # the stale copy: nothing of it is kept
-        problem = self.remote.fetch(step, key, directory, stored)
+        problem = self._fetch(step, key, directory, stored)
         if problem:
             return None, f"output on the store is damaged: {problem}"
-        stamp_fetched(directory, stored.get("outputs", {}))
         self._used(directory)
         log.info("%s/%s: the working copy's output was made by other code; the store's, computed again by "
                  "this code, replaces it", step, key)  # fmt: skip
@@ -321,16 +313,27 @@ class StageStore:
         if self.remote is not None and grew:
             self.remote.bound(self.root, self.used)
 
+    def _fetch(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> str | None:
+        """`RemoteWorkspace.fetch`, then the stat stamps of what it verified: it hashed every file and dated
+        them back, so a later write changes their stamps, and the next process hashes none of them."""
+        assert self.remote is not None
+        problem = self.remote.fetch(step, key, directory, manifest)
+        if problem is None:
+            files = manifest.get("outputs", {})
+            _write_stamps(
+                directory, {rel: [*_stamp((directory / rel).stat()), m["sha256"]] for rel, m in files.items()}
+            )
+        return problem
+
     def _publish(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         assert self.remote is not None
         committed = self.remote.publish(step, key, directory, manifest)
         if committed.get("digest") == manifest.get("digest"):
             return manifest
         # another machine committed this key first (a lease taken over): the store's output is the lineage's
-        problem = self.remote.fetch(step, key, directory, committed)
+        problem = self._fetch(step, key, directory, committed)
         if problem:
             raise RuntimeError(f"{step}/{key}: {problem}")
-        stamp_fetched(directory, committed.get("outputs", {}))
         return {**committed, "dir": str(directory)}
 
     def _check_local(self, step: str, key: str) -> tuple[dict[str, Any] | None, str]:

@@ -83,7 +83,9 @@ def staged(model_dir: Path, out: Path) -> Path:
 
 
 # what a transformers tokenizer is saved as (any of them a model folder has), and the model's config.json (its
-# context length, and what AutoTokenizer reads when tokenizer_config.json names no class): the GGUF output keeps a copy
+# context length, and what AutoTokenizer reads when tokenizer_config.json names no class): the GGUF output keeps a copy.
+# training.export.TOKENIZER_FILES lists the same for an export; importing it would put the training package in
+# this step's code key.
 TOKENIZER_FILES = (
     "config.json",
     "tokenizer.json",
