@@ -17,7 +17,7 @@
 # And .venv-docs from requirements/docs.lock: MkDocs with the Material theme, for the docs site the
 # lint step builds (mkdocs build --strict). LMFORGE_SKIP_DOCS_ENV=1 skips it.
 # With LMFORGE_LLAMACPP_ENV=1 (scripts/test.sh sets it), also .venv-llamacpp from
-# requirements/llamacpp.lock: llama.cpp built from source (about 2 minutes) for GGUF export and
+# requirements/llamacpp.lock: llama.cpp built from source (about 2-3 minutes) for GGUF export and
 # `serve.engine.name: llamacpp`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -105,7 +105,11 @@ setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_L
   # though the package installs neither: the bindings load libllama and libggml only. Building without
   # them is half the compile (237 against 471 CPU-s on 2 cores). The server is llama-cpp-python's own.
   local no_common='s/set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)/set(LLAMA_BUILD_COMMON OFF CACHE BOOL "Build llama.cpp common library" FORCE)/'
-  want=$({ cat "$req"; echo "$cmake_args"; echo "$no_common"; } | sha256sum | cut -d' ' -f1)
+  # libllama's own code (model graphs for ~160 architectures, vocabularies, sampling) at -O1: it builds the
+  # graph that ggml's kernels run, and the kernels (ggml, where the FLOPs are) keep -O3. 293 against 429
+  # CPU-s for the whole compile on 2 cores (AVX2 host), the longest part of setup on a fresh clone.
+  local llama_o1='s/^target_compile_features *(llama PRIVATE cxx_std_17).*$/&\ntarget_compile_options(llama PRIVATE -O1)/'
+  want=$({ cat "$req"; echo "$cmake_args"; echo "$no_common"; echo "$llama_o1"; } | sha256sum | cut -d' ' -f1)
   stamp="$venv/.lmforge-installed"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
@@ -123,6 +127,11 @@ setup_llamacpp_env() {  # optional: GGUF export and llama.cpp serving (LMFORGE_L
   sed -i "$no_common" "$source/CMakeLists.txt"
   if grep -q 'set(LLAMA_BUILD_COMMON ON' "$source/CMakeLists.txt"; then
     echo "llama-cpp-python $version: its CMakeLists.txt no longer reads as expected (LLAMA_BUILD_COMMON)" >&2
+    return 1
+  fi
+  sed -i "$llama_o1" "$source/vendor/llama.cpp/src/CMakeLists.txt"
+  if ! grep -q '^target_compile_options(llama PRIVATE -O1)$' "$source/vendor/llama.cpp/src/CMakeLists.txt"; then
+    echo "llama-cpp-python $version: llama.cpp's src/CMakeLists.txt no longer reads as expected (target_compile_features)" >&2
     return 1
   fi
   CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
