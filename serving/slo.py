@@ -275,19 +275,16 @@ class CpuMeter:
         self.start = (time.monotonic(), _machine_busy_s(), self._ours_s())
 
     def _ours_s(self) -> float:
+        import os
+
         import psutil
 
-        processes = [psutil.Process()]
-        for pid in self.pids:
-            try:
-                server = psutil.Process(pid)
-                processes += [server, *server.children(recursive=True)]
-            except psutil.Error:
-                continue
+        from lmforge.processes.launch import process_tree
+
         total = 0.0
-        for process in processes:
+        for pid in {os.getpid()}.union(*(process_tree(p) for p in self.pids)):
             try:
-                times = process.cpu_times()
+                times = psutil.Process(pid).cpu_times()
             except psutil.Error:
                 continue
             total += times.user + times.system
