@@ -76,7 +76,7 @@ def make_output(directory: Path, mb: int, files: int) -> None:
 def transfer(endpoint: str, mb: int, files: int, repeats: int, scratch: Path) -> dict[str, float]:
     import s3fs
 
-    from lmforge.engine.remote import RemoteWorkspace
+    from lmforge.engine.remote import FsspecStore
     from lmforge.engine.store import StageStore
 
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
@@ -90,7 +90,7 @@ def transfer(endpoint: str, mb: int, files: int, repeats: int, scratch: Path) ->
     names = list(manifest["outputs"])
     best = {"publish": 1e9, "put": 1e9, "fetch": 1e9, "get": 1e9}
     for r in range(repeats):
-        remote = RemoteWorkspace(f"s3://{bucket}/lm{r}", {"endpoint_url": endpoint})
+        remote = FsspecStore(f"s3://{bucket}/lm{r}", {"endpoint_url": endpoint})
         started = time.perf_counter()
         remote.publish("demo/step", "k0", out, manifest)
         best["publish"] = min(best["publish"], time.perf_counter() - started)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.engine.remote import PUBLISHED, RemoteWorkspace, StoreUnreachable, local_workspace
+from lmforge.engine.remote import PUBLISHED, FsspecStore, StoreUnreachable, local_workspace
 from lmforge.engine.store import MANIFEST, StageStore
 from lmforge.errors import ConfigError
 from tests.s3server import S3
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _machine(s3: S3, local: Path, lease_s: float = 120.0, budget: int | None = None) -> StageStore:
     """One machine's view of the bucket's workspace: its own working copy."""
-    return StageStore(local, "checksum", RemoteWorkspace(s3.url(), {"endpoint_url": s3.endpoint}, lease_s, budget))
+    return StageStore(local, "checksum", FsspecStore(s3.url(), {"endpoint_url": s3.endpoint}, lease_s, budget))
 
 
 def _make(store: StageStore, step: str = "demo/step", key: str = "k1", text: str = "alpha") -> dict:
@@ -100,7 +100,7 @@ def test_a_fetched_output_is_hashed_once_on_this_machine(
     monkeypatch.setattr(remote_module, "file_sha256", counting)
     monkeypatch.setattr(store_module, "file_sha256", counting)
     bounded: list[Path] = []  # bounding walks every output of the working copy: only when it grew
-    monkeypatch.setattr(RemoteWorkspace, "bound", lambda self, root, keep: bounded.append(root) or [])
+    monkeypatch.setattr(FsspecStore, "bound", lambda self, root, keep: bounded.append(root) or [])
     for _ in range(3):  # the run that fetches it, then two later runs (processes) on this machine
         assert _machine(s3, tmp_path / "two").check("demo/step", "k1")[0] is not None
     assert sorted(hashed) == ["a.txt", "b.bin"] and len(bounded) == 1

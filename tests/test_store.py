@@ -156,3 +156,121 @@ def test_invalidate_forgets_what_was_verified(tmp_path: Path, monkeypatch) -> No
     assert lmforge.engine.store.VERIFIED not in json.loads((directory / MANIFEST).read_text())["outputs"]
     store.invalidate(directory)
     assert not (directory / lmforge.engine.store.VERIFIED).exists()
+
+
+# -- the Store protocol: a third kind of store is one class ----------------------------------------
+
+
+class FolderStore:
+    """A shared store that is another folder (a mounted share): the whole of what `Store` asks, and nothing
+    else; `StageStore` fetches from it, commits to it and leases through it as it does with object storage."""
+
+    shared = True
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.url = root, str(root)
+        self.commits = 0
+
+    def url_of(self, *parts: str) -> str:
+        return "/".join([self.url, *parts])
+
+    def check_access(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def check_readable(self) -> None:
+        return None
+
+    def manifest(self, step: str, key: str) -> dict | None:
+        path = self.root / step / key / MANIFEST
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def fetch(self, step: str, key: str, directory: Path, manifest: dict) -> str | None:
+        import shutil
+
+        from lmforge.engine.remote import contained
+
+        for rel in manifest["outputs"]:
+            target = contained(directory, rel, self.url_of(step, key))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.root / step / key / rel, target)
+        (directory / MANIFEST).write_text(json.dumps(manifest))
+        return None
+
+    def publish(self, step: str, key: str, directory: Path, manifest: dict) -> dict:
+        import shutil
+
+        committed = self.manifest(step, key)
+        if committed is None:
+            for rel in manifest["outputs"]:
+                (self.root / step / key / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(directory / rel, self.root / step / key / rel)
+            shared = {k: v for k, v in manifest.items() if k not in ("dir", "url")}
+            with open(self.root / step / key / MANIFEST, "x") as handle:  # the commit: first one wins
+                handle.write(json.dumps(shared))
+            self.commits += 1
+            committed = manifest
+        (directory / ".published").touch()
+        return committed
+
+    def retract(self, step: str, key: str, stale) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def lease(self, step: str, key: str, committed):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        return contextlib.nullcontext(True)
+
+    def checkpoints(self, step: str, key: str, directory: Path) -> None:
+        return None
+
+    def bound(self, local_root: Path, keep: set[Path]) -> list[Path]:
+        return []
+
+
+def test_a_third_kind_of_store_is_one_class(tmp_path: Path) -> None:
+    """`FolderStore` above implements `lmforge.engine.workspace.Store` and nothing else: an output made on
+    one machine is committed to it, a machine with an empty working copy fetches it, and a manifest whose
+    digest is not that of the files it lists (what downstream keys would take) is refused in one line."""
+    from lmforge.engine.workspace import Store
+
+    shared = FolderStore(tmp_path / "share")
+    assert isinstance(shared, Store)
+    maker = StageStore(tmp_path / "machine-a", store=shared)
+    directory = _complete(maker)
+    assert shared.commits == 1 and (tmp_path / "share" / "demo/step/k1/sub/b.bin").read_bytes() == b"\x00\x01"
+    assert maker.check("demo/step", "k1")[0]["url"] == f"{shared.url}/demo/step/k1"  # type: ignore[index]
+
+    reader = StageStore(tmp_path / "machine-b", store=shared)
+    manifest, reason = reader.check("demo/step", "k1")
+    assert manifest is not None and reason.startswith("fetched from") and shared.commits == 1
+    assert (tmp_path / "machine-b/demo/step/k1/a.txt").read_text() == "alpha"
+    assert manifest["digest"] == json.loads((directory / MANIFEST).read_text())["digest"]
+
+    # a planted manifest: the same files, another digest (and the prefixes it claims to cover checked too)
+    planted = json.loads((tmp_path / "share/demo/step/k1" / MANIFEST).read_text())
+    for change in ({"digest": "0" * 32}, {"digest_paths": ["sub/"]}, {"digest_paths": "a.txt"}):
+        (tmp_path / "share/demo/step/k1" / MANIFEST).write_text(json.dumps({**planted, **change}))
+        fresh = StageStore(tmp_path / "machine-c", store=shared)
+        manifest, reason = fresh.check("demo/step", "k1")
+        assert manifest is None and reason.startswith("output on the store is damaged: ") and "\n" not in reason
+        assert "digest" in reason and not (tmp_path / "machine-c/demo/step/k1/a.txt").exists()
+    # one committed before manifests recorded what their digest covers is taken as it is
+    del planted["digest_paths"]
+    (tmp_path / "share/demo/step/k1" / MANIFEST).write_text(json.dumps(planted))
+    assert StageStore(tmp_path / "machine-d", store=shared).check("demo/step", "k1")[0] is not None
+
+
+def test_a_local_workspace_is_its_own_store(tmp_path: Path) -> None:
+    """The local store holds nothing beyond the folder, commits by writing the manifest and grants every
+    lease: a local workspace's outputs carry no `url` and no bookkeeping of a working copy."""
+    from lmforge.engine.workspace import LocalStore, Store
+
+    store = StageStore(tmp_path)
+    assert isinstance(store.store, LocalStore) and isinstance(store.store, Store) and store.remote is None
+    directory = _complete(store)
+    manifest, _ = store.check("demo/step", "k1")
+    assert manifest is not None and "url" not in manifest and manifest["digest_paths"] is None
+    assert not (directory / ".published").exists() and not (directory / ".used").exists()
+    assert store.check("demo/step", "k9") == (None, "no output with this key yet")
+    with store.lock("demo/step", "k1") as fd:
+        assert fd > 0

@@ -85,6 +85,7 @@ NOT_STEP_CODE = frozenset(
         "lmforge.engine.stagemap",
         "lmforge.engine.steplog",
         "lmforge.engine.store",
+        "lmforge.engine.workspace",
         "lmforge.processes.supervise",
         "lmforge.tracking",
     }

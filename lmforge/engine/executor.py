@@ -79,13 +79,15 @@ def graph() -> Graph:
 
 
 def plan_step(step: Step, config: PipelineBase, store: StageStore, upstream: dict[str, dict[str, Any]]) -> StepPlan:
-    """The step's key and whether its output can be reused. Reads only: no side effects."""
+    """The step's key and whether its output can be reused. Computes nothing; with a shared store it may
+    bring the output into the working copy (or commit one made here whose upload failed), unless the store
+    is read-only (`fetch=False`: `lmforge explain`), which reads only."""
     names = graph().upstream(step, config)
     components = key_components(step, config, names, upstream)
     key = step_key(components)
     manifest, reason = store.check(step.name, key)
     drift = codeprint.drift(step, manifest.get("code")) if manifest else []
-    if drift and store.remote is not None:  # another machine may have computed it again with this code
+    if drift:  # on a shared store another machine may have computed it again with this code
         current, why = store.current_on_store(step.name, key, lambda m: not codeprint.drift(step, m.get("code")))
         if current is not None:
             manifest, reason, drift = current, why, []
@@ -139,16 +141,14 @@ def local_copy(store: StageStore, name: str, manifest: dict[str, Any]) -> dict[s
     """An upstream output as this machine holds it. In a remote workspace the manifest may come from
     another machine (a parent flow run's, naming its own folder): the output is taken from this
     machine's working copy, fetched from the store first when it is not there."""
-    if store.remote is None:
-        return manifest
     directory = store.step_dir(name, manifest["key"])
-    if Path(manifest["dir"]) == directory and (directory / "manifest.json").exists():
+    if not store.store.shared or (Path(manifest["dir"]) == directory and (directory / "manifest.json").exists()):
         return manifest
     here, reason = store.check(name, manifest["key"])
     if here is None:
         from lmforge.errors import RetryableError
 
-        raise RetryableError(f"{name}/{manifest['key']}: not available from {store.remote.url}: {reason}")
+        raise RetryableError(f"{name}/{manifest['key']}: not available from {store.store.url}: {reason}")
     return here
 
 

@@ -3,7 +3,9 @@ shared by every machine of a pipeline, each working in a local copy of it.
 
     workspace: s3://bucket/prefix          # runtime.storage: options, local_copy, local_copy_max_gb
 
-The layout and its rules are the local store's (`lmforge.engine.store`): a step output is
+`FsspecStore` is such a workspace's `Store` (`lmforge.engine.workspace`): the protocol `StageStore`
+speaks to whatever lies beyond the working copy. The layout and its rules are the local store's
+(`lmforge.engine.store`): a step output is
 `<workspace>/<step>/<key>/` plus `manifest.json`, and the manifest is written last. On a store
 with no atomic rename the manifest *is* the commit: it is uploaded after every file it lists, with
 a conditional create (S3's `If-None-Match: *`, fsspec's `mode="create"`), so a reader never sees a
@@ -83,15 +85,6 @@ def local_workspace(config: Any) -> Path:
     )
 
 
-def remote_workspace(config: Any) -> RemoteWorkspace | None:
-    workspace = str(config.workspace)
-    if not is_remote(workspace):
-        return None
-    storage = config.runtime.storage
-    budget = int(storage.local_copy_max_gb * 2**30) if storage.local_copy_max_gb else None
-    return RemoteWorkspace(workspace, storage.options, storage.lease_s, budget, storage.keep_checkpoints)
-
-
 def contained(directory: Path, name: object, where: str) -> Path:
     """`directory / name` for a name read from a shared store: refused (`UntrustedName`, one line naming
     `where` and the entry) unless it is a relative POSIX path with no empty, `.` or `..` part that
@@ -124,8 +117,12 @@ def _checked_manifest(url: str, step: str, key: str, manifest: dict[str, Any]) -
     if blobs is not None and (not isinstance(blobs, str) or not blobs.startswith(BLOBS_PREFIX) or "/" in blobs
                               or blobs in (".", "..")):  # fmt: skip
         return f"{url}: refused the entry {str(blobs)[:200]!r} (blobs): not a prefix of this output"
-    if not isinstance(manifest.get("outputs", {}), dict):
-        return f"{url}: the manifest's outputs are not a table of files"
+    outputs = manifest.get("outputs", {})
+    if not isinstance(outputs, dict) or not all(
+        isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("size"), int)
+        for m in outputs.values()
+    ):
+        return f"{url}: the manifest's outputs are not a table of files with their size and SHA-256"
     return None
 
 
@@ -134,8 +131,11 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-class RemoteWorkspace:
-    """The store side of a remote workspace: manifests, the files they list, leases."""
+class FsspecStore:
+    """A shared store on object storage (`lmforge.engine.workspace.Store`): manifests, the files they
+    list, leases, checkpoints."""
+
+    shared = True
 
     def __init__(
         self,
@@ -160,6 +160,9 @@ class RemoteWorkspace:
 
     def url_of(self, *parts: str) -> str:
         return "/".join([self.url, *parts])
+
+    def checkpoints(self, step: str, key: str, directory: Path) -> CheckpointMirror:
+        return CheckpointMirror(self, step, key, directory, self.keep_checkpoints)
 
     # -- reachability ---------------------------------------------------------------------
 
@@ -447,7 +450,7 @@ class CheckpointMirror:
     `restore()`, before the ranks start, downloads the newest sealed checkpoint on the store when the
     working copy has none as new, with the step's progress rows up to it."""
 
-    def __init__(self, remote: RemoteWorkspace, step: str, key: str, directory: Path, keep: int = 2,
+    def __init__(self, remote: FsspecStore, step: str, key: str, directory: Path, keep: int = 2,
                  interval_s: float = 2.0) -> None:  # fmt: skip
         self.remote, self.step, self.key, self.directory = remote, step, key, directory
         self.keep, self.interval_s = keep, interval_s

@@ -29,19 +29,20 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from lmforge.engine.remote import PUBLISHED
+from lmforge.engine.workspace import LocalStore, VerifyMode, Workspace
 from lmforge.hashing import atomic_write_json, digest, file_sha256
 
 if TYPE_CHECKING:
-    from lmforge.engine.remote import CheckpointMirror, RemoteWorkspace
+    from lmforge.engine.remote import CheckpointMirror
+    from lmforge.engine.workspace import Store
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 UNITS = ".units"
-VerifyMode = Literal["checksum", "size"]
 
 
 def list_outputs(directory: Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -168,24 +169,21 @@ def relocated(recorded: str | os.PathLike[str], key: str, directory: Path) -> Pa
     return directory.joinpath(*inside)
 
 
-_REACHED: set[str] = set()  # remote workspaces this process has checked (one probe per URL per process)
-
-
 class StageStore:
-    """Locates, verifies and records step outputs under one workspace: a folder, or this machine's
-    working copy of a remote one (`remote`, `lmforge.engine.remote`), which outputs are fetched from
-    when the working copy lacks them and published to when they are made here."""
+    """Locates, verifies and records step outputs in one workspace's folder (a local workspace, or this
+    machine's working copy of a shared one), and speaks to the workspace's `store`
+    (`lmforge.engine.workspace.Store`) for what the folder lacks or makes: fetched from it, committed to it."""
 
     def __init__(
         self,
         workspace: str | os.PathLike[str],
         verify: VerifyMode = "checksum",
-        remote: RemoteWorkspace | None = None,
+        store: Store | None = None,
         fetch: bool = True,
     ):
         self.root = Path(workspace).expanduser().resolve()
         self.verify_mode: VerifyMode = verify
-        self.remote = remote
+        self.store: Store = store if store is not None else LocalStore(self.root)
         # False (explain, planning): read-only. An output on the store counts as there, nothing is
         # downloaded, nothing uploaded (an output made here and not yet published stays so), and the
         # working copy is not bounded (no eviction, no use recorded)
@@ -197,18 +195,15 @@ class StageStore:
 
     @classmethod
     def for_config(cls, config: Any, fetch: bool = True) -> StageStore:
-        """The store of `config.workspace`; a remote one is checked once per process (reachable, writable,
-        conditional creates; only readable for a read-only store), failing in one line naming the URL before
-        any step runs."""
-        from lmforge.engine.remote import local_workspace, remote_workspace
+        """The outputs of `config.workspace`; its shared store, if any, is checked first (`Workspace.check`)."""
+        workspace = Workspace.of(config)
+        workspace.check(fetch)
+        return cls(workspace.root, workspace.verify, workspace.store, fetch)
 
-        remote = remote_workspace(config)
-        if remote is not None and not fetch:
-            remote.check_readable()  # a read-only store (explain) makes no write request, not even a probe
-        elif remote is not None and remote.url not in _REACHED:
-            remote.check_access()
-            _REACHED.add(remote.url)
-        return cls(local_workspace(config), config.runtime.verify, remote, fetch)
+    @property
+    def remote(self) -> Store | None:
+        """The shared store behind the working copy, None for a local workspace."""
+        return self.store if self.store.shared else None
 
     def step_dir(self, step: str, key: str) -> Path:
         return self.root / step / key
@@ -227,28 +222,30 @@ class StageStore:
         With a remote workspace, an output the working copy lacks is fetched from the store when it is
         there; one made here that is not on the store yet (its upload failed) is published."""
         manifest, reason = self._check_local(step, key)
-        if self.remote is None:
-            return manifest, reason
         directory = self.step_dir(step, key)
         if manifest is not None:
-            if not (directory / PUBLISHED).exists() and self.fetch:
+            if self.fetch and not (directory / PUBLISHED).exists():  # made here, not yet on the store
                 manifest = self._publish(step, key, directory, manifest)
         else:
-            stored = self.remote.manifest(step, key)
+            stored = self.store.manifest(step, key)
             if stored is None:
                 return None, reason
             if not self.fetch:
-                return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
+                return self._located({**stored, "dir": str(directory)}, step, key), "on the store"
             problem = self._fetch(step, key, directory, stored)
             if problem:
                 return None, f"output on the store is damaged: {problem}"
             # fetch verified every listed file against its digest: hashing them all again here would double it
-            manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.remote.url}"
-        if manifest is not None:
-            if self.fetch:
-                self._used(directory, grew=reason.startswith("fetched"))
-            manifest["url"] = self.remote.url_of(step, key)  # where every machine finds it
-        return manifest, reason
+            manifest, reason = {**stored, "dir": str(directory)}, f"fetched from {self.store.url}"
+        if self.fetch:
+            self._used(directory, grew=reason.startswith("fetched"))
+        return self._located(manifest, step, key), reason
+
+    def _located(self, manifest: dict[str, Any], step: str, key: str) -> dict[str, Any]:
+        """A manifest of a shared store names where every machine finds its output (`url`)."""
+        if self.store.shared:
+            manifest["url"] = self.store.url_of(step, key)
+        return manifest
 
     def current_on_store(
         self, step: str, key: str, current: Callable[[dict[str, Any]], bool]
@@ -256,14 +253,12 @@ class StageStore:
         """For a working copy whose output of `key` was made by other code (drift): the store's output of
         the key when `current(manifest)` holds for it (another machine computed it again), fetched in place
         of the stale copy (only its manifest when this store does not fetch); else (None, why)."""
-        if self.remote is None:
-            return None, "no store"
-        stored = self.remote.manifest(step, key)
+        stored = self.store.manifest(step, key)
         if stored is None or not current(stored):
-            return None, "the store's output was made by other code too"
+            return None, "the store holds no output of this key made by the current code"
         directory = self.step_dir(step, key)
         if not self.fetch:
-            return {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}, "on the store"
+            return self._located({**stored, "dir": str(directory)}, step, key), "on the store"
         shutil.rmtree(directory, ignore_errors=True)  # the stale copy: nothing of it is kept
         problem = self._fetch(step, key, directory, stored)
         if problem:
@@ -271,19 +266,19 @@ class StageStore:
         self._used(directory)
         log.info("%s/%s: the working copy's output was made by other code; the store's, computed again by "
                  "this code, replaces it", step, key)  # fmt: skip
-        manifest = {**stored, "dir": str(directory), "url": self.remote.url_of(step, key)}
-        return manifest, f"fetched from {self.remote.url} (computed again by the current code)"
+        manifest = self._located({**stored, "dir": str(directory)}, step, key)
+        return manifest, f"fetched from {self.store.url} (computed again by the current code)"
 
     def retract(self, step: str, key: str, stale: Callable[[dict[str, Any]], bool]) -> None:
         """Before computing an output again because its code drifted (`runtime.on_code_drift: rerun`): in a
         remote workspace, withdraw the store's stale output, so the rerun's commit is the one every machine
         finds (it adopted the stale one, and the rerun never converged) and no checkpoint of it is resumed."""
-        if self.remote is not None and self.fetch:
-            self.remote.retract(step, key, stale)
+        if self.fetch:
+            self.store.retract(step, key, stale)
 
     def here(self, step: str, key: str, recorded: str | os.PathLike[str]) -> Path:
         """`relocated` into this workspace's copy of `<step>/<key>`, fetched from the store first if need be."""
-        if self.remote is not None and self.read_manifest(self.step_dir(step, key)) is None:
+        if self.store.shared and self.read_manifest(self.step_dir(step, key)) is None:
             manifest, reason = self.check(step, key)
             if manifest is None:
                 raise FileNotFoundError(f"{step}/{key}: {reason}")
@@ -292,11 +287,11 @@ class StageStore:
     def checkpoint_mirror(self, step: str, key: str, bookkeeping: tuple[str, ...]) -> CheckpointMirror | None:
         """For a step that checkpoints (`checkpoints/` in its bookkeeping) in a remote workspace: the
         mirror that restores the store's newest checkpoint before it runs and uploads new ones as it does."""
-        from lmforge.engine.remote import CHECKPOINTS, CheckpointMirror
+        from lmforge.engine.remote import CHECKPOINTS
 
-        if self.remote is None or CHECKPOINTS not in bookkeeping:
+        if CHECKPOINTS not in bookkeeping:
             return None
-        return CheckpointMirror(self.remote, step, key, self.step_dir(step, key), self.remote.keep_checkpoints)
+        return self.store.checkpoints(step, key, self.step_dir(step, key))
 
     def hold(self, directories: list[Path]) -> None:
         """Outputs a step computing in this process reads or writes: no store of the process evicts them."""
@@ -308,16 +303,16 @@ class StageStore:
         walks every output of the working copy."""
         from lmforge.engine.remote import touch_used
 
-        touch_used(directory)
         self.used.add(directory)
-        if self.remote is not None and grew:
-            self.remote.bound(self.root, self.used)
+        if self.store.shared:  # only a working copy is bounded; a local workspace is the only copy
+            touch_used(directory)
+        if grew:
+            self.store.bound(self.root, self.used)
 
     def _fetch(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> str | None:
-        """`RemoteWorkspace.fetch`, then the stat stamps of what it verified: it hashed every file and dated
+        """`Store.fetch`, then the stat stamps of what it verified: it hashed every file and dated
         them back, so a later write changes their stamps, and the next process hashes none of them."""
-        assert self.remote is not None
-        problem = self.remote.fetch(step, key, directory, manifest)
+        problem = self._inconsistent(step, key, manifest) or self.store.fetch(step, key, directory, manifest)
         if problem is None:
             files = manifest.get("outputs", {})
             _write_stamps(
@@ -325,9 +320,31 @@ class StageStore:
             )
         return problem
 
+    def _inconsistent(self, step: str, key: str, manifest: dict[str, Any]) -> str | None:
+        """Why a manifest from the store does not hold together, or None. Its digest is what downstream keys
+        take, so it must be that of the files it lists (a planted one naming other bytes would key a
+        downstream step to content it never read). Manifests record the prefixes the digest covers
+        (`digest_paths`); one committed before they did is not checked here."""
+        where = self.store.url_of(step, key, MANIFEST)
+        outputs = manifest.get("outputs", {})
+        if not isinstance(outputs, dict) or not all(
+            isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("size"), int)
+            for m in outputs.values()
+        ):
+            return f"{where}: the manifest's outputs are not a table of files with their size and SHA-256"
+        if "digest_paths" not in manifest:
+            return None
+        prefixes = manifest["digest_paths"]
+        if prefixes is not None and (not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes)):
+            return f"{where}: the manifest's digest_paths are not a list of path prefixes"
+        if manifest.get("digest") != outputs_digest(outputs, tuple(prefixes) if prefixes is not None else None):
+            return (
+                f"{where}: the manifest's digest {str(manifest.get('digest'))[:64]!r} is not that of the files it lists"
+            )
+        return None
+
     def _publish(self, step: str, key: str, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        assert self.remote is not None
-        committed = self.remote.publish(step, key, directory, manifest)
+        committed = self.store.publish(step, key, directory, manifest)
         if committed.get("digest") == manifest.get("digest"):
             return manifest
         # another machine committed this key first (a lease taken over): the store's output is the lineage's
@@ -363,13 +380,18 @@ class StageStore:
         """Checksum every output (the one hashing of this run), add the digest, write the manifest last."""
         stamps: dict[str, list[Any]] = {}
         outputs = describe_files(directory, list_outputs(directory, exclude), stamps)
-        manifest = {**manifest, "outputs": outputs, "digest": outputs_digest(outputs, digest_prefixes)}
+        manifest = {
+            **manifest,
+            "outputs": outputs,
+            "digest": outputs_digest(outputs, digest_prefixes),
+            # what the digest covers: a machine fetching the output recomputes it from the files listed
+            "digest_paths": list(digest_prefixes) if digest_prefixes is not None else None,
+        }
         _write_stamps(directory, stamps)  # before the manifest, which makes the output complete
         atomic_write_json(directory / MANIFEST, manifest)
-        if self.remote is not None:
-            step, key = manifest["step"], manifest["key"]
-            manifest = {**self._publish(step, key, directory, manifest), "url": self.remote.url_of(step, key)}
-            self._used(directory)
+        step, key = manifest["step"], manifest["key"]
+        manifest = self._located(self._publish(step, key, directory, manifest), step, key)
+        self._used(directory)
         return manifest
 
     def invalidate(self, directory: Path) -> None:
@@ -429,10 +451,6 @@ class StageStore:
             except BlockingIOError:
                 log.info("%s/%s is being computed by another run; waiting for it", step, key)
                 fcntl.flock(handle, fcntl.LOCK_EX)
-            if self.remote is None:
-                yield handle.fileno()
-                return
             # other machines: a lease in the store (held, or released because one of them committed the key)
-            remote = self.remote
-            with remote.lease(step, key, lambda: remote.manifest(step, key) is not None):
+            with self.store.lease(step, key, lambda: self.store.manifest(step, key) is not None):
                 yield handle.fileno()
