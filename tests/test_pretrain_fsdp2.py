@@ -50,13 +50,16 @@ def test_fsdp2_follows_deepspeeds_loss_trajectory(fsdp2_trained: dict, trained: 
     # fast depends on the CPU's bf16 kernels: on AVX-512 hosts under 1e-3 for 20 steps, 2% at most, 0.5% on
     # average, final val loss within 1%; on an AVX2-only AMD EPYC host (emulated bf16) 0.3% within 20 steps,
     # 3.5% at most, 0.74% on average, final val loss 1.8% apart. A bug of the backend (another data order, a
-    # loss scaled per rank, a missed gradient reduction) is apart from the first steps and by far more.
+    # loss scaled per rank, a missed gradient reduction) is apart from the first steps and by far more: the
+    # first steps are the sharp check. Later, how fast the two drift apart (lr 1e-2 amplifies the last bit of a
+    # sum) depends on the CPU, and CI draws hosts this suite has not met: the later bounds are about 3x the
+    # largest figures measured, far under what a wrong reduction gives.
     assert max(gaps[:3]) < 1e-3, gaps[:3]  # 0, 0, 0 on the AVX2 host
-    assert max(gaps[:20]) < 5e-3, gaps[:20]
-    assert max(gaps) < 0.06 and sum(gaps) / len(gaps) < 0.012, (max(gaps), sum(gaps) / len(gaps))
+    assert max(gaps[:20]) < 1e-2, gaps[:20]
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.025, (max(gaps), sum(gaps) / len(gaps))
     val = [r["val_loss"] for r in fsdp if "val_loss" in r]
-    assert val[-1] < val[0] - 0.2
-    assert abs(val[-1] - trained["metrics"]["final_val_loss"]) / trained["metrics"]["final_val_loss"] < 0.03
+    assert val[-1] < val[0] - 0.15
+    assert abs(val[-1] - trained["metrics"]["final_val_loss"]) / trained["metrics"]["final_val_loss"] < 0.05
     assert fsdp[-1]["grad_norm"] > 0 and fsdp[-1]["mfu"] > 0
     assert fsdp2_trained["metrics"]["parity_max_abs_logit_diff"] <= 1e-3
 
