@@ -31,7 +31,7 @@ def test_two_ranks_train_and_the_loss_falls(trained: dict) -> None:
     assert trained["extra"]["plan"]["world_size"] == 2
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     # 0.24 nats from step 40 to 160 on an AVX2-only AMD EPYC host (6.12 -> 5.88), 0.3+ on the AVX-512 hosts.
-    # The figures differ by host (fp32 there, bf16 here; each CPU's kernels), and CI draws hosts this suite
+    # The figures differ by host (bf16 on AMX hosts, fp32 on AVX2 ones; each CPU's kernels), and CI draws hosts this suite
     # has not met: the bounds leave room for that, and still fail a run that learns nothing (a flat loss)
     assert len(val) == 4 and val[-1] < val[0] - 0.15
     # below what a model that ignores context can reach: it has learnt something about order
