@@ -45,7 +45,7 @@ def test_the_meter_counts_the_servers_tree_as_its_own_and_anything_else_as_other
         before = child.cpu_times()
         server, nothing = slo.CpuMeter((tree.pid,)), slo.CpuMeter(())
         time.sleep(1.5)
-        (busy, others), (_, all_others) = server.shares(), nothing.shares()
+        (busy, others), (busy_all, all_others) = server.shares(), nothing.shares()
         after = child.cpu_times()
     finally:
         tree.wait()
@@ -53,4 +53,7 @@ def test_the_meter_counts_the_servers_tree_as_its_own_and_anything_else_as_other
     assert burnt > 0.1 / server.cpus  # it ran (on 2 busy cores, at least a tenth of one)
     # whatever else ran (the other pytest worker), the tree's share is what separates the two figures
     assert abs((all_others - others) - burnt) < 0.35 * burnt + 0.03, (busy, others, all_others, burnt)
-    assert 0 <= others <= all_others <= busy <= 1
+    # each meter's own figures hold exactly; across the two meters only approximately: their windows start
+    # and end microseconds apart (CI failed on all_others 0.99488 > busy 0.99377 of the other meter)
+    assert 0 <= others <= busy <= 1 and 0 <= all_others <= busy_all <= 1
+    assert abs(busy - busy_all) < 0.05, (busy, busy_all)
