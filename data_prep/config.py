@@ -95,6 +95,27 @@ class NearDedupConfig(StrictModel):
         return self
 
 
+class ParagraphDedupConfig(StrictModel):
+    """Exact repeated paragraphs across the corpus (data_prep/paragraphs.py): the first kept document
+    holding one keeps it, later documents lose it, and a document mostly made of repeats is removed."""
+
+    enabled: bool = Field(True, description="Remove paragraphs repeated across documents (Dolma/CCNet style).")
+    min_chars: int = Field(
+        50, ge=1, description="Paragraphs shorter than this (normalized characters) are never counted as repeats."
+    )
+    max_repeated_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="A document whose repeated paragraphs are more than this share of its characters is removed "
+        "whole (reason paragraph_dedup); below it, only the repeated paragraphs are removed.",
+    )
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains left as they are (source code: a repeated block is part of a program).",
+    )
+
+
 class LangIdConfig(FilterBase):
     keep: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep; empty keeps all.")
     min_score: float = Field(0.65, ge=0.0, le=1.0, description="fastText confidence below which a document is removed.")
@@ -172,10 +193,36 @@ class TokenizerConfig(StrictModel):
 
 
 class PackConfig(StrictModel):
+    """The train/validation split and token shards. The validation split is what pretraining's
+    validation loss and the evaluation stage's held-out tasks (lmforge_continuation,
+    lmforge_heldout_ppl) read, so it must hold text the training side does not: `curate/split`
+    groups documents that share text (data_prep/split.py) and holds out whole groups."""
+
     val_fraction: float = Field(
-        0.02, ge=0.0, lt=1.0, description="Share of documents held out for validation (by id hash)."
+        0.02, ge=0.0, lt=1.0, description="Share of documents held out for validation (whole groups, by a hash)."
     )
     seed: int = 0
+    split_by: Literal["shared_text", "id"] = Field(
+        "shared_text",
+        description="shared_text: documents that share word n-grams go to the same side; id: each document by "
+        "the hash of its id (held-out documents may then share text with training ones).",
+    )
+    link_ngram: int = Field(8, ge=3, description="Word n-gram size whose sharing links two documents.")
+    link_min_shared: int = Field(
+        5, ge=1, description="Distinct shared n-grams at which two documents are linked (one group)."
+    )
+    link_max_docs: int = Field(
+        50,
+        ge=2,
+        description="An n-gram held by more documents than this links none (a stock phrase, not shared text).",
+    )
+    max_group_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="A group holding more than this share of the documents stays in training (a held-out split "
+        "of one giant group would be neither held out nor the size asked for). Default: val_fraction / 2.",
+    )
 
 
 class DecontaminateConfig(StrictModel):
@@ -225,6 +272,7 @@ class CurateConfigBase(StrictModel):
     normalize: NormalizeConfig = NormalizeConfig()
     exact_dedup: ExactDedupConfig = ExactDedupConfig()
     near_dedup: NearDedupConfig = NearDedupConfig()
+    paragraph_dedup: ParagraphDedupConfig = ParagraphDedupConfig()
     langid: LangIdConfig = LangIdConfig()
     quality_classifier: QualityClassifierConfig = QualityClassifierConfig()
     decontaminate: DecontaminateConfig = DecontaminateConfig()

@@ -2,8 +2,8 @@
 
 Per kept shard: documents are encoded, an EOS token ends each one, and the token stream
 goes to `tokens/<shard>.train.bin` or `.val.bin` (raw little-endian uint16 when the
-vocabulary fits, else uint32). The split is by a hash of the document id, so it is stable
-when other documents come or go. Upsampled documents appear `repeat` times in train (the
+vocabulary fits, else uint32). Which documents are held out is `curate/split`'s decision
+(data_prep/split.py: whole groups of documents that share text). Upsampled documents appear `repeat` times in train (the
 extra copies shuffled with a seed after the first pass, so they rarely sit next to the original;
 the reader shuffles windows again). A sidecar
 `<shard>.<split>.docs.parquet` maps token offsets back to document ids, so a bad batch
@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from data_prep.records import temp_path, write_rows
 from data_prep.tokenizer import EOS, load_tokenizer
@@ -31,10 +30,6 @@ SPLITS = ("train", "val")
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
-    return xxhash.xxh64_intdigest(doc_id.encode(), seed=seed) % 1_000_000 < val_fraction * 1_000_000
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -48,7 +43,7 @@ def pack_shard(
     tokenizer_dir: Path,
     out_dir: Path,
     shard: str,
-    val_fraction: float,
+    held_out: set[str],
     seed: int,
     eos: int | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
@@ -63,7 +58,7 @@ def pack_shard(
     encoded = [e.ids for e in tokenizer.encode_batch(table["text"], add_special_tokens=False)]
     order: dict[str, list[int]] = {"train": [], "val": []}
     for i, doc_id in enumerate(table["id"]):
-        order["val" if is_validation(doc_id, val_fraction, seed) else "train"].append(i)
+        order["val" if doc_id in held_out else "train"].append(i)
     rng = random.Random(f"{seed}:{shard}")
     extra = [i for i in order["train"] for _ in range(table["repeat"][i] - 1)]
     rng.shuffle(extra)

@@ -7,7 +7,8 @@ This is the cheap step, and it stays cheap and bounded in memory on large corpor
    numpy columns: a code for the document's list of failed rules, its domain, size, quality
    score and the 128-bit hashes of its text and URL.
 2. Across the corpus (finalize), on those numpy columns only: exact and URL dedup (sorting
-   hashes), near-dedup (connected components of the stored edges), the quality
+   hashes), near-dedup (connected components of the stored edges), paragraph dedup
+   (data_prep/paragraphs.py, on curate/paragraphs' per-paragraph hashes), the quality
    keep-fraction and mixing. Memory is a few tens of bytes per document; no Python object
    is made per document.
 3. Each shard is streamed once to write `kept/` and `removed/`; a retried selection skips
@@ -31,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from data_prep import paragraphs
 from data_prep.config import CurateConfig
 from data_prep.filters import filters
 from data_prep.mixing import plan_mix
@@ -67,9 +69,26 @@ REMOVED_SCHEMA = pa.schema(
         ("origin", pa.string()),
     ]
 )
+REMOVED_PARAGRAPH_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("paragraph", pa.int32()),
+        ("text", pa.string()),
+        ("reason", pa.string()),
+        ("duplicate_of", pa.string()),
+    ]
+)
 # Rules decided across the corpus, after the per-document filters; a document fails at most one.
-LATER_REASONS = ("", "exact_dedup", "exact_dedup:url", "near_dedup", "quality_classifier", "mix:downsampled")
-EXACT, URL, NEAR, QUALITY, MIX = range(1, len(LATER_REASONS))
+LATER_REASONS = (
+    "",
+    "exact_dedup",
+    "exact_dedup:url",
+    "near_dedup",
+    "quality_classifier",
+    "mix:downsampled",
+    paragraphs.REASON,
+)
+EXACT, URL, NEAR, QUALITY, MIX, PARAGRAPH = range(1, len(LATER_REASONS))
 SHARD_INPUTS = ".select-inputs"  # per-shard numpy columns (hidden: working state, not an output)
 SHARD_WRITTEN = ".select-written"  # per-shard counts of a written shard, so a retry resumes
 
@@ -81,6 +100,7 @@ class AttributeDirs:
     ingest: Path
     shards: list[str]
     minhash: Path | None = None
+    paragraphs: Path | None = None
     langid: Path | None = None
     heuristics: Path | None = None
     quality: Path | None = None
@@ -199,6 +219,7 @@ class Decisions:
     domain: np.ndarray  # code into domains
     repeat: np.ndarray  # int32, for kept documents
     bounds: np.ndarray  # shard k holds documents bounds[k]:bounds[k+1]
+    paragraphs: paragraphs.ParagraphDecisions | None = None  # paragraphs removed from kept documents
 
     def reasons(self, index: int) -> list[str]:
         later = LATER_REASONS[self.later[index]]
@@ -298,6 +319,25 @@ def _deduplicate(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decis
     d.duplicate_of[nodes[~starts]] = survivor[~starts]
 
 
+def _paragraph_dedup(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions) -> None:
+    """Repeated paragraphs among the documents every other rule keeps (data_prep/paragraphs.py), so
+    the copy kept is never in a document a later rule drops: documents mostly made of repeats are
+    marked `paragraph_dedup`; the rest lose their repeats at writing. Mixing has already planned
+    the domain shares, with the documents this removes counted in."""
+    if dirs.paragraphs is None:
+        return
+    pc = cfg.paragraph_dedup
+    parts = [np.load(dirs.paragraphs / "paragraphs" / f"{s}.npz") for s in dirs.shards]
+    columns = {name: np.concatenate([p[name] for p in parts]) for name in ("number", "key", "chars", "norm")}
+    columns["doc"] = np.concatenate([p["doc"] + d.bounds[k] for k, p in enumerate(parts)])
+    skipped = np.array([name in pc.skip_domains for name in d.domains], dtype=bool)
+    eligible = d.kept & ~skipped[d.domain] if len(d.domains) else d.kept
+    decided = paragraphs.decide(columns, eligible, pc.min_chars, pc.max_repeated_fraction)
+    d.later[decided.removed_docs] = PARAGRAPH
+    d.duplicate_of[decided.removed_docs] = decided.removed_owner
+    d.paragraphs = decided
+
+
 def decide(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[str, Any]) -> Decisions:
     """Every rule except the quality keep-fraction and mixing, from the per-shard inputs.
 
@@ -366,7 +406,8 @@ def apply_mix(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decision
 
 def _target_ids(dirs: AttributeDirs, d: Decisions) -> tuple[np.ndarray, pa.Array]:
     """(document indices that others duplicate, sorted; their ids), read one shard's ids at a time."""
-    targets = np.unique(d.duplicate_of[d.duplicate_of >= 0])
+    owners = d.paragraphs.owner if d.paragraphs is not None else np.zeros(0, dtype=np.int64)
+    targets = np.unique(np.concatenate([d.duplicate_of[d.duplicate_of >= 0], owners]))
     ids = []
     for k, shard in enumerate(dirs.shards):
         mine = targets[(targets >= d.bounds[k]) & (targets < d.bounds[k + 1])]
@@ -391,7 +432,12 @@ def write_shard(
     kept_domains: Counter[str] = Counter()
     langs = _attr(dirs.langid, shard)
     quality = _attr(dirs.quality, shard)
-    kept, removed = [], []
+    drops = _paragraph_drops(d, number)
+
+    def doc_id(index: int) -> str:
+        return targets[1][int(np.searchsorted(targets[0], index))].as_py()
+
+    kept, removed, removed_paragraphs = [], [], []
     for row, doc in enumerate(pq.read_table(shard_path(dirs.ingest, shard)).to_pylist()):
         index = offset + row
         reasons = d.reasons(index)
@@ -403,11 +449,25 @@ def write_shard(
                     **{k: doc[k] for k in ("id", "text", "source", "domain", "url", "meta", "origin")},
                     "reason": reasons[0],
                     "reasons": json.dumps(reasons),
-                    "duplicate_of": targets[1][int(np.searchsorted(targets[0], dup))].as_py() if dup >= 0 else None,
+                    "duplicate_of": doc_id(dup) if dup >= 0 else None,
                 }
             )
         else:
             text = doc["text"]
+            if index in drops:
+                parts = paragraphs.paragraphs(text)
+                for number_in_doc, owner in drops[index]:
+                    removed_paragraphs.append(
+                        {
+                            "id": doc["id"],
+                            "paragraph": number_in_doc,
+                            "text": parts[number_in_doc],
+                            "reason": paragraphs.REASON,
+                            "duplicate_of": doc_id(owner),
+                        }
+                    )
+                gone = {n for n, _ in drops[index]}
+                text = paragraphs.SEPARATOR.join(p for n, p in enumerate(parts) if n not in gone)
             if cfg.pii.enabled and doc["domain"] not in cfg.pii.skip_domains:
                 text, found = redact(text, cfg.pii)
                 pii_counts.update(found)
@@ -424,7 +484,10 @@ def write_shard(
             )
     write_rows(out_dir / "kept" / f"{shard}.parquet", kept, KEPT_SCHEMA)
     write_rows(out_dir / "removed" / f"{shard}.parquet", removed, REMOVED_SCHEMA)
+    write_rows(out_dir / "removed_paragraphs" / f"{shard}.parquet", removed_paragraphs, REMOVED_PARAGRAPH_SCHEMA)
     return {
+        "paragraphs_removed": len(removed_paragraphs),
+        "paragraph_chars_removed": sum(len(r["text"]) for r in removed_paragraphs),
         "removed": dict(removed_counts),
         "pii": dict(pii_counts),
         "kept": len(kept),
@@ -432,20 +495,41 @@ def write_shard(
     }
 
 
+def _paragraph_drops(d: Decisions, number: int) -> dict[int, list[tuple[int, int]]]:
+    """{document index: [(paragraph number, owner document index)]} for shard `number`."""
+    if d.paragraphs is None:
+        return {}
+    p = d.paragraphs
+    lo, hi = np.searchsorted(p.doc, [d.bounds[number], d.bounds[number + 1]])
+    drops: dict[int, list[tuple[int, int]]] = {}
+    for doc, n, owner in zip(p.doc[lo:hi].tolist(), p.number[lo:hi].tolist(), p.owner[lo:hi].tolist()):
+        drops.setdefault(doc, []).append((n, owner))
+    return drops
+
+
 class SelectionTotals(TypedDict):
     removed: Counter[str]
     pii: Counter[str]
     kept: int
     kept_by_domain: Counter[str]
+    paragraphs_removed: int
+    paragraph_chars_removed: int
 
 
 def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_dir: Path) -> SelectionTotals:
     """Stream each shard once (skipping shards a previous attempt finished); the summed counts."""
     targets = _target_ids(dirs, d)
-    total = SelectionTotals(removed=Counter(), pii=Counter(), kept=0, kept_by_domain=Counter())
+    total = SelectionTotals(
+        removed=Counter(),
+        pii=Counter(),
+        kept=0,
+        kept_by_domain=Counter(),
+        paragraphs_removed=0,
+        paragraph_chars_removed=0,
+    )
     for number, shard in enumerate(dirs.shards):
         marker = out_dir / SHARD_WRITTEN / f"{shard}.json"
-        files = [out_dir / "kept" / f"{shard}.parquet", out_dir / "removed" / f"{shard}.parquet"]
+        files = [out_dir / part / f"{shard}.parquet" for part in ("kept", "removed", "removed_paragraphs")]
         if marker.exists() and all(f.exists() for f in files):
             counts = json.loads(marker.read_text())
         else:
@@ -455,6 +539,8 @@ def write_selection(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions, out_di
         total["pii"].update(counts["pii"])
         total["kept_by_domain"].update(counts["kept_by_domain"])
         total["kept"] += counts["kept"]
+        total["paragraphs_removed"] += counts["paragraphs_removed"]
+        total["paragraph_chars_removed"] += counts["paragraph_chars_removed"]
     return total
 
 
@@ -463,6 +549,7 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     decisions = decide(cfg, dirs, out_dir, results)
     threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
     mix_report = apply_mix(cfg, dirs, out_dir, decisions)
+    _paragraph_dedup(cfg, dirs, decisions)  # last: among the documents that are otherwise kept
     total = write_selection(cfg, dirs, decisions, out_dir)
     removed = total["removed"]
     return {
@@ -470,6 +557,8 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
             "kept": total["kept"],
             "removed": dict(sorted(removed.items())),
             "removed_total": sum(removed.values()),
+            "paragraphs_removed": total["paragraphs_removed"],
+            "paragraph_chars_removed": total["paragraph_chars_removed"],
             "pii": dict(total["pii"]),
             "kept_by_domain": dict(total["kept_by_domain"]),
         },

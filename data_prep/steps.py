@@ -1,9 +1,10 @@
-"""The curation stage as steps of the pipeline graph.
+r"""The curation stage as steps of the pipeline graph.
 
     inputs (files, hf:NAME, builtin:demo) -> ingest -> minhash ----------\
-                                                    -> langid ------------\
-                                                    -> heuristics ---------> select -> tokenizer -> pack
-                                                    -> quality-model -> quality /
+                                                    -> paragraphs --------\
+                                                    -> langid -------------\
+                                                    -> heuristics ----------> select -> tokenizer ----> pack
+                                                    -> quality-model -> quality /    \-> split -----/
 
 Each scoring step writes per-shard attributes beside the documents; `select` is the only
 step whose key holds the thresholds, so moving a threshold re-runs selection (and what
@@ -25,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_prep import heuristics, sources
+from data_prep import heuristics, paragraphs, sources
+from data_prep import split as splitting
 from data_prep.config import CurateConfig
 from data_prep.filters import filters
 from data_prep.filters.base import CurationFilter
@@ -51,8 +53,8 @@ if TYPE_CHECKING:
 
 INGEST, MINHASH, LANGID = "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
-DECONTAMINATE = "curate/decontaminate"
-SELECT, TOKENIZER, PACK = "curate/select", "curate/tokenizer", "curate/pack"
+DECONTAMINATE, PARAGRAPHS = "curate/decontaminate", "curate/paragraphs"
+SELECT, TOKENIZER, SPLIT, PACK = "curate/select", "curate/tokenizer", "curate/split", "curate/pack"
 log = logging.getLogger(__name__)
 
 
@@ -181,6 +183,16 @@ def _minhash_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
     keys = band_keys(signatures, cfg.near_dedup.bands, cfg.near_dedup.rows)
     files = [_save_array(ctx, f"signatures/{shard}.npy", signatures), _save_array(ctx, f"bands/{shard}.npy", keys)]
     return files, {"docs": len(texts)}
+
+
+def _save_columns(ctx: StepContext, rel: str, columns: dict[str, Any]) -> str:
+    """Named numpy columns as one `.npz`, written atomically."""
+    (ctx.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(ctx.out_dir / rel)
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **columns)
+    tmp.replace(ctx.out_dir / rel)
+    return rel
 
 
 def _save_array(ctx: StepContext, rel: str, array: np.ndarray) -> str:
@@ -429,6 +441,12 @@ def _decontaminate_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[s
     return _write_attributes(ctx, shard, columns), {"flagged": sum(columns["decontaminated"])}
 
 
+def _paragraphs_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    columns = paragraphs.shard_columns(texts)
+    return [_save_columns(ctx, f"paragraphs/{shard}.npz", columns)], {"paragraphs": len(columns["key"])}
+
+
 # -- selection ----------------------------------------------------------------------------
 
 
@@ -437,6 +455,8 @@ def _select_upstream(config: PipelineBase) -> tuple[str, ...]:
     wanted = [INGEST]
     if cfg.near_dedup.enabled:
         wanted.append(MINHASH)
+    if cfg.paragraph_dedup.enabled:
+        wanted.append(PARAGRAPHS)
     if cfg.langid.enabled:
         wanted.append(LANGID)
     if _heuristics_enabled(config):
@@ -461,6 +481,7 @@ SELECT_READS = (
             "exact_dedup",
             "near_dedup.enabled",
             "near_dedup.threshold",
+            "paragraph_dedup",
             "langid.enabled",
             "langid.keep",
             "langid.min_score",
@@ -483,6 +504,7 @@ def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
         ingest=_ingest_dir(ctx),
         shards=_shards(ctx),
         minhash=ctx.upstream_dir(MINHASH) if MINHASH in up else None,
+        paragraphs=ctx.upstream_dir(PARAGRAPHS) if PARAGRAPHS in up else None,
         langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
         heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
         quality=ctx.upstream_dir(QUALITY) if QUALITY in up else None,
@@ -549,11 +571,41 @@ def _tokenizer_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     return {"counts": info, "metrics": {"fertility": fert}}
 
 
+def _kept_shards(ctx: StepContext) -> list[str]:
+    return list(ctx.upstream[SELECT]["extra"]["shards"])
+
+
+def _split_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    pc = _cur(ctx).pack
+    texts = read_columns(ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet", ["text"])["text"]
+    columns = splitting.shard_keys(texts, pc.link_ngram) if pc.split_by == "shared_text" else {}
+    return [_save_columns(ctx, f"keys/{shard}.npz", columns)], {"docs": len(texts)}
+
+
+def _split_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    pc = _cur(ctx).pack
+    shards = _kept_shards(ctx)
+    ids = [row["id"] for row in _kept_rows(ctx, ["id"])]
+    offsets = np.cumsum([0] + [results[s]["docs"] for s in shards])
+    if pc.split_by == "shared_text":
+        parts = [np.load(ctx.out_dir / f"keys/{s}.npz") for s in shards]
+        key = np.concatenate([p["key"] for p in parts])
+        doc = np.concatenate([p["doc"] + offsets[k] for k, p in enumerate(parts)])
+        pairs = splitting.linked_pairs(key, doc, len(ids), pc.link_min_shared, pc.link_max_docs)
+        root = splitting.groups(pairs, len(ids))
+    else:
+        pairs, root = np.zeros((0, 2), dtype=np.int64), np.arange(len(ids))
+    held, counts = splitting.decide_split(ids, root, pc.val_fraction, pc.seed, pc.max_group_share)
+    splitting.write_split(ctx.out_dir / "split.parquet", ids, root, held)
+    return {"counts": {**counts, "links": len(pairs)}}
+
+
 def _pack_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     pc = _cur(ctx).pack
     kept = ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet"
     eos = ctx.upstream[TOKENIZER]["counts"]["eos_id"]
-    return pack_shard(kept, ctx.upstream_dir(TOKENIZER), ctx.out_dir, shard, pc.val_fraction, pc.seed, eos)
+    held_out = splitting.held_out_ids(ctx.upstream_dir(SPLIT) / "split.parquet")
+    return pack_shard(kept, ctx.upstream_dir(TOKENIZER), ctx.out_dir, shard, held_out, pc.seed, eos)
 
 
 def _pack_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
@@ -626,6 +678,18 @@ CURATE_STEPS = [
         when=lambda c: c.curate.near_dedup.enabled,
         code=("data_prep.minhash", "data_prep.textnorm"),
         libraries=("datasketch", "numpy", "xxhash"),
+    ),
+    Step(
+        PARAGRAPHS,
+        1,
+        "Normalized hash and size of every paragraph (for paragraph dedup in select)",
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_paragraphs_unit,
+        finalize=lambda ctx, r: {"counts": {"paragraphs": sum(x["paragraphs"] for x in r.values())}},
+        when=lambda c: c.curate.paragraph_dedup.enabled,
+        code=("data_prep.paragraphs", "data_prep.textnorm"),
+        libraries=("numpy", "xxhash"),
     ),
     Step(
         LANGID,
@@ -726,12 +790,25 @@ CURATE_STEPS = [
         libraries=("tokenizers", "transformers"),
     ),
     Step(
-        PACK,
+        SPLIT,
         1,
-        "Tokenize and pack kept documents into binary token shards",
+        "Group kept documents that share text; hold out whole groups (curate.pack.val_fraction)",
         reads=("curate.pack",),
-        upstream=lambda c: (SELECT, TOKENIZER),
-        units=lambda ctx: list(ctx.upstream[SELECT]["extra"]["shards"]),
+        upstream=lambda c: (SELECT,),
+        units=_kept_shards,
+        run_unit=_split_unit,
+        finalize=_split_finalize,
+        code=("data_prep.split", "lmforge.text.textkeys"),
+        libraries=("numpy", "scipy", "xxhash"),
+    ),
+    # version 2: the held-out documents are curate/split's (groups sharing no text), not an id hash
+    Step(
+        PACK,
+        2,
+        "Tokenize and pack kept documents into binary token shards",
+        reads=("curate.pack.seed",),
+        upstream=lambda c: (SELECT, TOKENIZER, SPLIT),
+        units=_kept_shards,
         run_unit=_pack_unit,
         finalize=_pack_finalize,
         provides={TOKEN_SHARDS: ""},

@@ -18,6 +18,7 @@ from lmforge.hashing import digest
 ALL_STEPS = [
     "curate/ingest",
     "curate/minhash",
+    "curate/paragraphs",
     "curate/langid",
     "curate/heuristics",
     "curate/quality-model",
@@ -25,6 +26,7 @@ ALL_STEPS = [
     "curate/decontaminate",
     "curate/select",
     "curate/tokenizer",
+    "curate/split",
     "curate/pack",
     "pretrain/train",
     "align/data",
@@ -78,7 +80,11 @@ ROWS = [
     ("curate.pii.phone=false", {"curate/select"}),
     ("curate.mix.weights={code: 1.0}", {"curate/select"}),
     ("curate.tokenizer.vocab_size=2048", {"curate/tokenizer"}),
-    ("curate.pack.val_fraction=0.1", {"curate/pack"}),
+    ("curate.paragraph_dedup.min_chars=80", {"curate/select"}),  # a threshold: the paragraph hashes are kept
+    ("curate.paragraph_dedup.skip_domains=[]", {"curate/select"}),
+    ("curate.pack.val_fraction=0.2", {"curate/split"}),  # pack reads the split, not the fraction
+    ("curate.pack.link_min_shared=3", {"curate/split"}),
+    ("curate.pack.seed=3", {"curate/split", "curate/pack"}),
     ("pretrain.optim.lr=1e-3", {"pretrain/train"}),
     ("pretrain.max_steps=10", {"pretrain/train"}),
     ("pretrain.global_batch_size=32", {"pretrain/train"}),
@@ -93,7 +99,7 @@ ROWS = [
     ("align.dpo.beta=0.3", {"align/dpo"}),
     ("align.dpo.lora=true", {"align/dpo"}),
     ("align.precision=bf16", {"align/sft", "align/dpo"}),
-    ("curate.decontaminate.tasks=[lmforge_humaneval]", {"curate/decontaminate"}),
+    ("curate.decontaminate.tasks=[]", {"curate/decontaminate"}),
     ("evaluate.tasks=[lmforge_continuation]", {"evaluate/tasks", "quantize/gate"}),  # the gate runs evaluate.tasks
     ("evaluate.limit={lmforge_continuation: 5}", EVAL_RUNS | {"quantize/gate"}),  # the gate measures the same way
     (  # decontamination applies the same rule (its key; it runs only with curate.decontaminate.tasks)
@@ -318,7 +324,15 @@ def test_every_runtime_field_is_pinned_above() -> None:
 
 
 def test_select_reads_only_enabled_attribute_steps() -> None:
-    config = load_config("tiny-cpu", ["curate.langid.enabled=false", "curate.near_dedup.enabled=false"])
+    config = load_config(
+        "tiny-cpu",
+        [
+            "curate.langid.enabled=false",
+            "curate.near_dedup.enabled=false",
+            "curate.paragraph_dedup.enabled=false",
+            "curate.decontaminate.tasks=[]",
+        ],
+    )
     assert graph().get("curate/select").upstream(config) == ("curate/ingest", "curate/heuristics", "curate/quality")
 
 

@@ -117,10 +117,14 @@ def test_every_stage_step_can_be_switched_off_from_the_command_line() -> None:
         "exact_dedup",
         "normalize",
         "toxicity",
+        "paragraph_dedup",
     ]
-    config = load_config("tiny-cpu", [f"curate.{s}.enabled=false" for s in switches])
+    config = load_config(
+        "tiny-cpu", [f"curate.{s}.enabled=false" for s in switches] + ["curate.decontaminate.tasks=[]"]
+    )
     active = {s.name for s in graph().active(config, ["curate"])}
-    assert active == {"curate/ingest", "curate/select", "curate/tokenizer", "curate/pack"}
+    # split decides what pack holds out (curate.pack.split_by=id: by id alone)
+    assert active == {"curate/ingest", "curate/select", "curate/tokenizer", "curate/split", "curate/pack"}
 
 
 def test_quality_classifier_needs_exactly_one_selection_rule() -> None:

@@ -143,6 +143,9 @@ def test_the_default_preset_curates_a_users_own_single_domain_file(tmp_path: Pat
     from pydoc_data.topics import topics
 
     docs = [text for text in topics.values() if len(text.split()) > 100]
+    # a paragraph copied into every document (a notice a template adds): curation keeps exactly one copy
+    planted = "Copyright notice: this page is part of the example documentation set and may be shared freely."
+    docs = [text.replace("\n\n", f"\n\n{planted}\n\n", 1) for text in docs]
     data = tmp_path / "my.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     result = subprocess.run(
@@ -172,6 +175,11 @@ def test_the_default_preset_curates_a_users_own_single_domain_file(tmp_path: Pat
     assert select["kept"] >= len(docs) // 3 and select["removed"].get("quality_classifier")  # the classifier ran
     pack = json.loads(next((tmp_path / "ws" / "curate" / "pack").glob("*/manifest.json")).read_text())["counts"]
     assert pack["train_tokens"] > 5_000
+    select_dir = next((tmp_path / "ws" / "curate" / "select").glob("*/kept")).parent
+    copies = [r["id"] for r in _rows(select_dir, "kept") if planted in r["text"]]
+    assert len(copies) == 1, copies
+    taken = [r for r in _rows(select_dir, "removed_paragraphs") if r["text"] == planted]
+    assert len(taken) == select["kept"] - 1 and {r["duplicate_of"] for r in taken} == set(copies)
 
 
 def _reference_selection(config, manifests: dict) -> list[dict]:
@@ -182,6 +190,7 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
     from data_prep.mixing import plan_mix
     from data_prep.records import shard_path
     from data_prep.select import _rule_failures
+    from data_prep.textnorm import dedup_words
 
     cfg = config.curate
     step_dir = {name: Path(m["dir"]) for name, m in manifests.items()}
@@ -192,7 +201,8 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
     docs: list[dict] = []
     for shard in manifests["curate/select"]["extra"]["shards"]:
         base = pq.read_table(
-            shard_path(step_dir["curate/ingest"], shard), columns=["id", "domain", "text_hash", "url_norm", "n_chars"]
+            shard_path(step_dir["curate/ingest"], shard),
+            columns=["id", "domain", "text_hash", "url_norm", "n_chars", "text"],
         ).to_pylist()
         for doc, lang, stats, quality in zip(
             base,
@@ -242,6 +252,31 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
         doc["repeat"] = repeat
         if repeat == 0:
             doc["reasons"].append("mix:downsampled")
+    # paragraph dedup: normalized paragraph strings (no hashes), first holder among the kept documents
+    pc = cfg.paragraph_dedup
+
+    def repeats(members: list[int]) -> dict[int, list[tuple[int, int]]]:
+        first: dict[str, int] = {}
+        found: dict[int, list[tuple[int, int]]] = {}
+        for i in members:
+            for n, paragraph in enumerate(docs[i]["text"].split("\n\n")):
+                view = " ".join(dedup_words(paragraph))
+                if len(view) < pc.min_chars:
+                    continue
+                if view in first:
+                    found.setdefault(i, []).append((n, first[view]))
+                else:
+                    first[view] = i
+        return found
+
+    alive = [i for i, d in enumerate(docs) if not d["reasons"] and d["domain"] not in pc.skip_domains]
+    for i, found in repeats(alive).items():
+        paragraphs = docs[i]["text"].split("\n\n")
+        if sum(len(paragraphs[n]) for n, _ in found) / sum(map(len, paragraphs)) > pc.max_repeated_fraction:
+            docs[i]["reasons"].append("paragraph_dedup")
+            docs[i]["dup"] = found[0][1]
+    for i, found in repeats([i for i in alive if not docs[i]["reasons"]]).items():
+        docs[i]["paragraphs_removed"] = found
     return docs
 
 
@@ -266,6 +301,14 @@ def test_selection_matches_a_plain_reference_implementation(curated) -> None:
     assert manifests["curate/select"]["counts"]["removed"] == dict(
         sorted(Counter(d["reasons"][0] for d in docs if d["reasons"]).items())
     )
+    paragraphs = {(r["id"], r["paragraph"], r["duplicate_of"]) for r in _rows(select_dir, "removed_paragraphs")}
+    assert paragraphs == {
+        (d["id"], n, docs[owner]["id"])
+        for d in docs
+        if not d["reasons"]
+        for n, owner in d.get("paragraphs_removed", [])
+    }
+    assert paragraphs and manifests["curate/select"]["counts"]["paragraphs_removed"] == len(paragraphs)
 
 
 def test_a_retried_selection_keeps_the_shards_it_wrote(curated_copy: Path) -> None:

@@ -181,3 +181,85 @@ def test_first_of_equal_points_every_row_at_its_first_copy() -> None:
     rows = np.array([[5, 1], [2, 2], [5, 1], [5, 2], [2, 2], [5, 1]], dtype=np.uint64)
     assert first_of_equal(rows).tolist() == [0, 1, 0, 3, 1, 0]
     assert first_of_equal(np.zeros((0, 2), dtype=np.uint64)).tolist() == []
+
+
+# -- paragraph dedup and the held-out split ---------------------------------------------------
+
+
+def _corpus_columns(texts: list[str]) -> dict[str, np.ndarray]:
+    from data_prep.paragraphs import shard_columns
+
+    return shard_columns(texts)  # one shard: rows are corpus indices
+
+
+def test_a_paragraph_copied_into_many_documents_is_kept_once_in_the_first() -> None:
+    from data_prep.paragraphs import decide
+
+    planted = "This licence text was copied, word for word, into every one of these pages by a template."
+    rng = random.Random(3)
+    texts = []
+    for i in range(9):
+        own = [" ".join(rng.choice(PROSE[i].split()) for _ in range(40)) for _ in range(3)]
+        texts.append("\n\n".join([own[0], planted if i % 2 else planted.upper() + "!", *own[1:]]))
+    texts.append(planted + "\n\n" + "short tail")  # mostly the planted paragraph: removed whole
+    decided = decide(_corpus_columns(texts), np.ones(len(texts), dtype=bool), 50, 0.5)
+    # case and punctuation do not make a different paragraph; document 0 holds the first copy
+    assert decided.doc.tolist() == list(range(1, 9)) and set(decided.number.tolist()) == {1}
+    assert set(decided.owner.tolist()) == {0}
+    assert decided.removed_docs.tolist() == [9] and decided.removed_owner.tolist() == [0]
+
+
+def test_a_removed_first_holder_passes_its_paragraphs_to_the_next_document() -> None:
+    from data_prep.paragraphs import decide
+
+    shared = ["Paragraph one is long enough to count as a paragraph of real text here.", "Second " * 12]
+    unique = "A paragraph only the second document has, long enough to be counted as one."
+    texts = [
+        "\n\n".join(shared),  # not eligible (an earlier rule removed it): holds nothing
+        "\n\n".join([*shared, unique]),
+        "\n\n".join([unique, *shared]),  # every paragraph repeated: removed whole
+        "\n\n".join([shared[0], "and a much longer paragraph of its own " * 10]),
+    ]
+    eligible = np.array([False, True, True, True])
+    decided = decide(_corpus_columns(texts), eligible, 50, 0.5)
+    assert decided.removed_docs.tolist() == [2] and decided.removed_owner.tolist() == [1]
+    assert list(zip(decided.doc.tolist(), decided.number.tolist(), decided.owner.tolist())) == [(3, 0, 1)]
+
+
+def test_short_paragraphs_are_never_repeats() -> None:
+    from data_prep.paragraphs import decide
+
+    texts = ["Usage\n\n" + "alpha beta gamma " * 10, "Usage\n\n" + "delta epsilon zeta " * 10]
+    decided = decide(_corpus_columns(texts), np.ones(2, dtype=bool), 50, 0.5)
+    assert len(decided.doc) == 0 and len(decided.removed_docs) == 0
+
+
+def test_documents_sharing_text_are_held_out_together_and_a_giant_group_stays_in_training() -> None:
+    from data_prep.split import decide_split, groups, linked_pairs, shard_keys
+
+    rng = random.Random(5)
+    vocabulary = [w for text in PROSE for w in text.split()][:20000]
+
+    def fresh(n: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+    quoted = fresh(30)
+    stock = "thank you for reading and see you next time"  # in every document: links none
+    texts = [f"{fresh(60)} {quoted} {stock}", f"{stock} {fresh(40)} {quoted}"]  # 0 and 1 share a passage
+    texts.append(f"{fresh(50)} {' '.join(quoted.split()[:10])} {stock}")  # 2 shares 3 8-grams with them: too few
+    giant = fresh(40)
+    texts += [f"{fresh(30)} {giant} {stock}" for _ in range(20)]  # 3..22: one group of 20
+    texts += [f"{fresh(80)} {stock}" for _ in range(200)]
+    columns = shard_keys(texts, 8)
+    pairs = linked_pairs(columns["key"], columns["doc"], len(texts), min_shared=5, max_docs=50)
+    root = groups(pairs, len(texts))
+    assert root[1] == 0 and root[0] == 0 and root[2] == 2
+    assert set(root[3:23].tolist()) == {3} and (root[23:] == np.arange(23, len(texts))).all()
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    held, counts = decide_split(ids, root, 0.5, 0, None)  # groups above 0.25 of the documents stay in training
+    assert held[0] == held[1] and len(set(held[3:23].tolist())) == 1  # the group of 20 (9%): one side, by its hash
+    held, counts = decide_split(ids, root, 0.08, 0, None)  # above 0.04 of the documents it always trains
+    assert not held[3:23].any() and counts["too_large_groups"] == 1 and counts["docs_in_too_large_groups"] == 20
+    assert 0.03 < held.mean() < 0.13 and held[0] == held[1]
+    by_id, _ = decide_split(ids, np.arange(len(texts)), 0.08, 0, None)  # split_by: id, the old rule
+    assert 0.03 < by_id.mean() < 0.13

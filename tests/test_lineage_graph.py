@@ -43,7 +43,7 @@ def test_every_step_name_and_key_is_readable_at_the_pages_width(lineage: tuple[d
     import matplotlib.pyplot as plt
 
     manifests = lineage[0]
-    assert len(manifests) == 34 and len({m["stage"] for m in manifests.values()}) == 6
+    assert len(manifests) == 37 and len({m["stage"] for m in manifests.values()}) == 6
     fig = draw_lineage(*lineage)
     try:
         fig.set_dpi(DISPLAY_WIDTH_PX / fig.get_figwidth())  # one figure pixel = one pixel on the page
