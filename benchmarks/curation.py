@@ -410,7 +410,7 @@ def near_dup_accuracy(texts: list[str], truth: dict[tuple[int, int], float], thr
 
 
 def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
-    from data_prep import heuristics
+    from data_prep import heuristics, paragraphs, split
     from data_prep.config import CurateConfig, PIIConfig, QualityClassifierConfig
     from data_prep.langid import LanguageIdentifier
     from data_prep.minhash import MinHasher
@@ -447,6 +447,8 @@ def per_step_rates(texts: list[str], workdir: Path) -> list[tuple[str, float]]:
             "minhash signatures (vectorized)",
             rate(lambda: [hasher.signatures(texts[i : i + 512]) for i in range(0, n, 512)], n, REPEATS)[0],
         ),
+        ("paragraph hashes (paragraph dedup)", rate(lambda: paragraphs.shard_columns(texts), n, REPEATS)[0]),
+        ("word 8-gram keys (held-out split)", rate(lambda: split.shard_keys(texts, 8), n, REPEATS)[0]),
         ("language ID (fastText lid.176)", rate(lambda: lid.predict(texts), n, REPEATS)[0]),
         (
             "heuristic stats (Gopher/C4/FineWeb)",
