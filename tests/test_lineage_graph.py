@@ -1,4 +1,4 @@
-"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (34 steps,
+"""The lineage picture stays readable where the UI shows it: the whole tiny-cpu pipeline (37 steps,
 6 stages) scaled to the page's width, every step name and key big enough and inside its box."""
 
 from __future__ import annotations
