@@ -7,9 +7,9 @@ This is the cheap step, and it stays cheap and bounded in memory on large corpor
    numpy columns: a code for the document's list of failed rules, its domain, size, quality
    score and the 128-bit hashes of its text and URL.
 2. Across the corpus (finalize), on those numpy columns only: exact and URL dedup (sorting
-   hashes), near-dedup (connected components of the stored edges), paragraph dedup
-   (data_prep/paragraphs.py, on curate/paragraphs' per-paragraph hashes), the quality
-   keep-fraction and mixing. Memory is a few tens of bytes per document; no Python object
+   hashes), near-dedup (connected components of the stored edges), the quality
+   keep-fraction, paragraph dedup (data_prep/paragraphs.py, on curate/paragraphs'
+   per-paragraph hashes) and mixing. Memory is a few tens of bytes per document; no Python object
    is made per document.
 3. Each shard is streamed once to write `kept/` and `removed/`; a retried selection skips
    shards it already wrote.
@@ -320,10 +320,11 @@ def _deduplicate(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decis
 
 
 def _paragraph_dedup(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions) -> None:
-    """Repeated paragraphs among the documents every other rule keeps (data_prep/paragraphs.py), so
-    the copy kept is never in a document a later rule drops: documents mostly made of repeats are
-    marked `paragraph_dedup`; the rest lose their repeats at writing. Mixing has already planned
-    the domain shares, with the documents this removes counted in."""
+    """Repeated paragraphs among the documents every rule but mixing keeps (data_prep/paragraphs.py):
+    documents mostly made of repeats are marked `paragraph_dedup`; the rest lose their repeats at
+    writing. After the filters and the quality rule, so the copy kept is not in a document they
+    drop; before mixing, so the domain shares are planned on the text that is left (mixing then
+    downsamples a holder with all of its text, as it does any document)."""
     if dirs.paragraphs is None:
         return
     pc = cfg.paragraph_dedup
@@ -389,6 +390,9 @@ def apply_mix(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decision
         return {}
     survivors = np.flatnonzero(d.kept)
     sizes = _load(out_dir, dirs.shards, "n_chars")
+    if d.paragraphs is not None:  # what paragraph dedup takes out of kept documents (and a separator each)
+        np.subtract.at(sizes, d.paragraphs.doc, d.paragraphs.chars + len(paragraphs.SEPARATOR))
+        np.maximum(sizes, 0, out=sizes)
     docs = []
     for k, shard in enumerate(dirs.shards):
         mine = survivors[(survivors >= d.bounds[k]) & (survivors < d.bounds[k + 1])]
@@ -548,8 +552,8 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     """Decide across the corpus from the per-shard inputs (`shard_inputs` results), then write."""
     decisions = decide(cfg, dirs, out_dir, results)
     threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
+    _paragraph_dedup(cfg, dirs, decisions)
     mix_report = apply_mix(cfg, dirs, out_dir, decisions)
-    _paragraph_dedup(cfg, dirs, decisions)  # last: among the documents that are otherwise kept
     total = write_selection(cfg, dirs, decisions, out_dir)
     removed = total["removed"]
     return {

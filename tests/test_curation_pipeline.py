@@ -246,12 +246,6 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
     for doc in eligible:
         if doc["quality"] < threshold:
             doc["reasons"].append("quality_classifier")
-    survivors = [d for d in docs if not d["reasons"]]
-    planned, _ = plan_mix([(d["id"], d["domain"], d["n_chars"]) for d in survivors], cfg.mix)
-    for doc, repeat in zip(survivors, planned):
-        doc["repeat"] = repeat
-        if repeat == 0:
-            doc["reasons"].append("mix:downsampled")
     # paragraph dedup: normalized paragraph strings (no hashes), first holder among the kept documents
     pc = cfg.paragraph_dedup
 
@@ -277,6 +271,17 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
             docs[i]["dup"] = found[0][1]
     for i, found in repeats([i for i in alive if not docs[i]["reasons"]]).items():
         docs[i]["paragraphs_removed"] = found
+
+    def size(d: dict) -> int:  # mixing plans on the text paragraph dedup leaves
+        paragraphs = d["text"].split("\n\n")
+        return max(0, d["n_chars"] - sum(len(paragraphs[n]) + 2 for n, _ in d.get("paragraphs_removed", [])))
+
+    survivors = [d for d in docs if not d["reasons"]]
+    planned, _ = plan_mix([(d["id"], d["domain"], size(d)) for d in survivors], cfg.mix)
+    for doc, repeat in zip(survivors, planned):
+        doc["repeat"] = repeat
+        if repeat == 0:
+            doc["reasons"].append("mix:downsampled")
     return docs
 
 
