@@ -71,7 +71,10 @@ def test_planted_offensive_documents_are_removed_by_curation_with_their_reason(
             f"curate.{name}.enabled=false"
             for name in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "encoding")
         ),
-        *(f"curate.{name}.enabled=false" for name in ("langid", "quality_classifier", "near_dedup", "mix")),
+        *(
+            f"curate.{name}.enabled=false"
+            for name in ("langid", "quality_classifier", "near_dedup", "paragraph_dedup", "mix")
+        ),
         "curate.length.min_chars=10",
         "curate.toxicity.enabled=true",
     )
