@@ -33,6 +33,11 @@ SMALL_CURATE = [
     "curate.pack.val_fraction=0.1",
     # the shared lineage keeps the planted HumanEval copies, so the gate's tests have something to flag
     "curate.decontaminate.tasks=[]",
+    # and the data it trained on before paragraph dedup and the grouped split (their own tests in
+    # test_curation_pipeline.py and test_dedup.py): on this data FSDP2's loss left DeepSpeed's behind
+    # (val drop 0.07 against 0.35 nats), an open question for FSDP2, not for curation
+    "curate.paragraph_dedup.enabled=false",
+    "curate.pack.split_by=id",
 ]
 # A model that trains in seconds on 2 CPU ranks (head dim 32 and widths in multiples of 32: what vLLM serves on CPU).
 SMALL_PRETRAIN = [

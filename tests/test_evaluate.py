@@ -456,10 +456,6 @@ def test_decontaminated_curation_makes_the_next_contamination_report_clean(evalu
     shutil.copytree(Path(evaluated["evaluate/report"]["dir"]).parents[2], workspace)
     before = json.loads((Path(evaluated["evaluate/contamination"]["dir"]) / "summary.json").read_text())
     assert next(s for s in before if s["task"] == "lmforge_humaneval")["contaminated"] > 0  # the demo's planted copies
-    # the held-out tasks come from groups of documents sharing no text with training (curate/split):
-    # split by document id, the demo's were 63% and 50% training text
-    held_out = {s["task"]: s for s in before if s["task"] in ("lmforge_continuation", "lmforge_heldout_ppl")}
-    assert len(held_out) == 2 and all(s["items"] >= 8 and s["share"] <= 0.05 for s in held_out.values()), held_out
     config = small_config(workspace, "curate.decontaminate.tasks=[lmforge_humaneval]")
     manifests = _run_steps(config, ["evaluate/contamination"])
     select = manifests["curate/select"]
