@@ -75,10 +75,10 @@ class ParagraphDecisions:
     chars: np.ndarray  # their length in characters
 
 
-def _owners(key: np.ndarray, doc: np.ndarray, number: np.ndarray) -> np.ndarray:
-    """For each paragraph, the index (into these arrays) of the first paragraph with its key,
-    in corpus order (document, then position)."""
-    order = np.lexsort((number, doc, key))
+def _owners(key: np.ndarray) -> np.ndarray:
+    """For each paragraph, the index (into `key`) of the first paragraph with its key. Paragraphs are
+    in corpus order (document, then position), so a stable sort keeps equal keys in that order."""
+    order = np.argsort(key, kind="stable")
     ordered = key[order]
     starts = np.r_[True, ordered[1:] != ordered[:-1]] if len(key) else np.zeros(0, dtype=bool)
     first = np.empty(len(key), dtype=np.int64)
@@ -97,7 +97,7 @@ def decide(
     index = np.flatnonzero(take)
 
     def repeats(within: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        first = _owners(key[within], doc[within], number[within])
+        first = _owners(key[within])
         repeated = first != np.arange(len(within))
         return within[repeated], within[first[repeated]]
 
@@ -113,9 +113,7 @@ def decide(
     removed_owner = doc[first[dropped]][firsts]
     # owners again among the documents left, so no paragraph loses its last kept copy
     left = index[~np.isin(doc[index], removed)]
-    repeated, first = repeats(left)
-    order = np.lexsort((number[repeated], doc[repeated]))
-    repeated, first = repeated[order], first[order]
+    repeated, first = repeats(left)  # ascending: by document, then position
     return ParagraphDecisions(
         removed_docs=removed,
         removed_owner=removed_owner.astype(np.int64),

@@ -41,6 +41,17 @@ def write_table(path: Path, table: pa.Table) -> None:
     tmp.replace(path)
 
 
+def write_arrays(path: Path, columns: dict[str, Any]) -> None:
+    """Named numpy columns as one `.npz`, written atomically (temp + rename)."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **columns)
+    tmp.replace(path)
+
+
 def temp_path(path: Path) -> Path:
     """A hidden sibling no other writer (process or thread) can be using at the same time."""
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

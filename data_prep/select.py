@@ -37,7 +37,7 @@ from data_prep.config import CurateConfig
 from data_prep.filters import filters
 from data_prep.mixing import plan_mix
 from data_prep.pii import redact
-from data_prep.records import shard_path, temp_path, write_rows
+from data_prep.records import shard_path, write_arrays, write_rows
 from lmforge.hashing import atomic_write_json
 
 KEPT_SCHEMA = pa.schema(
@@ -195,11 +195,7 @@ def shard_inputs(cfg: CurateConfig, dirs: AttributeDirs, shard: str, out_dir: Pa
         else np.full(len(domains), np.nan),
     }
     rel = f"{SHARD_INPUTS}/{shard}.npz"
-    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(out_dir / rel)
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **columns)
-    tmp.replace(out_dir / rel)
+    write_arrays(out_dir / rel, columns)
     return [rel], {"docs": len(domains), "failures": [list(f) for f in failure_codes], "domains": list(domain_codes)}
 
 

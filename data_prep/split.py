@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from data_prep.records import write_table
 from lmforge.text.textkeys import gram_keys, words
 
 SPLIT_SCHEMA = pa.schema([("id", pa.string()), ("group", pa.string()), ("split", pa.string())])
@@ -119,8 +120,6 @@ def decide_split(
 
 
 def write_split(path: Path, ids: list[str], root: np.ndarray, held: np.ndarray) -> None:
-    from data_prep.records import write_table
-
     table = pa.table(
         {
             "id": pa.array(ids, pa.string()),

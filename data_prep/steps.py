@@ -36,7 +36,7 @@ from data_prep.langid import LanguageIdentifier, default_model_path
 from data_prep.minhash import MinHasher, band_keys, candidate_pairs_by_band, exact_jaccard
 from data_prep.pack import pack_shard, token_dtype, unigram_entropy
 from data_prep.quality import QualityScorer, builtin_reference, read_reference, train_classifier
-from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_rows
+from data_prep.records import read_columns, shard_names, shard_path, temp_path, write_arrays, write_rows
 from data_prep.select import AttributeDirs, run_selection, shard_inputs
 from data_prep.tokenizer import fertility, sample_groups, train_bpe
 from lmforge.configbase import ConfigView
@@ -186,12 +186,8 @@ def _minhash_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, An
 
 
 def _save_columns(ctx: StepContext, rel: str, columns: dict[str, Any]) -> str:
-    """Named numpy columns as one `.npz`, written atomically."""
-    (ctx.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(ctx.out_dir / rel)
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **columns)
-    tmp.replace(ctx.out_dir / rel)
+    """Named numpy columns as one `.npz` of this step's output, written atomically."""
+    write_arrays(ctx.out_dir / rel, columns)
     return rel
 
 
@@ -577,8 +573,11 @@ def _kept_shards(ctx: StepContext) -> list[str]:
 
 def _split_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
     pc = _cur(ctx).pack
-    texts = read_columns(ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet", ["text"])["text"]
-    columns = splitting.shard_keys(texts, pc.link_ngram) if pc.split_by == "shared_text" else {}
+    kept = ctx.upstream_dir(SELECT) / "kept" / f"{shard}.parquet"
+    if pc.split_by != "shared_text":  # by id: nothing to compute per document, and no text to read
+        return [], {"docs": pq.ParquetFile(kept).metadata.num_rows}
+    texts = read_columns(kept, ["text"])["text"]
+    columns = splitting.shard_keys(texts, pc.link_ngram)
     return [_save_columns(ctx, f"keys/{shard}.npz", columns)], {"docs": len(texts)}
 
 
