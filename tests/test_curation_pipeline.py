@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from lmforge.engine.executor import run_pipeline_locally
 from lmforge.engine.explain import explain
@@ -285,14 +286,28 @@ def _reference_selection(config, manifests: dict) -> list[dict]:
     return docs
 
 
-def test_selection_matches_a_plain_reference_implementation(curated_copy: Path) -> None:
+GROUPED = ("curate.paragraph_dedup.enabled=true", "curate.pack.split_by=shared_text")  # tiny-cpu's defaults
+
+
+@pytest.fixture(scope="module")
+def grouped(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The small curated workspace with paragraph dedup and the grouped split, which the shared lineage
+    keeps off: one curation (select, split and pack rerun; the rest reused) for the tests below."""
+    import shutil
+
+    workspace = tmp_path_factory.mktemp("grouped") / "ws"
+    shutil.copytree(curated[0], workspace, symlinks=True)
+    return workspace, run_pipeline_locally(small_config(workspace, *GROUPED), ["curate"])
+
+
+def test_selection_matches_a_plain_reference_implementation(grouped: tuple[Path, dict]) -> None:
     """Same kept documents in the same order, same primary reason, reasons and duplicate_of for
     every removed one, same counts: the numpy selection changes nothing but its cost. With paragraph
-    dedup on (the shared lineage keeps it off), so its removed paragraphs are compared too."""
+    dedup on, so its removed paragraphs are compared too."""
     from collections import Counter
 
-    config = small_config(curated_copy, "curate.paragraph_dedup.enabled=true")
-    manifests = run_pipeline_locally(config, ["curate"])
+    workspace, manifests = grouped
+    config = small_config(workspace, *GROUPED)
     docs = _reference_selection(config, manifests)
     select_dir = Path(manifests["curate/select"]["dir"])
     kept = _rows(select_dir, "kept")
@@ -334,7 +349,9 @@ def test_a_retried_selection_keeps_the_shards_it_wrote(curated_copy: Path) -> No
     assert {p.relative_to(select_dir): p.read_bytes() for p in select_dir.rglob("*.parquet")} == before
 
 
-def test_held_out_documents_share_no_text_with_training_by_the_gates_rule(curated_copy: Path, tmp_path: Path) -> None:
+def test_held_out_documents_share_no_text_with_training_by_the_gates_rule(
+    curated: tuple[Path, dict], grouped: tuple[Path, dict], tmp_path: Path
+) -> None:
     """The corpus-built evaluation tasks (continuation, held-out perplexity) drawn from pack's validation split
     and checked with the contamination gate's own index and rule against the training split: split by document
     id (the shared lineage's setting) a share of them is training text; with paragraph dedup and the grouped
@@ -356,9 +373,8 @@ def test_held_out_documents_share_no_text_with_training_by_the_gates_rule(curate
         records = list(check_tasks(items, {"documents": Index(tmp_path / name, Rule())}, Rule()))
         return {t: (sum(r["contaminated"] for r in records if r["task"] == t), len(items[t])) for t in items}
 
-    before = flagged(run_pipeline_locally(small_config(curated_copy), ["curate"]), "by-id")
-    grouped = small_config(curated_copy, "curate.paragraph_dedup.enabled=true", "curate.pack.split_by=shared_text")
-    manifests = run_pipeline_locally(grouped, ["curate"])
+    before = flagged(curated[1], "by-id")
+    manifests = grouped[1]
     after = flagged(manifests, "grouped")
     assert before["continuation"][0] > 0, before  # the property is not vacuous on this corpus
     assert all(n >= 8 and bad <= 0.05 * n for bad, n in after.values()), (before, after)
