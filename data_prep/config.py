@@ -116,6 +116,57 @@ class ParagraphDedupConfig(StrictModel):
     )
 
 
+class SemanticDedupConfig(StrictModel):
+    """Documents that say the same thing in other words (data_prep/semantic.py): embedded, clustered,
+    and of each pair at or above `threshold` within a cluster the better one (quality score, then
+    length) is kept."""
+
+    enabled: bool = Field(
+        False, description="Remove paraphrases MinHash misses (off by default: it embeds every document)."
+    )
+    encoder: str | None = Field(
+        None,
+        description="A model2vec or Hugging Face (sentence-transformers) encoder folder; none builds one "
+        "from the corpus (hashed word n-gram TF-IDF, randomly projected), offline.",
+    )
+    threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Cosine at or above which two documents are duplicates; none: 0.4 for the corpus encoder, "
+        "0.9 (semhash's default) for a pretrained one.",
+    )
+    store_min_cosine: float = Field(
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="Pairs at or above this cosine are stored (pairs.parquet), so the threshold can move "
+        "without embedding again.",
+    )
+    cluster_docs: int = Field(
+        10000,
+        ge=2,
+        description="About this many documents per k-means cluster; pairs are searched within clusters "
+        "(exactly, among all documents, when the corpus is no bigger).",
+    )
+    dim: int = Field(512, ge=16, description="Dimensions of the corpus encoder's vectors.")
+    ngram: int = Field(2, ge=1, le=5, description="The corpus encoder's word n-grams (1..ngram).")
+    seed: int = Field(0, description="Seed of the corpus encoder's projection and of k-means.")
+    skip_domains: list[str] = Field(
+        default_factory=list, description="Domains left out of semantic dedup (for example code)."
+    )
+    batch_docs: int = runtime_field(256, ge=1, description="Documents embedded in one batch (bounds memory).")
+
+    @model_validator(mode="after")
+    def _threshold_within_stored_pairs(self) -> SemanticDedupConfig:
+        if self.threshold is not None and self.threshold < self.store_min_cosine:
+            raise ValueError(
+                f"threshold {self.threshold} is below store_min_cosine {self.store_min_cosine}: "
+                "pairs in between are not stored; lower store_min_cosine too"
+            )
+        return self
+
+
 class LangIdConfig(FilterBase):
     keep: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes to keep; empty keeps all.")
     min_score: float = Field(0.65, ge=0.0, le=1.0, description="fastText confidence below which a document is removed.")
@@ -273,6 +324,7 @@ class CurateConfigBase(StrictModel):
     exact_dedup: ExactDedupConfig = ExactDedupConfig()
     near_dedup: NearDedupConfig = NearDedupConfig()
     paragraph_dedup: ParagraphDedupConfig = ParagraphDedupConfig()
+    semantic_dedup: SemanticDedupConfig = SemanticDedupConfig()
     langid: LangIdConfig = LangIdConfig()
     quality_classifier: QualityClassifierConfig = QualityClassifierConfig()
     decontaminate: DecontaminateConfig = DecontaminateConfig()

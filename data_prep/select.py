@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from data_prep import paragraphs
+from data_prep import paragraphs, semantic
 from data_prep.config import CurateConfig
 from data_prep.filters import filters
 from data_prep.mixing import plan_mix
@@ -87,8 +87,9 @@ LATER_REASONS = (
     "quality_classifier",
     "mix:downsampled",
     paragraphs.REASON,
+    semantic.REASON,
 )
-EXACT, URL, NEAR, QUALITY, MIX, PARAGRAPH = range(1, len(LATER_REASONS))
+EXACT, URL, NEAR, QUALITY, MIX, PARAGRAPH, SEMANTIC = range(1, len(LATER_REASONS))
 SHARD_INPUTS = ".select-inputs"  # per-shard numpy columns (hidden: working state, not an output)
 SHARD_WRITTEN = ".select-written"  # per-shard counts of a written shard, so a retry resumes
 
@@ -101,6 +102,8 @@ class AttributeDirs:
     shards: list[str]
     minhash: Path | None = None
     paragraphs: Path | None = None
+    semantic: Path | None = None
+    semantic_kind: str | None = None  # the encoder's kind (its default threshold)
     langid: Path | None = None
     heuristics: Path | None = None
     quality: Path | None = None
@@ -216,6 +219,7 @@ class Decisions:
     repeat: np.ndarray  # int32, for kept documents
     bounds: np.ndarray  # shard k holds documents bounds[k]:bounds[k+1]
     paragraphs: paragraphs.ParagraphDecisions | None = None  # paragraphs removed from kept documents
+    semantic: semantic.SemanticDecisions | None = None  # documents removed as paraphrases
 
     def reasons(self, index: int) -> list[str]:
         later = LATER_REASONS[self.later[index]]
@@ -333,6 +337,34 @@ def _paragraph_dedup(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions) -> No
     d.later[decided.removed_docs] = PARAGRAPH
     d.duplicate_of[decided.removed_docs] = decided.removed_owner
     d.paragraphs = decided
+
+
+def semantic_dedup(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> dict[str, Any]:
+    """Paraphrases among the documents every rule but paragraph dedup and mixing keeps
+    (data_prep/semantic.py): of each similar pair the better document (quality score, then length)
+    stays. The decisions, with both documents' scores, go to `semantic_pairs.parquet`."""
+    if dirs.semantic is None:
+        return {}
+    sd = cfg.semantic_dedup
+    threshold = sd.threshold if sd.threshold is not None else semantic.default_threshold(dirs.semantic_kind or "")
+    pairs = pq.read_table(dirs.semantic / "pairs.parquet")
+    skipped = np.array([name in sd.skip_domains for name in d.domains], dtype=bool)
+    eligible = d.kept & ~skipped[d.domain] if len(d.domains) else d.kept
+    quality = _load(out_dir, dirs.shards, "quality")
+    n_chars = _load(out_dir, dirs.shards, "n_chars")
+    decided = semantic.decide(
+        np.asarray(pairs["a"]),
+        np.asarray(pairs["b"]),
+        np.asarray(pairs["cosine"]),
+        eligible,
+        threshold,
+        quality,
+        n_chars,
+    )
+    d.later[decided.removed] = SEMANTIC
+    d.duplicate_of[decided.removed] = decided.kept_copy
+    d.semantic = decided
+    return {"threshold": threshold, "removed": len(decided.removed)}
 
 
 def decide(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[str, Any]) -> Decisions:
@@ -548,9 +580,12 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     """Decide across the corpus from the per-shard inputs (`shard_inputs` results), then write."""
     decisions = decide(cfg, dirs, out_dir, results)
     threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
+    semantic_report = semantic_dedup(cfg, dirs, out_dir, decisions)
     _paragraph_dedup(cfg, dirs, decisions)
     mix_report = apply_mix(cfg, dirs, out_dir, decisions)
     total = write_selection(cfg, dirs, decisions, out_dir)
+    if decisions.semantic is not None:
+        write_semantic_pairs(dirs, decisions, out_dir, _load(out_dir, dirs.shards, "quality"))
     removed = total["removed"]
     return {
         "counts": {
@@ -562,5 +597,43 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
             "pii": dict(total["pii"]),
             "kept_by_domain": dict(total["kept_by_domain"]),
         },
-        "metrics": {"quality_threshold": threshold, "mix": mix_report},
+        "metrics": {
+            "quality_threshold": threshold,
+            "mix": mix_report,
+            **({"semantic_threshold": semantic_report["threshold"]} if semantic_report else {}),
+        },
     }
+
+
+def _ids_of(dirs: AttributeDirs, d: Decisions, indices: np.ndarray) -> list[str]:
+    """The ids of documents `indices` (any order), reading one shard's ids at a time."""
+    unique, inverse = np.unique(indices, return_inverse=True)
+    found: list[str] = []
+    for k, shard in enumerate(dirs.shards):
+        mine = unique[(unique >= d.bounds[k]) & (unique < d.bounds[k + 1])]
+        if len(mine):
+            column = pq.read_table(shard_path(dirs.ingest, shard), columns=["id"])["id"]
+            found += column.take(pa.array(mine - d.bounds[k])).to_pylist()
+    return [found[i] for i in inverse.tolist()]
+
+
+def write_semantic_pairs(dirs: AttributeDirs, d: Decisions, out_dir: Path, quality: np.ndarray) -> None:
+    """Each document semantic dedup removed, the kept one it is most similar to, their cosine and
+    scores: what a person checks before trusting a threshold."""
+    sem = d.semantic
+    assert sem is not None
+    ids = _ids_of(dirs, d, np.concatenate([sem.removed, sem.kept_copy]))
+    n = len(sem.removed)
+    sizes = _load(out_dir, dirs.shards, "n_chars")
+    table = pa.table(
+        {
+            "removed": pa.array(ids[:n], pa.string()),
+            "kept": pa.array(ids[n:], pa.string()),
+            "cosine": pa.array(sem.cosine, pa.float32()),
+            "removed_quality": pa.array(quality[sem.removed], pa.float64(), from_pandas=True),
+            "kept_quality": pa.array(quality[sem.kept_copy], pa.float64(), from_pandas=True),
+            "removed_chars": pa.array(sizes[sem.removed], pa.int64()),
+            "kept_chars": pa.array(sizes[sem.kept_copy], pa.int64()),
+        }
+    )
+    pq.write_table(table, out_dir / "semantic_pairs.parquet")

@@ -2,6 +2,7 @@ r"""The curation stage as steps of the pipeline graph.
 
     inputs (files, hf:NAME, builtin:demo) -> ingest -> minhash ----------\
                                                     -> paragraphs --------\
+                                                    -> semantic-encoder -> semantic \
                                                     -> langid -------------\
                                                     -> heuristics ----------> select -> tokenizer ----> pack
                                                     -> quality-model -> quality /    \-> split -----/
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_prep import heuristics, paragraphs, sources
+from data_prep import heuristics, paragraphs, semantic, sources
 from data_prep import split as splitting
 from data_prep.config import CurateConfig
 from data_prep.filters import filters
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 INGEST, MINHASH, LANGID = "curate/ingest", "curate/minhash", "curate/langid"
 HEURISTICS, QUALITY_MODEL, QUALITY = "curate/heuristics", "curate/quality-model", "curate/quality"
 DECONTAMINATE, PARAGRAPHS = "curate/decontaminate", "curate/paragraphs"
+SEMANTIC_ENCODER, SEMANTIC = "curate/semantic-encoder", "curate/semantic"
 SELECT, TOKENIZER, SPLIT, PACK = "curate/select", "curate/tokenizer", "curate/split", "curate/pack"
 log = logging.getLogger(__name__)
 
@@ -443,6 +445,74 @@ def _paragraphs_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str,
     return [_save_columns(ctx, f"paragraphs/{shard}.npz", columns)], {"paragraphs": len(columns["key"])}
 
 
+# -- semantic dedup -------------------------------------------------------------------------
+
+
+def _encoder_files(config: ConfigView) -> dict[str, Any]:
+    encoder = config.curate.semantic_dedup.encoder
+    if not encoder:
+        return {"encoder": semantic.CORPUS}
+    return {"encoder": fingerprints(local_workspace(config)).path_fingerprint(encoder)}
+
+
+def _semantic_encoder_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    sd = _cur(ctx).semantic_dedup
+    if sd.encoder:  # a pretrained encoder: nothing to count
+        return [], {"docs": 0}
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    present, counts = semantic.document_frequencies(texts, sd.ngram)
+    return [_save_columns(ctx, f"df/{shard}.npz", {"feature": present, "df": counts})], {"docs": len(texts)}
+
+
+def _semantic_encoder_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    sd = _cur(ctx).semantic_dedup
+    folder = ctx.out_dir / "encoder"
+    if sd.encoder:
+        kind = semantic.save_folder_encoder(folder, Path(sd.encoder))
+        return {"counts": {}, "extra": {"kind": kind}}
+    shards = _shards(ctx)
+    parts = [np.load(ctx.out_dir / f"df/{s}.npz") for s in shards]
+    docs = sum(results[s]["docs"] for s in shards)
+    idf = semantic.idf_from([(p["feature"], p["df"]) for p in parts], docs)
+    semantic.save_corpus_encoder(folder, idf, sd.ngram, sd.dim, sd.seed)
+    shutil.rmtree(ctx.out_dir / "df", ignore_errors=True)
+    return {
+        "counts": {"docs": docs, "features": int(np.count_nonzero(idf < idf.max()))},
+        "extra": {"kind": semantic.CORPUS},
+    }
+
+
+def _semantic_unit(ctx: StepContext, shard: str) -> tuple[list[str], dict[str, Any]]:
+    sd = _cur(ctx).semantic_dedup
+    _, encoder = semantic.load_encoder(ctx.upstream_dir(SEMANTIC_ENCODER) / "encoder")
+    texts = read_columns(shard_path(_ingest_dir(ctx), shard), ["text"])["text"]
+    size = sd.batch_docs
+    parts = [encoder.encode(texts[i : i + size]) for i in range(0, len(texts), size)]
+    vectors = np.concatenate(parts) if parts else np.zeros((0, 1), dtype=np.float32)
+    return [_save_array(ctx, f"embeddings/{shard}.npy", vectors.astype(np.float32))], {"docs": len(texts)}
+
+
+def _semantic_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, Any]:
+    sd = _cur(ctx).semantic_dedup
+    shards = _shards(ctx)
+    embeddings = np.concatenate([np.load(ctx.out_dir / f"embeddings/{s}.npy") for s in shards if results[s]["docs"]])
+    labels = semantic.clusters(embeddings, sd.cluster_docs, sd.seed)
+    a, b, cosine = semantic.similar_pairs(embeddings, labels, sd.store_min_cosine)
+    pq.write_table(
+        pa.table(
+            {"a": pa.array(a, pa.int64()), "b": pa.array(b, pa.int64()), "cosine": pa.array(cosine, pa.float32())}
+        ),
+        ctx.out_dir / "pairs.parquet",
+    )
+    bins = {f"pairs_cosine_ge_{round(t * 100)}": int(np.count_nonzero(cosine >= t)) for t in (0.4, 0.6, 0.8, 0.9, 0.95)}
+    sizes = np.bincount(labels)
+    return {
+        "counts": {"docs": len(embeddings), "clusters": len(sizes), "stored_pairs": len(a), **bins},
+        "metrics": {"largest_cluster": int(sizes.max()) if len(sizes) else 0, "dim": int(embeddings.shape[1])},
+        "extra": {"kind": ctx.upstream[SEMANTIC_ENCODER]["extra"]["kind"]},
+    }
+
+
 # -- selection ----------------------------------------------------------------------------
 
 
@@ -453,6 +523,8 @@ def _select_upstream(config: PipelineBase) -> tuple[str, ...]:
         wanted.append(MINHASH)
     if cfg.paragraph_dedup.enabled:
         wanted.append(PARAGRAPHS)
+    if cfg.semantic_dedup.enabled:
+        wanted.append(SEMANTIC)
     if cfg.langid.enabled:
         wanted.append(LANGID)
     if _heuristics_enabled(config):
@@ -478,6 +550,9 @@ SELECT_READS = (
             "near_dedup.enabled",
             "near_dedup.threshold",
             "paragraph_dedup",
+            "semantic_dedup.enabled",
+            "semantic_dedup.threshold",
+            "semantic_dedup.skip_domains",
             "langid.enabled",
             "langid.keep",
             "langid.min_score",
@@ -501,6 +576,8 @@ def _attribute_dirs(ctx: StepContext) -> AttributeDirs:
         shards=_shards(ctx),
         minhash=ctx.upstream_dir(MINHASH) if MINHASH in up else None,
         paragraphs=ctx.upstream_dir(PARAGRAPHS) if PARAGRAPHS in up else None,
+        semantic=ctx.upstream_dir(SEMANTIC) if SEMANTIC in up else None,
+        semantic_kind=up[SEMANTIC]["extra"]["kind"] if SEMANTIC in up else None,
         langid=ctx.upstream_dir(LANGID) if LANGID in up else None,
         heuristics=ctx.upstream_dir(HEURISTICS) if HEURISTICS in up else None,
         quality=ctx.upstream_dir(QUALITY) if QUALITY in up else None,
@@ -689,6 +766,33 @@ CURATE_STEPS = [
         when=lambda c: c.curate.paragraph_dedup.enabled,
         code=("data_prep.paragraphs", "data_prep.textnorm"),
         libraries=("numpy", "xxhash"),
+    ),
+    Step(
+        SEMANTIC_ENCODER,
+        1,
+        "The semantic-dedup encoder: IDF of the corpus's hashed word n-grams, or a pretrained folder",
+        reads=tuple(f"curate.semantic_dedup.{f}" for f in ("encoder", "ngram", "dim", "seed")),
+        derive=_encoder_files,
+        upstream=lambda c: (INGEST,),
+        units=_shards,
+        run_unit=_semantic_encoder_unit,
+        finalize=_semantic_encoder_finalize,
+        when=lambda c: c.curate.semantic_dedup.enabled,
+        code=("data_prep.semantic", "data_prep.textnorm"),
+        libraries=("scikit-learn", "numpy"),
+    ),
+    Step(
+        SEMANTIC,
+        1,
+        "Embed every document; k-means clusters; pairs within a cluster above curate.semantic_dedup.store_min_cosine",
+        reads=tuple(f"curate.semantic_dedup.{f}" for f in ("store_min_cosine", "cluster_docs", "seed")),
+        upstream=lambda c: (INGEST, SEMANTIC_ENCODER),
+        units=_shards,
+        run_unit=_semantic_unit,
+        finalize=_semantic_finalize,
+        when=lambda c: c.curate.semantic_dedup.enabled,
+        code=("data_prep.semantic", "data_prep.textnorm"),
+        libraries=("scikit-learn", "numpy", "model2vec", "transformers", "torch"),
     ),
     Step(
         LANGID,

@@ -380,3 +380,48 @@ def test_held_out_documents_share_no_text_with_training_by_the_gates_rule(
     assert all(n >= 8 and bad <= 0.05 * n for bad, n in after.values()), (before, after)
     split = manifests["curate/split"]["counts"]
     assert split["val_docs"] > 0 and split["grouped_docs"] > split["val_docs"]
+
+
+def test_semantic_dedup_removes_the_planted_paraphrases_and_keeps_the_pairs(tmp_path: Path) -> None:
+    """The issue's planted set (2,000 documents, 200 paraphrases MinHash misses) through curation with
+    only dedup on: the paraphrases go (reason semantic_dup), the pairs are kept for inspection,
+    and a new threshold re-selects without embedding again."""
+    from data_prep.filters import filters
+    from tests.paraphrases import planted_set
+
+    planted = planted_set()
+    data = tmp_path / "planted.jsonl"
+    data.write_text("".join(json.dumps({"id": f"d{i:04d}", "text": t}) + "\n" for i, t in enumerate(planted.texts)))
+    overrides = [
+        f"curate.inputs=[{data}]",
+        "curate.langid.enabled=false",
+        "curate.quality_classifier.enabled=false",
+        "curate.mix.enabled=false",
+        "curate.semantic_dedup.enabled=true",
+        "curate.tokenizer.vocab_size=512",
+        "curate.docs_per_shard=700",
+        *(f"curate.{name}.enabled=false" for name in filters()),
+    ]
+    manifests = run_pipeline_locally(small_config(tmp_path / "ws", *overrides), ["curate"])
+    select = manifests["curate/select"]
+    assert manifests["curate/minhash"]["counts"]["edges_jaccard_ge_80"] == 0  # MinHash sees none of them
+    assert select["metrics"]["semantic_threshold"] == 0.4  # the corpus encoder's default
+    select_dir = Path(select["dir"])
+    removed = {r["id"]: r for r in _rows(select_dir, "removed")}
+    assert {r["reason"] for r in removed.values()} == {"semantic_dup"}
+    pairs = {(f"d{a:04d}", f"d{b:04d}") for a, b in planted.paraphrase_of.items()}
+    caught = [p for p in pairs if (p[0] in removed) != (p[1] in removed)]
+    assert len(caught) >= 0.97 * len(pairs) and len(removed) <= len(pairs) + 2, (len(caught), len(removed))
+    for paraphrase, source in caught:  # the removed one points at its pair, which is kept
+        gone, other = (paraphrase, source) if paraphrase in removed else (source, paraphrase)
+        assert removed[gone]["duplicate_of"] == other
+    inspect = pq.read_table(select_dir / "semantic_pairs.parquet").to_pylist()
+    assert {r["removed"] for r in inspect} == set(removed) and min(r["cosine"] for r in inspect) >= 0.4
+    assert all(r["kept_chars"] >= r["removed_chars"] for r in inspect)  # no quality score: the longer stays
+
+    again = run_pipeline_locally(
+        small_config(tmp_path / "ws", *overrides, "curate.semantic_dedup.threshold=0.6"), ["curate"]
+    )
+    assert again["curate/semantic"]["key"] == manifests["curate/semantic"]["key"]
+    assert again["curate/select"]["key"] != select["key"]
+    assert 0 < again["curate/select"]["counts"]["removed"]["semantic_dup"] < len(removed)

@@ -263,3 +263,126 @@ def test_documents_sharing_text_are_held_out_together_and_a_giant_group_stays_in
     assert 0.03 < held.mean() < 0.13 and held[0] == held[1]
     by_id, _ = decide_split(ids, np.arange(len(texts)), 0.08, 0, None)  # split_by: id, the old rule
     assert 0.03 < by_id.mean() < 0.13
+
+
+# -- semantic dedup (data_prep/semantic.py) --------------------------------------------------
+
+
+def _corpus_embeddings(texts: list[str]) -> np.ndarray:
+    from data_prep import semantic
+
+    frequencies = [semantic.document_frequencies(texts[i : i + 700], 2) for i in range(0, len(texts), 700)]
+    return semantic.CorpusEncoder(semantic.idf_from(frequencies, len(texts)), 2, 512, 0).encode(texts)
+
+
+def test_semantic_dedup_finds_the_paraphrases_minhash_misses_on_the_planted_set() -> None:
+    """The issue's planted set: 2,000 documents, 200 of them paraphrases (sentences reordered,
+    synonyms and names swapped). Recall and false positives of both rules on the same pairs."""
+    from data_prep import semantic
+    from tests.paraphrases import planted_set
+
+    planted = planted_set()
+    truth, n = planted.pairs(), len(planted.texts)
+    hasher = MinHasher()
+    shingles = [hasher.shingles(t) for t in planted.texts]
+    minhash_found = sum(exact_jaccard(shingles[a], shingles[b]) >= 0.8 for a, b in truth)
+    assert minhash_found == 0  # what the issue is about: MinHash at its threshold sees none of them
+
+    embeddings = _corpus_embeddings(planted.texts)
+    a, b, cosine = semantic.similar_pairs(embeddings, semantic.clusters(embeddings, 10000, 0), 0.3)
+    at = cosine >= semantic.CORPUS_THRESHOLD
+    found = set(zip(a[at].tolist(), b[at].tolist()))
+    recall, false = len(found & truth) / len(truth), len(found - truth)
+    assert recall >= 0.97 and false <= 2, (recall, false)
+    assert false / (n * (n - 1) / 2 - len(truth)) < 1e-5
+
+    # the decision removes one document of each planted pair, and nothing else
+    d = semantic.decide(a, b, cosine, np.ones(n, bool), semantic.CORPUS_THRESHOLD, np.full(n, np.nan), np.ones(n))
+    removed = set(d.removed.tolist())
+    one_of_pair = sum((x in removed) != (y in removed) for x, y in planted.paraphrase_of.items())
+    assert one_of_pair >= 0.97 * len(truth) and len(removed) <= len(truth) + 2
+
+
+def test_semantic_decisions_keep_the_better_document_and_do_not_chain() -> None:
+    from data_prep import semantic
+
+    # 0~1 (0.95), 1~2 (0.92), 0 and 2 not similar: keeping 1 (best quality) removes both others;
+    # keeping 0 first would keep 2 too (no chain through a removed document)
+    a, b, cos = np.array([0, 1]), np.array([1, 2]), np.array([0.95, 0.92], dtype=np.float32)
+    quality = np.array([0.2, 0.9, 0.1])
+    d = semantic.decide(a, b, cos, np.ones(3, bool), 0.9, quality, np.ones(3))
+    assert d.removed.tolist() == [0, 2] and d.kept_copy.tolist() == [1, 1]
+    quality = np.array([0.9, 0.2, 0.8])
+    d = semantic.decide(a, b, cos, np.ones(3, bool), 0.9, quality, np.ones(3))
+    assert d.removed.tolist() == [1] and d.kept_copy.tolist() == [0]
+    # no quality score: the longer document stays; a document not eligible takes no part
+    d = semantic.decide(a, b, cos, np.ones(3, bool), 0.9, np.full(3, np.nan), np.array([10, 5, 30]))
+    assert d.removed.tolist() == [1] and d.kept_copy.tolist() == [0]  # the most similar kept one
+    d = semantic.decide(a, b, cos, np.array([True, False, True]), 0.9, np.full(3, np.nan), np.ones(3))
+    assert len(d.removed) == 0
+    # below the threshold nothing is a duplicate
+    assert len(semantic.decide(a, b, cos, np.ones(3, bool), 0.96, quality, np.ones(3)).removed) == 0
+
+
+def test_pairs_within_clusters_are_exact_and_the_corpus_encoder_is_deterministic() -> None:
+    from data_prep import semantic
+
+    rng = np.random.default_rng(0)
+    vectors = rng.normal(size=(300, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    a, b, cos = semantic.similar_pairs(vectors, np.zeros(300, dtype=np.int64), 0.5, block=64)
+    sims = vectors @ vectors.T
+    want = {(i, j) for i, j in zip(*np.nonzero(sims >= 0.5)) if i < j}
+    assert set(zip(a.tolist(), b.tolist())) == want and np.allclose(cos, sims[a, b])
+    # two clusters: only pairs inside one are compared
+    labels = (np.arange(300) % 2).astype(np.int64)
+    a, b, _ = semantic.similar_pairs(vectors, labels, 0.5)
+    assert set(zip(a.tolist(), b.tolist())) == {(i, j) for i, j in want if (i - j) % 2 == 0}
+
+    texts = PROSE[:12]
+    first, again = _corpus_embeddings(texts), _corpus_embeddings(list(texts))
+    assert np.array_equal(first, again) and np.allclose(np.linalg.norm(first, axis=1), 1.0, atol=1e-5)
+    batched = semantic.CorpusEncoder(
+        semantic.idf_from([semantic.document_frequencies(texts, 2)], 12), 2, 512, 0, batch=5
+    )
+    assert np.allclose(batched.encode(texts), first, atol=1e-6)
+
+
+def test_pretrained_encoder_folders_load_offline_and_embed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model2vec static model and a Hugging Face encoder folder (built here: no hub) as
+    `curate.semantic_dedup.encoder`; a folder that is neither is a one-line error."""
+    import json
+
+    import pytest
+    from model2vec import StaticModel
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    from data_prep import semantic
+    from lmforge.errors import ConfigError
+
+    texts = ["the cat sat on the mat", "a dog ran far away", "the cat sat on the mat"]
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[CLS]"]))
+    vectors = np.random.default_rng(0).normal(size=(tok.get_vocab_size(), 8)).astype(np.float32)
+    StaticModel(vectors=vectors, tokenizer=tok, normalize=True).save_pretrained(tmp_path / "m2v")
+    BertModel(BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(tmp_path / "bert")  # fmt: skip
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(
+        tmp_path / "bert"
+    )
+    for name, kind in (("m2v", "model2vec"), ("bert", "transformers")):
+        folder = tmp_path / f"spec-{name}"
+        assert semantic.save_folder_encoder(folder, tmp_path / name) == kind
+        loaded_kind, encoder = semantic.load_encoder(folder)
+        embedded = encoder.encode(texts)
+        assert loaded_kind == kind and embedded.shape[0] == 3 and embedded.dtype == np.float32
+        assert np.allclose(np.linalg.norm(embedded, axis=1), 1.0, atol=1e-5)
+        assert embedded[0] @ embedded[2] > 0.999 and embedded[0] @ embedded[1] < 0.999
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ConfigError, match="names no model_type"):
+        semantic.folder_kind(tmp_path / "other")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        semantic.folder_kind(tmp_path / "missing")

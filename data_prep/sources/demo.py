@@ -389,13 +389,15 @@ def _canonical_name(name: str) -> str:
 # test extra's S3 server) are never corpus: installing `lmforge[s3]` must not change the demo corpus,
 # and with it every model of the demo lineage. alt-profanity-check (the toxicity filter's classifier,
 # data_prep/filters/toxicity.py) came after the corpus was fixed: left out so that adding it did not
-# change it either.
+# change it either; so did semantic dedup's model2vec (data_prep/semantic.py), semhash (its benchmark
+# peer) and what they pull in.
 NOT_CORPUS = frozenset(
     {
         "adlfs", "aiobotocore", "aioitertools", "alt-profanity-check", "azure-core", "azure-datalake-store",
-        "azure-identity", "azure-storage-blob", "blinker", "boto3", "botocore", "flask", "flask-cors", "gcsfs",
-        "google-auth", "google-cloud-storage", "itsdangerous", "moto", "py-partiql-parser", "responses", "s3fs",
-        "s3transfer", "wrapt", "xmltodict",
+        "azure-identity", "azure-storage-blob", "blinker", "boto3", "botocore", "flask", "flask-cors",
+        "frozendict", "gcsfs", "google-auth", "google-cloud-storage", "itsdangerous", "model2vec", "moto",
+        "numkong", "py-partiql-parser", "pyversity", "responses", "s3fs", "s3transfer", "semhash", "usearch",
+        "vicinity", "wrapt", "xmltodict",
     }
 )  # fmt: skip
 
