@@ -133,7 +133,7 @@ class SemanticDedupConfig(StrictModel):
         None,
         ge=0.0,
         le=1.0,
-        description="Cosine at or above which two documents are duplicates; none: 0.4 for the corpus encoder, "
+        description="Cosine at or above which two documents are duplicates; none: 0.5 for the corpus encoder, "
         "0.9 (semhash's default) for a pretrained one.",
     )
     store_min_cosine: float = Field(
@@ -148,6 +148,9 @@ class SemanticDedupConfig(StrictModel):
         ge=2,
         description="About this many documents per k-means cluster; pairs are searched within clusters "
         "(exactly, among all documents, when the corpus is no bigger).",
+    )
+    cluster_probes: int = Field(
+        2, ge=1, description="Each document joins this many nearest clusters (pairs near a boundary are still found)."
     )
     dim: int = Field(512, ge=16, description="Dimensions of the corpus encoder's vectors.")
     ngram: int = Field(2, ge=1, le=5, description="The corpus encoder's word n-grams (1..ngram).")

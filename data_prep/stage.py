@@ -78,6 +78,14 @@ def _check(config: PipelineBase, source: str) -> None:
         for path in family.files(section) if section.enabled else []:
             if not Path(path).is_file():
                 raise ConfigError(f"{source}: curate.{family.name}: not a file: {path}")
+    sd = config.curate.semantic_dedup
+    if sd.enabled and sd.encoder:
+        from data_prep.semantic import folder_kind
+
+        try:
+            folder_kind(Path(sd.encoder))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
 
 
 STAGE = Stage(

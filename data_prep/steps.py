@@ -452,6 +452,8 @@ def _encoder_files(config: ConfigView) -> dict[str, Any]:
     encoder = config.curate.semantic_dedup.encoder
     if not encoder:
         return {"encoder": semantic.CORPUS}
+    if not Path(encoder).is_dir():  # the stage's check names it before a run; a key is still a key
+        return {"encoder": f"missing: {encoder}"}
     return {"encoder": fingerprints(local_workspace(config)).path_fingerprint(encoder)}
 
 
@@ -496,7 +498,7 @@ def _semantic_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, A
     sd = _cur(ctx).semantic_dedup
     shards = _shards(ctx)
     embeddings = np.concatenate([np.load(ctx.out_dir / f"embeddings/{s}.npy") for s in shards if results[s]["docs"]])
-    labels = semantic.clusters(embeddings, sd.cluster_docs, sd.seed)
+    labels = semantic.clusters(embeddings, sd.cluster_docs, sd.seed, sd.cluster_probes)
     a, b, cosine = semantic.similar_pairs(embeddings, labels, sd.store_min_cosine)
     pq.write_table(
         pa.table(
@@ -505,7 +507,7 @@ def _semantic_finalize(ctx: StepContext, results: dict[str, Any]) -> dict[str, A
         ctx.out_dir / "pairs.parquet",
     )
     bins = {f"pairs_cosine_ge_{round(t * 100)}": int(np.count_nonzero(cosine >= t)) for t in (0.4, 0.6, 0.8, 0.9, 0.95)}
-    sizes = np.bincount(labels)
+    sizes = np.bincount(labels[:, 0])
     return {
         "counts": {"docs": len(embeddings), "clusters": len(sizes), "stored_pairs": len(a), **bins},
         "metrics": {"largest_cluster": int(sizes.max()) if len(sizes) else 0, "dim": int(embeddings.shape[1])},
@@ -785,7 +787,9 @@ CURATE_STEPS = [
         SEMANTIC,
         1,
         "Embed every document; k-means clusters; pairs within a cluster above curate.semantic_dedup.store_min_cosine",
-        reads=tuple(f"curate.semantic_dedup.{f}" for f in ("store_min_cosine", "cluster_docs", "seed")),
+        reads=tuple(
+            f"curate.semantic_dedup.{f}" for f in ("store_min_cosine", "cluster_docs", "cluster_probes", "seed")
+        ),
         upstream=lambda c: (INGEST, SEMANTIC_ENCODER),
         units=_shards,
         run_unit=_semantic_unit,

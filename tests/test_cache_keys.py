@@ -134,6 +134,7 @@ ROWS = [
     ("runtime.verify=size", set()),
     ("workspace=/elsewhere", set()),
     ("curate.near_dedup.batch_docs=64", set()),
+    ("curate.semantic_dedup.batch_docs=64", set()),
     ("pretrain.distributed.micro_batch_size=4", set()),
     ("pretrain.distributed.num_ranks=1", set()),
     ("pretrain.distributed.zero_stage=3", set()),
@@ -294,6 +295,27 @@ ROWS = [
 def test_field_changes_exactly_these_steps(override: str, changed: set[str]) -> None:
     before, after = identities([]), identities(override.split(";"))
     assert {name for name in ALL_STEPS if before[name] != after[name]} == changed
+
+
+SEMANTIC_ON = ["curate.semantic_dedup.enabled=true"]
+SEMANTIC_STEPS = [*ALL_STEPS, "curate/semantic-encoder", "curate/semantic"]
+
+
+@pytest.mark.parametrize(
+    "override, changed",
+    [
+        ("curate.semantic_dedup.threshold=0.6", {"curate/select"}),  # re-selects from the stored pairs
+        ("curate.semantic_dedup.skip_domains=[code]", {"curate/select"}),
+        # what is stored: embedded again, as MinHash signs again for store_min_jaccard
+        ("curate.semantic_dedup.store_min_cosine=0.2", {"curate/semantic"}),
+        ("curate.semantic_dedup.cluster_probes=3", {"curate/semantic"}),
+        ("curate.semantic_dedup.dim=256", {"curate/semantic-encoder"}),
+        ("curate.semantic_dedup.batch_docs=7", set()),
+    ],
+)
+def test_semantic_dedup_fields_key_the_step_that_uses_them(override: str, changed: set[str]) -> None:
+    before, after = identities(SEMANTIC_ON), identities([*SEMANTIC_ON, override])
+    assert {name for name in SEMANTIC_STEPS if before[name] != after[name]} == changed
 
 
 def test_the_chosen_backends_section_keys_the_release() -> None:
