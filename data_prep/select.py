@@ -219,7 +219,6 @@ class Decisions:
     repeat: np.ndarray  # int32, for kept documents
     bounds: np.ndarray  # shard k holds documents bounds[k]:bounds[k+1]
     paragraphs: paragraphs.ParagraphDecisions | None = None  # paragraphs removed from kept documents
-    semantic: semantic.SemanticDecisions | None = None  # documents removed as paraphrases
 
     def reasons(self, index: int) -> list[str]:
         later = LATER_REASONS[self.later[index]]
@@ -339,12 +338,13 @@ def _paragraph_dedup(cfg: CurateConfig, dirs: AttributeDirs, d: Decisions) -> No
     d.paragraphs = decided
 
 
-def semantic_dedup(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> dict[str, Any]:
+def semantic_dedup(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Decisions) -> float | None:
     """Paraphrases among the documents every rule but paragraph dedup and mixing keeps
     (data_prep/semantic.py): of each similar pair the better document (quality score, then length)
-    stays. The decisions, with both documents' scores, go to `semantic_pairs.parquet`."""
+    stays. The decisions, with both documents' scores, go to `semantic_pairs.parquet` (what a person
+    checks before trusting a threshold). Returns the threshold applied."""
     if dirs.semantic is None:
-        return {}
+        return None
     sd = cfg.semantic_dedup
     threshold = sd.threshold if sd.threshold is not None else semantic.default_threshold(dirs.semantic_kind or "")
     pairs = pq.read_table(dirs.semantic / "pairs.parquet")
@@ -363,8 +363,20 @@ def semantic_dedup(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, d: Dec
     )
     d.later[decided.removed] = SEMANTIC
     d.duplicate_of[decided.removed] = decided.kept_copy
-    d.semantic = decided
-    return {"threshold": threshold, "removed": len(decided.removed)}
+    unique, inverse = np.unique(np.concatenate([decided.removed, decided.kept_copy]), return_inverse=True)
+    ids = _ids_at(dirs, d, unique).take(pa.array(inverse))
+    n = len(decided.removed)
+    columns = {
+        "removed": ids[:n],
+        "kept": ids[n:],
+        "cosine": pa.array(decided.cosine, pa.float32()),
+        "removed_quality": pa.array(quality[decided.removed], pa.float64(), from_pandas=True),
+        "kept_quality": pa.array(quality[decided.kept_copy], pa.float64(), from_pandas=True),
+        "removed_chars": pa.array(n_chars[decided.removed], pa.int64()),
+        "kept_chars": pa.array(n_chars[decided.kept_copy], pa.int64()),
+    }
+    pq.write_table(pa.table(columns), out_dir / "semantic_pairs.parquet")
+    return threshold
 
 
 def decide(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results: dict[str, Any]) -> Decisions:
@@ -440,13 +452,18 @@ def _target_ids(dirs: AttributeDirs, d: Decisions) -> tuple[np.ndarray, pa.Array
     """(document indices that others duplicate, sorted; their ids), read one shard's ids at a time."""
     owners = d.paragraphs.owner if d.paragraphs is not None else np.zeros(0, dtype=np.int64)
     targets = np.unique(np.concatenate([d.duplicate_of[d.duplicate_of >= 0], owners]))
+    return targets, _ids_at(dirs, d, targets)
+
+
+def _ids_at(dirs: AttributeDirs, d: Decisions, indices: np.ndarray) -> pa.Array:
+    """The ids of documents `indices` (sorted, unique), read one shard's ids at a time."""
     ids = []
     for k, shard in enumerate(dirs.shards):
-        mine = targets[(targets >= d.bounds[k]) & (targets < d.bounds[k + 1])]
+        mine = indices[(indices >= d.bounds[k]) & (indices < d.bounds[k + 1])]
         if len(mine):
             column = pq.read_table(shard_path(dirs.ingest, shard), columns=["id"])["id"]
             ids.append(column.take(pa.array(mine - d.bounds[k])).combine_chunks())
-    return targets, pa.concat_arrays(ids) if ids else pa.array([], pa.string())
+    return pa.concat_arrays(ids) if ids else pa.array([], pa.string())
 
 
 def write_shard(
@@ -580,12 +597,10 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
     """Decide across the corpus from the per-shard inputs (`shard_inputs` results), then write."""
     decisions = decide(cfg, dirs, out_dir, results)
     threshold = apply_quality_rule(cfg, dirs, out_dir, decisions)
-    semantic_report = semantic_dedup(cfg, dirs, out_dir, decisions)
+    semantic_threshold = semantic_dedup(cfg, dirs, out_dir, decisions)
     _paragraph_dedup(cfg, dirs, decisions)
     mix_report = apply_mix(cfg, dirs, out_dir, decisions)
     total = write_selection(cfg, dirs, decisions, out_dir)
-    if decisions.semantic is not None:
-        write_semantic_pairs(dirs, decisions, out_dir, _load(out_dir, dirs.shards, "quality"))
     removed = total["removed"]
     return {
         "counts": {
@@ -600,40 +615,6 @@ def run_selection(cfg: CurateConfig, dirs: AttributeDirs, out_dir: Path, results
         "metrics": {
             "quality_threshold": threshold,
             "mix": mix_report,
-            **({"semantic_threshold": semantic_report["threshold"]} if semantic_report else {}),
+            **({"semantic_threshold": semantic_threshold} if semantic_threshold is not None else {}),
         },
     }
-
-
-def _ids_of(dirs: AttributeDirs, d: Decisions, indices: np.ndarray) -> list[str]:
-    """The ids of documents `indices` (any order), reading one shard's ids at a time."""
-    unique, inverse = np.unique(indices, return_inverse=True)
-    found: list[str] = []
-    for k, shard in enumerate(dirs.shards):
-        mine = unique[(unique >= d.bounds[k]) & (unique < d.bounds[k + 1])]
-        if len(mine):
-            column = pq.read_table(shard_path(dirs.ingest, shard), columns=["id"])["id"]
-            found += column.take(pa.array(mine - d.bounds[k])).to_pylist()
-    return [found[i] for i in inverse.tolist()]
-
-
-def write_semantic_pairs(dirs: AttributeDirs, d: Decisions, out_dir: Path, quality: np.ndarray) -> None:
-    """Each document semantic dedup removed, the kept one it is most similar to, their cosine and
-    scores: what a person checks before trusting a threshold."""
-    sem = d.semantic
-    assert sem is not None
-    ids = _ids_of(dirs, d, np.concatenate([sem.removed, sem.kept_copy]))
-    n = len(sem.removed)
-    sizes = _load(out_dir, dirs.shards, "n_chars")
-    table = pa.table(
-        {
-            "removed": pa.array(ids[:n], pa.string()),
-            "kept": pa.array(ids[n:], pa.string()),
-            "cosine": pa.array(sem.cosine, pa.float32()),
-            "removed_quality": pa.array(quality[sem.removed], pa.float64(), from_pandas=True),
-            "kept_quality": pa.array(quality[sem.kept_copy], pa.float64(), from_pandas=True),
-            "removed_chars": pa.array(sizes[sem.removed], pa.int64()),
-            "kept_chars": pa.array(sizes[sem.kept_copy], pa.int64()),
-        }
-    )
-    pq.write_table(table, out_dir / "semantic_pairs.parquet")
