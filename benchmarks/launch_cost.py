@@ -13,9 +13,8 @@ figure (wall time follows them when the host is busy):
 - starting training ranks: the launcher's imports (`torch.distributed.run`, what
   `pretrain.distributed.launcher: auto` starts on one node, against DeepSpeed's runner and its
   `launch.py`), and a rank's library imports (`training.device_setup.preload_libraries`, without
-  mlflow, scikit-learn and SciPy, against a plain import of the same libraries), an alignment rank's
-  that is not QLoRA's (the same, without bitsandbytes, against preloaded), and an alignment rank's on
-  plain DDP (without DeepSpeed, against with it).
+  mlflow and scikit-learn, against a plain import of the same libraries), and an alignment rank's
+  that is not QLoRA's (the same, without bitsandbytes, against preloaded).
 
 Each figure is the median of `--rounds` runs, each in a fresh process.
 """
@@ -34,7 +33,6 @@ import urllib.request
 from pathlib import Path
 
 RANK_IMPORTS = "import deepspeed, transformers.models.llama.modeling_llama, trl, peft, accelerate"
-ALIGN_DDP_IMPORTS = "import transformers.models.llama.modeling_llama, trl, peft, accelerate"
 
 
 def _tree_cpu(pid: int) -> float:
@@ -129,14 +127,6 @@ def main() -> None:
     lean_align = statistics.median(child_cpu(no_bnb) for _ in range(args.rounds))
     print(f"  align rank imports without bitsandbytes {lean_align:5.1f}   preloaded {lean:5.1f}   "
           f"ratio {lean_align / lean:5.2f}  (per rank, not QLoRA)")  # fmt: skip
-    # an alignment rank on plain DDP (align.distributed.zero_stage 0) never imports DeepSpeed (training/align/entry.py)
-    ddp = (
-        "from training.device_setup import imports_without, preload_libraries; preload_libraries(deepspeed=False)\n"
-        f"with imports_without('bitsandbytes'):\n    {ALIGN_DDP_IMPORTS}"
-    )
-    lean_ddp = statistics.median(child_cpu(ddp) for _ in range(args.rounds))
-    print(f"  align DDP rank imports without DeepSpeed {lean_ddp:5.1f}   with it {lean_align:5.1f}   "
-          f"ratio {lean_ddp / lean_align:5.2f}  (per rank, zero_stage 0)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -218,9 +218,9 @@ def train(spec: dict[str, Any], rank: int) -> None:
             import trl  # noqa: F401
     out_dir = Path(spec["out_dir"])
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
+    disable_shm_comm_op()
     safe_attention_kernels()
-    if spec["zero_stage"]:  # plain DDP (stage 0) never imports DeepSpeed (`_uses_deepspeed`)
-        disable_shm_comm_op()
+    if spec["zero_stage"]:
         import deepspeed
         import torch
 
@@ -287,16 +287,6 @@ def finish(
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
-def _uses_deepspeed(argv: list[str]) -> bool:
-    """Whether the rank's spec (`--spec PATH` in `argv`) trains with DeepSpeed's ZeRO; True when it
-    cannot be read (the entry then reports why)."""
-    try:
-        path = argv[argv.index("--spec") + 1]
-        return bool(json.loads(Path(path).read_text()).get("zero_stage", 1))
-    except (ValueError, IndexError, OSError, AttributeError):  # json's errors are ValueErrors
-        return True
-
-
 if __name__ == "__main__":
-    preload_libraries(deepspeed=_uses_deepspeed(sys.argv))
+    preload_libraries()
     sys.exit(main(train))
