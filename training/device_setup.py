@@ -63,9 +63,8 @@ def preload_libraries() -> None:
     against 16.6 CPU-s of a pretraining rank's imports on an AVX2 host). A rank uses none of them
     and paid all at every start, on 2 cores the largest part of a short launch. They stay importable
     afterwards (a plug-in's method may use them): DeepSpeed and transformers have only recorded them
-    as absent. (Leaving DeepSpeed out
-    of an alignment rank on plain DDP saved nothing measurable: 11.9 against 12.1 CPU-s, what it
-    imports the rank imports anyway.)"""
+    as absent. (Leaving DeepSpeed out of an alignment rank on plain DDP saved nothing measurable:
+    11.9 against 12.1 CPU-s; what it imports, the rank imports anyway.)"""
     with imports_without("mlflow", "sklearn", "scipy"):
         if importlib.util.find_spec("deepspeed") is not None:
             import deepspeed  # noqa: F401
