@@ -6,7 +6,12 @@ WS is a workspace where `lmforge stage quantize` ran. For the unquantized model 
 quantized and for each checkpoint the quantization gate measured: bytes of weights, output
 tokens/s and TTFT/TPOT p50 from the serving stage's SLO client (streaming, `ignore_eos`, the
 `distinct` workload) through a vLLM server started with the serving stage's settings, and the
-gate's eval delta per task. Everything is printed as a ratio to bf16 as well.
+gate's eval delta per task. Everything is printed as a ratio to bf16 as well. A checkpoint vLLM
+cannot serve on this host (w8a8-fp8 on CPU, 4-bit ones on an AVX2 CPU) is not served: its row
+says why, and its deltas are the gate's measurement in transformers.
+
+Then, when the gate measured both 4-bit schemes, AWQ's held-out perplexity ratio beside GPTQ's
+(the same model and calibration samples): `w4a16` is GPTQ, `w4a16-awq` AWQ.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from serving import slo  # noqa: E402
 from serving.quantize.report import bf16_bytes_and_params, weight_bytes  # noqa: E402
+from serving.quantize.schemes import serving_problem  # noqa: E402
+from serving.quantize.steps import serving_host  # noqa: E402
 
 
 def serve_speed(model_dir: Path, concurrency: list[int], per_client: int, max_tokens: int) -> dict[int, dict]:
@@ -66,8 +73,12 @@ def main() -> None:
     models = {"bf16": (base_dir, bf16_bytes_and_params(base_dir)[0])}
     for scheme, outcome in verdict["schemes"].items():
         models[scheme] = (Path(outcome["model_dir"]), weight_bytes(Path(outcome["model_dir"])))
-    speed = {}
+    host = serving_host()
+    speed, unserved = {}, {}
     for name, (model_dir, _) in models.items():
+        if name != "bf16" and (problem := serving_problem(name, host)):
+            unserved[name] = problem
+            continue
         print(f"serving {name} ...", file=sys.stderr, flush=True)
         speed[name] = serve_speed(model_dir, levels, args.requests_per_client, args.max_tokens)
     top = levels[-1]
@@ -78,7 +89,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (_, size) in models.items():
-        s = speed[name]
+        s = speed.get(name)
         outcome = verdict["schemes"].get(name)
         deltas = (
             "; ".join(
@@ -93,14 +104,28 @@ def main() -> None:
             if outcome
             else "reference"
         )
-        verdict = "eligible" if outcome and outcome["eligible"] else ("reference" if not outcome else "FAILED")
-        print(
-            f"| {name} | {size / 2**20:.2f} MiB | {size / models['bf16'][1]:.2f} | {s[top]['output_tokens_per_s']:.0f} | "
-            f"{s[top]['output_tokens_per_s'] / base[top]['output_tokens_per_s']:.2f} | {s[levels[0]]['ttft_ms_p50']:.0f} | "
-            f"{s[levels[0]]['tpot_ms_p50']:.1f} | {verdict} "
-            f"| {deltas} |"
+        if outcome and outcome.get("measured_on"):
+            deltas = f"({outcome['measured_on']}) {deltas}"
+        state = "eligible" if outcome and outcome["eligible"] else ("reference" if not outcome else "not eligible")
+        served = (
+            f"{s[top]['output_tokens_per_s']:.0f} | {s[top]['output_tokens_per_s'] / base[top]['output_tokens_per_s']:.2f} "
+            f"| {s[levels[0]]['ttft_ms_p50']:.0f} | {s[levels[0]]['tpot_ms_p50']:.1f}"
+            if s
+            else f"not served here: {unserved[name]} | | |"
         )
+        print(f"| {name} | {size / 2**20:.2f} MiB | {size / models['bf16'][1]:.2f} | {served} | {state} | {deltas} |")
     print(f"\n{verdict['decision']}")
+    ratios = {
+        scheme: next((r["ratio"] for r in verdict["schemes"][scheme]["comparisons"] if "ratio" in r), None)
+        for scheme in ("w4a16", "w4a16-awq")
+        if scheme in verdict["schemes"]
+    }
+    if len(ratios) == 2 and None not in ratios.values():
+        gptq, awq = ratios["w4a16"], ratios["w4a16-awq"]
+        print(
+            f"4-bit held-out perplexity vs the unquantized model: GPTQ x{gptq:.4f}, AWQ x{awq:.4f} "
+            f"(AWQ {'at least as good' if awq <= gptq else 'worse'}; AWQ/GPTQ {awq / gptq:.4f})"
+        )
 
 
 if __name__ == "__main__":

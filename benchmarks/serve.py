@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/serve.py --workspace WS          # the model WS serves (or its DPO model)
     .venv/bin/python benchmarks/serve.py --model DIR [--concurrency 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serve.py --model DIR --speculative [--draft DRAFT_DIR]
+    .venv/bin/python benchmarks/serve.py --model DIR --kv-cache-dtype fp8   # FP8 KV cache beside the model's dtype
     .venv/bin/python benchmarks/serve.py --workspace WS --adapters [--concurrency 1,8] [--lora-ops both]
 
 Rows, for the `shared-prefix` workload (a long system prompt shared by every request, then a
@@ -116,15 +117,41 @@ def hf_rows(model_dir: Path, concurrency: list[int], per_client: int, max_tokens
 
 
 def vllm_rows(
-    model_dir: Path, prefix_caching: bool, concurrency: list[int], per_client: int, max_tokens: int, prefix_words: int
+    model_dir: Path,
+    prefix_caching: bool,
+    concurrency: list[int],
+    per_client: int,
+    max_tokens: int,
+    prefix_words: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
     from lmforge.inference.vllm_server import EngineConfig, TemporaryServer
 
-    cfg = EngineConfig(enable_prefix_caching=prefix_caching)
+    cfg = EngineConfig(enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
     with tempfile.TemporaryDirectory() as work, TemporaryServer(model_dir, cfg, Path(work), "bench") as server:
         rows = slo.run(server.base_url, server.api_key, "bench", concurrency, per_client, max_tokens, prefix_words)
     label = "vLLM" + ("" if prefix_caching else ", prefix caching off")
+    label += f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     return [{"engine": label, **r} for r in rows]
+
+
+def kv_cache_report(model_dir: Path, dtype: str, shape: tuple) -> None:  # type: ignore[type-arg]
+    """vLLM with the model's KV-cache dtype and with `dtype` (FP8), same levels: tok/s and TPOT ratios."""
+    from lmforge.inference.vllm_server import EngineConfig, kv_cache_problem
+
+    if problem := kv_cache_problem(EngineConfig(kv_cache_dtype=dtype), model_dir):  # type: ignore[arg-type]
+        sys.exit(problem)
+    rows = vllm_rows(model_dir, True, *shape) + vllm_rows(model_dir, True, *shape, kv_cache_dtype=dtype)
+    print(slo.table(rows))
+    base = {(r["workload"], r["clients"]): r for r in rows if r["engine"] == "vLLM"}
+    for r in rows:
+        if r["engine"] != "vLLM":
+            b = base[(r["workload"], r["clients"])]
+            print(
+                f"KV cache {dtype}, {r['workload']} x{r['clients']}: tok/s "
+                f"{r['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x of the model's dtype, "
+                f"TPOT p50 {r['tpot_ms_p50']:.1f} vs {b['tpot_ms_p50']:.1f} ms"
+            )
 
 
 def speculation_rows(
@@ -159,6 +186,9 @@ def main() -> None:
     parser.add_argument("--prefix-words", type=int, default=120)
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument(
+        "--kv-cache-dtype", choices=["fp8", "fp8_e4m3", "fp8_e5m2"], help="vLLM with this KV cache beside the default"
+    )
+    parser.add_argument(
         "--speculative", action="store_true", help="compare speculative decoding (off / ngram / --draft) instead"
     )
     parser.add_argument("--draft", help="--speculative: a draft model directory with the served model's tokenizer")
@@ -190,6 +220,8 @@ def main() -> None:
     )
     if args.speculative:
         return speculative_report(model_dir, args, shape)
+    if args.kv_cache_dtype:
+        return kv_cache_report(model_dir, args.kv_cache_dtype, shape)
     rows = vllm_rows(model_dir, True, *shape)
     rows += vllm_rows(model_dir, False, *shape)
     rows += hf_rows(model_dir, *shape)

@@ -101,13 +101,21 @@ class ServeConfigBase(StrictModel):
     model: str = Field(
         "auto",
         description="What to serve. auto: the quantized model when its gate passed, else RL, else DPO, else SFT, else "
-        "pretrained, else the base model.",
+        "pretrained, else the base model; quantized: the gate's choice; quantized:<scheme>: that checkpoint (refused "
+        "in one line where this host cannot serve it or the gate failed it).",
     )
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, model: str) -> str:
-        """auto or quantized, or a model role of the lineage (lmforge.engine.registry.roles)."""
+        """auto, quantized (the gate's choice), quantized:<scheme> (that checkpoint), or a model role of the
+        lineage (lmforge.engine.registry.roles)."""
+        if model.startswith("quantized:"):
+            from serving.quantize.schemes import SCHEMES
+
+            if model.split(":", 1)[1] not in SCHEMES:
+                raise ValueError(f"{model}: no such quantization scheme (schemes: {', '.join(SCHEMES)})")
+            return model
         return model if model in ("auto", "quantized") else check_roles([model])[0]
 
     require_evaluation: bool = Field(

@@ -50,6 +50,8 @@ def _product(role: str) -> Product:
 
 
 def _roles(config: ConfigOrView) -> tuple[str, ...]:
+    if config.serve.model.startswith(f"{QUANTIZED}:"):
+        return (QUANTIZED,)
     return auto_order() if config.serve.model == "auto" else (config.serve.model,)
 
 
@@ -93,9 +95,12 @@ def _here(ctx: StepContext, step: str, key: str, recorded: str) -> Path:
 
 
 def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint the quantization gate chose, or None (and why) when none passed."""
+    """The checkpoint the quantization gate chose (or `serve.model: quantized:<scheme>` names), or None
+    (and why) when none passed."""
     verdict = json.loads((ctx.path(QUANT_VERDICT) / "verdict.json").read_text())
     chosen = verdict["chosen"]
+    if ctx.config.serve.model.startswith(f"{QUANTIZED}:"):
+        chosen = _named_scheme(ctx.config.serve.model, verdict)
     if chosen is None:
         if ctx.config.serve.model == QUANTIZED:
             raise GateFailed(f"serve.model=quantized: {verdict['decision']}")
@@ -110,6 +115,26 @@ def _quantized_choice(ctx: StepContext) -> tuple[Path, dict[str, Any]] | None:
         "verdict": verdict["decision"],
         "from": verdict["model"],
     }
+
+
+def _named_scheme(model: str, verdict: dict[str, Any]) -> str:
+    """The scheme `serve.model: quantized:<scheme>` asks for, refused in one line where it cannot ship."""
+    from serving.quantize.schemes import SCHEMES, serving_problem
+    from serving.quantize.steps import serving_host
+
+    scheme = model.split(":", 1)[1]
+    if scheme not in verdict["schemes"]:
+        raise ConfigError(
+            f"serve.model={model}: {scheme} was not written (quantize.schemes: {', '.join(verdict['schemes'])})"
+        )
+    problem = serving_problem(scheme, serving_host())
+    if problem:
+        needs = SCHEMES[scheme].describe(0).split(",")[0]
+        raise ConfigError(f"serve.model={model}: refused here ({needs}): {problem}")
+    outcome = verdict["schemes"][scheme]
+    if not outcome["eligible"]:
+        raise GateFailed(f"serve.model={model}: the quantization gate failed it: {'; '.join(outcome['failures'])}")
+    return scheme
 
 
 def _choose(ctx: StepContext) -> tuple[str, Path, dict[str, Any]]:

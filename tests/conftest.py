@@ -115,7 +115,12 @@ SMALL_EVAL = [
 
 
 # Quantization of the small model: groups of 32 (its width is 64), few short calibration samples.
-SMALL_QUANT = ["quantize.group_size=32", "quantize.calibration.num_samples=16", "quantize.calibration.max_seq_len=64"]
+SMALL_QUANT = [
+    "quantize.group_size=32",
+    "quantize.calibration.num_samples=16",
+    "quantize.calibration.max_seq_len=64",
+    "quantize.schemes=[w8a8-int8,w4a16,w4a16-awq,w8a8-fp8]",  # GPTQ beside AWQ, INT8 beside FP8
+]
 # Serving it: its context is 64 tokens, so short answers and SLO requests.
 SMALL_SERVE = ["serve.smoke_max_tokens=24", "serve.slo.max_tokens=8", "serve.slo.concurrency=[1, 4]"]
 

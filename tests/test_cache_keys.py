@@ -47,12 +47,15 @@ ALL_STEPS = [
     "quantize/calibration",
     "quantize/w8a8-int8",
     "quantize/w4a16",
+    "quantize/w4a16-awq",
     "quantize/w8a16",
+    "quantize/w8a8-fp8",
     "quantize/gate",
     "serve/release",
 ]
 EVAL_RUNS = {f"evaluate/{m}-{b}" for m in ("pretrained", "sft", "dpo") for b in ("hf", "vllm")}
-QUANT = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}
+CALIBRATED = {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w4a16-awq", "quantize/w8a16"}
+QUANT = CALIBRATED | {"quantize/w8a8-fp8"}  # FP8's scales are each channel's maximum: no calibration
 INDEXES = {"evaluate/index-documents", "evaluate/index-chat", "evaluate/index-preference"}
 
 
@@ -113,18 +116,25 @@ ROWS = [
     ("evaluate.contamination.fuzzy_ngram=6", INDEXES | {"evaluate/contamination", "curate/decontaminate"}),
     ("quantize.calibration.num_samples=32", {"quantize/calibration"}),
     ("quantize.calibration.smoothing_strength=0.5", {"quantize/w8a8-int8"}),  # SmoothQuant is W8A8's alone
-    ("quantize.group_size=64", {"quantize/w4a16"}),
-    ("quantize.calibration.enabled=false", QUANT),
+    ("quantize.group_size=64", {"quantize/w4a16", "quantize/w4a16-awq"}),
+    ("quantize.calibration.dampening_frac=0.05", {"quantize/w8a8-int8", "quantize/w4a16", "quantize/w8a16"}),  # GPTQ's
+    ("quantize.calibration.enabled=false", CALIBRATED),
     ("quantize.model=sft", QUANT),
     # not a chat model: no chats to calibrate on (calibration's key changes through its upstream: chats drop out)
     ("quantize.model=pretrained", QUANT),
     ("quantize.gate.max_drop=0.1", {"quantize/gate"}),
+    ("quantize.gate.choose=fastest;quantize.gate.speed_requests=8", {"quantize/gate"}),  # the rule is the gate's
+    ("serve.model=quantized:w8a8-int8", {"serve/release"}),
     ("serve.model=sft", {"serve/release"}),
     ("serve.adapters.enabled=true", {"serve/release"}),
     ("serve.backend=llamacpp", {"serve/release"}),
     ("serve.llamacpp.n_ctx=64", set()),  # a backend not chosen: its section is not read
     # the hf backend reads the served context length too (its windows match what will be served)
     ("serve.engine.max_model_len=128", EVAL_RUNS | {"quantize/gate", "serve/release"}),
+    (  # what the KV cache stores changes what the served model computes
+        "serve.engine.kv_cache_dtype=fp8",
+        EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")} | {"quantize/gate", "serve/release"},
+    ),
     (
         "serve.engine.dtype=float32",
         EVAL_RUNS - {f"evaluate/{m}-hf" for m in ("pretrained", "sft", "dpo")} | {"quantize/gate", "serve/release"},
@@ -367,6 +377,7 @@ COMPANIONS = {
     # the preset's judge is a model of the lineage; an endpoint replaces it, URL and model together
     "evaluate.judge.endpoint.url": ["evaluate.judge.model=null", "evaluate.judge.endpoint.model=m"],
     "evaluate.judge.endpoint.model": ["evaluate.judge.model=null", "evaluate.judge.endpoint.url=http://127.0.0.1:9/v1"],
+    "quantize.gate.choose": ["quantize.gate.speed_requests=8"],  # fastest needs the speed measured
 }
 # fields that matter only in a context (LoRA's shape when a step uses LoRA): compared within it
 # and a serving backend's section, read when that backend is chosen

