@@ -20,7 +20,12 @@ Sections, each a child process with its own time limit, its log kept under --out
              bf16, ZeRO stage) on the built-in chat and preference data of a tiny-cpu workspace
              (`--align-data`, its `align/data/<key>` folder) and its tokenizer (`--tokenizer`,
              a model folder); the global batch is cut to `--align-batch` sequences to fit the time;
-  compile    `benchmarks/pretrain.py --compare compile`: torch.compile'd layers vs eager.
+  compile    `benchmarks/pretrain.py --compare compile`: torch.compile'd layers vs eager;
+  float8     the preset's model trained --steps steps in bf16 and with float8 (`pretrain.float8`:
+             torchao's Float8Linear, real float8 matmuls) on the same batches from the same
+             weights, eager and with compiled layers: tokens/s of each, their ratio and the final
+             losses. Only on a CUDA GPU of compute capability 8.9+ (Ada, Hopper); elsewhere it
+             says why it is skipped.
 
 It needs no Prefect (the training packages do not import it): on a machine that has torch,
 transformers, accelerate and peft, add deepspeed, trl, datasets and pydantic (the README's
@@ -41,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("matmul", "attention", "plain", "backends", "align", "compile")
+SECTIONS = ("matmul", "attention", "plain", "backends", "align", "compile", "float8")
 
 
 def matmul() -> None:
@@ -123,6 +128,87 @@ def attention(preset: str, overrides: list[str]) -> None:
                 print(f"{kind:11} {batch:9} sdpa {name:5}: loss {loss.item():.4f}, grad norm {norm.item():.4f}, "
                       f"non-finite gradient tensors {len(bad)} of {len(named)} {bad[:3]}")  # fmt: skip
                 del logits, loss
+
+
+def float8(preset: str, overrides: list[str], steps: int) -> None:
+    """bf16 vs float8 training of the preset's model (torchao, real float8), eager and compiled."""
+    import numpy as np
+    import torch
+
+    from lmforge.config import load_config
+    from training.device import detect_device
+    from training.model import build_model as build
+    from training.planner import describe_capability, float8_supported
+
+    device = detect_device()
+    if not float8_supported(device):
+        print(f"float8: skipped: real float8 matmuls need a CUDA GPU of compute capability 8.9+ (Ada, Hopper); "
+              f"{describe_capability(device)} (pretrain.float8=emulate checks the numerics anywhere)")  # fmt: skip
+        return
+    import torchao
+
+    config = load_config(preset, [*LOADABLE, *overrides])
+    p = config.pretrain
+    vocab = config.curate.tokenizer.vocab_size
+    base = build(p.model, vocab, p.seq_len, {"bos_id": 0, "eos_id": 0, "pad_id": 1}, p.seed)
+    micro, seq = p.distributed.micro_batch_size, p.seq_len
+    rng = np.random.default_rng(0)  # ids from 2: no pad id (see the attention section)
+    batches = [torch.from_numpy(rng.integers(2, vocab, (micro, seq + 1))).cuda() for _ in range(steps)]
+    print(f"model {sum(x.numel() for x in base.parameters()) / 1e6:.0f}M parameters, fp32 weights under bf16 "
+          f"autocast, {micro} x {seq} tokens, {steps} steps each (tokens/s: median after 2 steps), "
+          f"{describe_capability(device)}, torch {torch.__version__}, torchao {torchao.__version__}")  # fmt: skip
+    for compiled in (False, True):
+        runs = {mode: train_steps(base, batches, mode, compiled, p.optim) for mode in ("off", "on")}
+        (bf16_tps, bf16_losses, bf16_first), (f8_tps, f8_losses, f8_first) = runs["off"], runs["on"]
+        print(f"{'compiled' if compiled else 'eager':8}: bf16 {bf16_tps:,.0f} tokens/s, float8 {f8_tps:,.0f} tokens/s "
+              f"(float8 / bf16 {f8_tps / bf16_tps:.3f}); final loss bf16 {bf16_losses[-1]:.4f}, float8 "
+              f"{f8_losses[-1]:.4f} (first {bf16_losses[0]:.4f}); first step {bf16_first:.1f}s vs {f8_first:.1f}s",
+              flush=True)  # fmt: skip
+
+
+def train_steps(base, batches, mode: str, compiled: bool, optim, device: str = "cuda"):  # type: ignore[no-untyped-def]
+    """(tokens/s, losses, first step's seconds) of training a copy of `base` on `batches` under bf16
+    autocast, its linear layers converted to float8 by `training.float8` unless `mode` is off."""
+    import copy
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from training import float8 as f8
+    from training.fsdp2 import decoder_layers
+
+    model = copy.deepcopy(base).to(device)
+    if mode != "off":
+        f8.convert(model, mode)
+    if compiled:  # as lmforge compiles (`pretrain.compile`): each decoder layer, after the conversion
+        for layer in decoder_layers(model):
+            layer.compile()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
+    )
+    seconds, losses = [], []
+    for batch in batches:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    tokens = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    steady = float(np.median(seconds[2:] if len(seconds) > 3 else seconds))
+    del model, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / steady, losses, seconds[0]
 
 
 # the check trains on synthetic tokens and a workspace's chat data, not on the preset's corpus:
@@ -259,6 +345,8 @@ def main() -> None:
         return align(args)
     if args.section == "attention":
         return attention(args.preset, args.overrides)
+    if args.section == "float8":
+        return float8(args.preset, args.overrides, args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bench = [
@@ -278,6 +366,7 @@ def main() -> None:
         "attention": [sys.executable, __file__, "--section", "attention", *sys.argv[1:]],
         "align": [sys.executable, __file__, "--section", "align", *sys.argv[1:]],
         "compile": [*bench, "--compare", "compile"],
+        "float8": [sys.executable, __file__, "--section", "float8", *sys.argv[1:]],
     }
     table = []
     for name in args.sections.split(","):

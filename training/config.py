@@ -8,9 +8,9 @@ the same model up to floating-point reduction order, so those are runtime fields
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 
@@ -192,6 +192,13 @@ class PretrainConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = bf16 where the hardware has it (recent GPUs; CPUs with AVX512-BF16/AMX), else fp32."
     )
+    float8: Literal["off", "auto", "on", "emulate"] = Field(
+        "off",
+        description="Float8 training of the decoder's attention and MLP projections (torchao; lm_head and embeddings "
+        "stay in `precision`): on = required, refused where the GPU is not a CUDA GPU of compute capability 8.9+ "
+        "(Ada, Hopper); auto = on where the GPU has it, off elsewhere; emulate = torchao's emulation on any "
+        "device (slow; for checking the numerics on CPU). It changes the numerics, so it is in the cache key.",
+    )
     checkpoint: CheckpointConfig = CheckpointConfig()
     guardrails: GuardrailConfig = GuardrailConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -212,6 +219,12 @@ class PretrainConfig(StrictModel):
         1e-3, description="Max |logit difference| allowed between engine and export.", gt=0
     )
     assumed_mfu: float = runtime_field(0.4, description="MFU the planner assumes for its time estimate.", gt=0, le=1)
+
+    @field_validator("float8", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `on` / `off` (a preset's `float8: on`, `--set pretrain.float8=off`) as a boolean."""
+        return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> PretrainConfig:

@@ -1,4 +1,4 @@
-"""What we are running on: device kind, count, memory, bf16 support, and its measured peak."""
+"""What we are running on: device kind, count, memory, bf16 support, compute capability, and its measured peak."""
 
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ KNOWN_GPU_PEAK_TFLOPS = {
     "A10": 125.0,
     "L4": 121.0,
 }
+# CUDA compute capability by GPU model, for a node described by hand (`lmforge plan --gpus N --gpu-name`);
+# float8 matmuls (`pretrain.float8`) need 8.9 (Ada) or newer. Matched in this order, like the peaks above.
+KNOWN_GPU_CAPABILITY = {
+    "B200": (10, 0),
+    "H200": (9, 0),
+    "H100": (9, 0),
+    "L40S": (8, 9),
+    "L4": (8, 9),
+    "A100": (8, 0),
+    "A10": (8, 6),
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,12 @@ class DeviceInfo:
     bf16: bool
     cores: int
     host_memory_bytes: int | None = None  # the node's RAM; None when planning for a machine described by hand
+    capability: tuple[int, int] | None = None  # CUDA compute capability (NVIDIA only); None on CPU, ROCm or unknown
+
+
+def known_capability(name: str) -> tuple[int, int] | None:
+    """The compute capability of a GPU model named by hand (None for one not in the table)."""
+    return next((cap for model, cap in KNOWN_GPU_CAPABILITY.items() if model in name), None)
 
 
 def no_gpu_here() -> bool:
@@ -65,6 +82,8 @@ def detect_device() -> DeviceInfo:
             torch.cuda.is_bf16_supported(),
             cores,
             psutil.virtual_memory().total,
+            # ROCm reports its gfx version here (MI300: 9.4), which is no CUDA capability
+            (props.major, props.minor) if torch.version.hip is None else None,
         )
     ram = psutil.virtual_memory().total
     return DeviceInfo("cpu", _cpu_name(), 1, ram, _cpu_bf16(), cores, ram)

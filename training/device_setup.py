@@ -59,15 +59,18 @@ def imports_without(*names: str) -> Iterator[None]:
 def preload_libraries() -> None:
     """Import DeepSpeed (where installed) and transformers' model code without what they import only
     because it is installed: DeepSpeed's autotuner imports mlflow (1.3 s of CPU), transformers'
-    assisted generation scikit-learn (1 s) and its object-detection losses SciPy (1.2 s: 15.4
+    assisted generation scikit-learn (1 s), its torchao checkpoint loader torchao (1.3 s; a rank
+    that trains in float8 imports torchao itself, `training/float8.py`) and its object-detection
+    losses SciPy (1.2 s: 15.4
     against 16.6 CPU-s of a pretraining rank's imports on an AVX2 host). A rank uses none of them
     and paid all at every start, on 2 cores the largest part of a short launch. They stay importable
     afterwards (a plug-in's method may use them): DeepSpeed and transformers have only recorded them
     as absent. (Leaving DeepSpeed out of an alignment rank on plain DDP saved nothing measurable:
     11.9 against 12.1 CPU-s; what it imports, the rank imports anyway.)"""
-    with imports_without("mlflow", "sklearn", "scipy"):
+    with imports_without("mlflow", "sklearn", "scipy", "torchao"):
         if importlib.util.find_spec("deepspeed") is not None:
             import deepspeed  # noqa: F401
 
         import transformers.generation.candidate_generator  # noqa: F401  (the one that asks for sklearn)
         import transformers.modeling_utils  # noqa: F401
+        import transformers.quantizers.auto  # noqa: F401  (its torchao loader imports torchao: 1.3 s)

@@ -113,10 +113,13 @@ def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from training.float8 import high_precision
+
     engine.eval()
     # compiled layers run eagerly here: inductor's fused bf16 kernels round differently from the
-    # eager kernels the exported model runs, and the check is about the weights, not the kernels
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+    # eager kernels the exported model runs, and the check is about the weights, not the kernels;
+    # for the same reason float8 layers (pretrain.float8) run as the plain nn.Linear they subclass
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), high_precision(engine.module):
         reference = engine(input_ids=batch).logits.float().cpu()
     engine.train()
     if dist.get_rank() != 0:

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmforge.errors import DeterministicError, TrainingDiverged
 from lmforge.hashing import atomic_write_json
-from training import checkpoint
+from training import checkpoint, float8
 from training.config import PretrainConfig
 from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
@@ -83,6 +83,7 @@ class Trainer:
         self.progress: dict[str, Any] = {"last_val": None, "tps_sum": 0.0, "tps_count": 0, "wall_s": 0.0}
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
+        self.float8_layers: list[str] = []  # the linear layers torchao trains in float8 (pretrain.float8)
         self.mem_before_engine_mb = memory_mb()  # the baseline the planner's per-rank figures add to
         self.engine = self._build_engine()
         self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len, self.vocab_size)
@@ -111,6 +112,20 @@ class Trainer:
             model = load_base(self.base_dir)
         else:
             model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
+        if self.plan.float8 != "off":
+            # before checkpointing, compile and the engine wrap the layers: they then see Float8Linear
+            # (an nn.Linear with the same parameters) where nn.Linear was
+            first = not self.float8_layers
+            self.float8_layers = float8.convert(model, self.plan.float8)
+            if first and self.rank == 0:
+                log.info(
+                    "float8 (%s): %d linear layers converted by torchao (%s, ...); the output projection and "
+                    "embeddings stay in %s",
+                    self.plan.float8,
+                    len(self.float8_layers),
+                    ", ".join(self.float8_layers[:3]),
+                    self.plan.precision,
+                )
         if self.cfg.distributed.activation_checkpointing:
             # recompute each decoder layer in backward instead of keeping its activations
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -481,6 +496,8 @@ class Trainer:
             "train_seconds": round(self.progress["wall_s"], 2),
             "mfu": self.flops_per_token * mean_tps / self.peak_flops if mean_tps and self.peak_flops else None,
             "params": self.params,
+            "float8": self.plan.float8,
+            "float8_layers": self.float8_layers,
             "anomalies": len(self.anomalies),
             # every token of both splits is in some window except these (the end of each stream)
             "train_windows": len(self.train_data),

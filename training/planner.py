@@ -28,6 +28,11 @@ traffic and verdict.
 The budget reports training FLOPs (6*N*D over the parameters that do matmuls -- an untied
 input embedding is a lookup, not a matmul -- and with attention), the Chinchilla-optimal
 token count (about 20 tokens per parameter) and the time at an assumed MFU.
+
+Float8 (`pretrain.float8`, `resolve_float8`) is resolved here too: float8 matmuls need an NVIDIA
+GPU of compute capability 8.9 or newer (Ada, Hopper), so `auto` turns it on only there, `on` is
+refused elsewhere, and `emulate` runs torchao's emulation anywhere. The memory figures do not
+count it (its casts are transient; weights, gradients and optimizer states keep their dtypes).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class Plan:
     backend: str = "deepspeed"  # deepspeed | fsdp2
     sharding: str = ""  # FSDP2: full | grad_op | hybrid
     compile: bool = False
+    float8: str = "off"  # resolved pretrain.float8: off | on | emulate
 
     @property
     def label(self) -> str:
@@ -224,6 +230,49 @@ def resolve_precision(precision: str, device: DeviceInfo) -> str:
     return "bf16" if device.bf16 else "fp32"  # CUDA bf16, or CPU AVX512-BF16/AMX
 
 
+FLOAT8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+
+
+def float8_supported(device: DeviceInfo) -> bool:
+    return device.kind == "cuda" and device.capability is not None and tuple(device.capability) >= FLOAT8_CAPABILITY
+
+
+def describe_capability(device: DeviceInfo) -> str:
+    """What this device offers float8, in words (for the plan and the refusal)."""
+    if device.kind != "cuda":
+        return f"this machine has no CUDA GPU ({device.kind}: {device.name})"
+    if device.capability is None:
+        return f"the compute capability of {device.name} is unknown (not an NVIDIA GPU, or not a known model)"
+    return f"{device.name} has compute capability {device.capability[0]}.{device.capability[1]}"
+
+
+def resolve_float8(float8: str, device: DeviceInfo) -> str:
+    """`pretrain.float8` on this device: off | on | emulate. `on` where the GPU lacks float8 is refused."""
+    if float8 == "auto":
+        return "on" if float8_supported(device) else "off"
+    if float8 == "on" and not float8_supported(device):
+        raise ConfigError(
+            f"pretrain.float8: on needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper or newer), but "
+            f"{describe_capability(device)}; set pretrain.float8=emulate to check its numerics on CPU, "
+            "or auto to use it only where the hardware has it"
+        )
+    return float8
+
+
+def float8_reason(setting: str, resolved: str, device: DeviceInfo) -> str:
+    """The plan's line on float8: what was chosen and why."""
+    what = {
+        "on": "float8 matmuls (torchao) in the attention and MLP projections",
+        "emulate": "float8 emulated by torchao (slow: numerics checks)",
+        "off": "off",
+    }[resolved]
+    if setting != "auto":
+        return f"float8: {what}"
+    if resolved == "on":
+        return f"float8: {what} (auto: {describe_capability(device)} >= 8.9)"
+    return f"float8: off (auto: needs a CUDA GPU of compute capability 8.9+; {describe_capability(device)})"
+
+
 def devices_used(plan_world: int, device: DeviceInfo) -> int:
     """Accelerators the run occupies: its GPU ranks, or the one CPU host."""
     return plan_world if device.kind == "cuda" else 1
@@ -348,6 +397,7 @@ def plan_parallelism(
             f"micro_batch_size x world size = {cfg.distributed.micro_batch_size} x {world}"
         )
     precision = resolve_precision(cfg.precision, device)
+    float8 = resolve_float8(cfg.float8, device)
     params = params or count_parameters(cfg.model, vocab_size)
     ranks_sharing = ranks if device.kind == "cpu" else 1  # CPU ranks share the host's memory
     capacity = device.memory_bytes / GIB / ranks_sharing * (1 - cfg.distributed.memory_headroom)
@@ -357,10 +407,13 @@ def plan_parallelism(
         if device.host_memory_bytes
         else float("inf")
     )
+    compute = precision + {"on": " + float8", "emulate": " + float8 (emulated)"}.get(float8, "")
     reasons = [
-        f"{params / 1e6:.2f}M parameters, {precision}, {world} rank(s) ({ranks}/node x {cfg.distributed.num_nodes}), "
+        f"{params / 1e6:.2f}M parameters, {compute}, {world} rank(s) ({ranks}/node x {cfg.distributed.num_nodes}), "
         f"{capacity:.1f} GiB usable per rank on {device.kind} ({device.name})"
     ]
+    if cfg.float8 != "off":
+        reasons.append(float8_reason(cfg.float8, float8, device))
     grad_accum = cfg.global_batch_size // per_step
     cpu = device.kind == "cpu"
     fitting: list[tuple[tuple[Any, ...], Strategy, dict[str, float], float]] = []
@@ -435,6 +488,7 @@ def plan_parallelism(
         backend=best.backend,
         sharding=best.sharding,
         compile=cfg.compile,
+        float8=float8,
     )
     plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, devices_used(world, device), vocab_size)
     return plan

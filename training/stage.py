@@ -68,16 +68,20 @@ def _cli(commands: Any) -> None:
     plan = commands.add_parser("plan", help="print the pretraining parallelism plan and compute budget")
     plan.add_argument("--gpus", type=int, help="plan for a node with this many GPUs instead of this machine")
     plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU for --gpus (default 80)")
-    plan.add_argument("--gpu-name", default="H100", help="GPU model for --gpus, for its peak FLOP/s (default H100)")
+    plan.add_argument(
+        "--gpu-name", default="H100", help="GPU model for --gpus: its peak FLOP/s and float8 support (default H100)"
+    )
     plan.set_defaults(handler=_cmd_plan, needs_config=True, check_paths=False)
 
 
 def _cmd_plan(args: argparse.Namespace, config: PipelineBase) -> int:
-    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, peak_tflops
+    from training.device import KNOWN_GPU_PEAK_TFLOPS, DeviceInfo, detect_device, known_capability, peak_tflops
     from training.planner import format_plan, plan_parallelism, resolve_precision
 
     if args.gpus:
-        device = DeviceInfo("cuda", args.gpu_name, args.gpus, int(args.gpu_memory_gib * 1024**3), True, 64)
+        memory = int(args.gpu_memory_gib * 1024**3)
+        capability = known_capability(args.gpu_name)
+        device = DeviceInfo("cuda", args.gpu_name, args.gpus, memory, True, 64, capability=capability)
         peak = KNOWN_GPU_PEAK_TFLOPS.get(args.gpu_name)
     else:  # this machine: the measured (cached) peak, so the budget includes a time estimate
         device = detect_device()

@@ -180,9 +180,10 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "anomalies": len(anomalies),
             "attempts": attempt.number,
             "params": summary["params"],
+            "float8_layers": len(summary.get("float8_layers", [])),
         },
         "metrics": {
-            **{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params")},
+            **{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params", "float8_layers")},
             "unigram_entropy_nats": unigram,
         },
         "extra": {
@@ -198,8 +199,10 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 "per_rank_gib": plan.per_rank_gib,
                 "grad_accum": plan.grad_accum,
                 "precision": plan.precision,
+                "float8": plan.float8,
                 "reasoning": plan.reasoning,
             },
+            "float8_layers": summary.get("float8_layers", []),
             "budget": plan.budget,
             "hf_dir": str(out_dir / "hf"),
         },
@@ -234,15 +237,23 @@ def anomaly_rows(anomalies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _resolved_precision(config: ConfigView) -> dict[str, Any]:
-    """`precision: auto` resolved on this machine: auto gives bf16 on hardware that has it and fp32
-    elsewhere, different models, so different keys."""
-    if config.pretrain.precision != "auto":
+def _resolved_for_device(config: ConfigView) -> dict[str, Any]:
+    """`precision: auto` and `float8: auto` resolved on this machine: auto gives bf16 on hardware that
+    has it and fp32 elsewhere, float8 on GPUs of compute capability 8.9+ and none elsewhere: different
+    models, so different keys."""
+    pretrain = config.pretrain
+    if pretrain.precision != "auto" and pretrain.float8 != "auto":
         return {}
     from training.device import detect_device
-    from training.planner import resolve_precision
+    from training.planner import resolve_float8, resolve_precision
 
-    return {"pretrain": {"precision": f"auto:{resolve_precision('auto', detect_device())}"}}
+    device = detect_device()
+    resolved = {}
+    if pretrain.precision == "auto":
+        resolved["precision"] = f"auto:{resolve_precision('auto', device)}"
+    if pretrain.float8 == "auto":
+        resolved["float8"] = f"auto:{resolve_float8('auto', device)}"
+    return {"pretrain": resolved}
 
 
 PRETRAIN_STEPS = [
@@ -252,7 +263,7 @@ PRETRAIN_STEPS = [
         2,
         "Train the model (from scratch or the base's weights; DeepSpeed or FSDP2, as planned), export to HF format",
         reads=_reads,
-        derive=_resolved_precision,
+        derive=_resolved_for_device,
         upstream=lambda c: (TOKEN_SHARDS, TOKENIZER, BASE_MODEL) if from_base(c) else (TOKEN_SHARDS, TOKENIZER),
         finalize=_train_finalize,
         retries=3,
@@ -279,7 +290,8 @@ PRETRAIN_STEPS = [
             "training.planner",
             "training.device_setup",
             "training.reader",
+            "training.float8",
         ),
-        libraries=("torch", "transformers", "deepspeed"),
+        libraries=("torch", "transformers", "deepspeed", "torchao"),
     ),
 ]

@@ -7,7 +7,7 @@ Where the quantizer's environment lives is not.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,7 +17,10 @@ from serving.quantize.schemes import SCHEMES
 
 NOT_SIGNIFICANTLY_WORSE = "not_significantly_worse"
 # the registry's schemes (one module each in serving/quantize/schemes/), spelled for pydantic and the reference
-SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    SchemeName = str
+else:
+    SchemeName = Literal[tuple(SCHEMES)]
 MaxDrop = float | dict[str, float | Literal["not_significantly_worse"]]
 
 

@@ -239,8 +239,9 @@ def decide(
     eligible = [s for s, o in schemes.items() if o["eligible"]]
     rule = getattr(gate, "choose", "smallest")
     if rule == "fastest" and eligible and all(schemes[s]["tokens_per_s"] for s in eligible):
-        chosen: str | None = max(eligible, key=lambda s: (schemes[s]["tokens_per_s"], -schemes[s]["bytes"]))
-        why = f"the fastest that passes: {schemes[chosen]['tokens_per_s']:.0f} output tokens/s"
+        fastest = max(eligible, key=lambda s: (schemes[s]["tokens_per_s"], -schemes[s]["bytes"]))
+        chosen: str | None = fastest
+        why = f"the fastest that passes: {schemes[fastest]['tokens_per_s']:.0f} output tokens/s"
     else:
         chosen = min(eligible, key=lambda s: schemes[s]["bytes"]) if eligible else None
         why = "the smallest that passes" + (" (fastest asked, speed not measured)" if rule == "fastest" else "")

@@ -341,7 +341,7 @@ def _gate_reads(config: PipelineBase) -> tuple[str, ...]:
     )
 
 
-def _unservable(config: ConfigView) -> dict[str, str]:
+def _unservable(config: ConfigView | PipelineBase) -> dict[str, str]:
     """{scheme: why vLLM cannot serve it on this host} for the configured schemes (usually empty)."""
     from serving.quantize.schemes import serving_problem
 
