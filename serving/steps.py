@@ -129,8 +129,7 @@ def _named_scheme(model: str, verdict: dict[str, Any]) -> str:
         )
     problem = serving_problem(scheme, serving_host())
     if problem:
-        needs = SCHEMES[scheme].describe(0).split(",")[0]
-        raise ConfigError(f"serve.model={model}: refused here ({needs}): {problem}")
+        raise ConfigError(f"serve.model={model}: refused here ({SCHEMES[scheme].describe(0)}): {problem}")
     outcome = verdict["schemes"][scheme]
     if not outcome["eligible"]:
         raise GateFailed(f"serve.model={model}: the quantization gate failed it: {'; '.join(outcome['failures'])}")
