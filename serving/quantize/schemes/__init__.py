@@ -48,7 +48,8 @@ class Scheme:
 
     def describe(self, group_size: int) -> str:
         kind = "FP8" if self.weight_type == "float" else f"INT{self.weight_bits}"
-        weights = f"{kind} weights " + (f"in groups of {group_size}" if self.grouped else "per channel")
+        groups = f"in groups of {group_size}" if group_size else "in groups"
+        weights = f"{kind} weights " + (groups if self.grouped else "per channel")
         if self.activation_bits == 16:
             return f"{weights}, 16-bit activations"
         acts = "FP8" if self.activation_type == "float" else "INT8"
