@@ -62,8 +62,8 @@ def _load(model_dir: Path, quantized: bool = False) -> Any:
     return load_causal_lm(model_dir, dtype=torch.float32, **extra).eval()
 
 
-def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:
-    """Relative weight error of every quantized Linear, worst first."""
+def layer_errors(source_dir: Path, quantized_dir: Path, method: str = "") -> list[dict[str, Any]]:
+    """Relative weight error of every quantized Linear, worst first (`method`: the quantizer's, e.g. awq)."""
     import torch
 
     base, quant = _load(source_dir), _load(quantized_dir, quantized=True)
@@ -84,7 +84,7 @@ def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:
             )
             weight = weight / scale.unsqueeze(0)
         restored[name] = weight
-    if _awq(quantized_dir):  # undo the scales AWQ moved from one projection's rows into the next one's columns
+    if method == "awq":  # undo the scales AWQ moved from one projection's rows into the next one's columns
         for name in list(restored):
             parent, short = name.rsplit(".", 1) if "." in name else ("", name)
             into = f"{parent}.{SMOOTHED_INTO[short]}" if short in SMOOTHED_INTO else None
@@ -102,16 +102,10 @@ def layer_errors(source_dir: Path, quantized_dir: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["relative_error"])
 
 
-def _awq(quantized_dir: Path) -> bool:
-    """Was the checkpoint calibrated with AWQ (its quantizer's record, beside the model folder)?"""
-    record = quantized_dir.parent / "quantize_result.json"
-    return record.exists() and json.loads(record.read_text()).get("method") == "awq"
-
-
-def measure(source_dir: Path, quantized_dir: Path) -> dict[str, Any]:
+def measure(source_dir: Path, quantized_dir: Path, method: str = "") -> dict[str, Any]:
     base_bytes, params = bf16_bytes_and_params(source_dir)
     size = weight_bytes(quantized_dir)
-    errors = layer_errors(source_dir, quantized_dir)
+    errors = layer_errors(source_dir, quantized_dir, method)
     values = [r["relative_error"] for r in errors]
     return {
         "bytes": size,

@@ -262,7 +262,7 @@ def _scheme_step(scheme: str) -> Step:
             "description": SCHEMES[scheme].describe(ctx.config.quantize.group_size if SCHEMES[scheme].grouped else 0),
             "model": role,
             **result,
-            **measure(model_dir, ctx.out_dir / "model"),
+            **measure(model_dir, ctx.out_dir / "model", result["method"]),
         }
         if _calibrates(ctx.config, scheme):
             report["calibration"] = {
