@@ -176,7 +176,7 @@ def train_steps(base, batches, mode: str, compiled: bool, optim, device: str = "
     import torch.nn.functional as F
 
     from training import float8 as f8
-    from training.fsdp2 import decoder_layers
+    from training.parallel.engines.fsdp2 import decoder_layers
 
     model = copy.deepcopy(base).to(device)
     if mode != "off":

@@ -348,7 +348,7 @@ def plain(args: argparse.Namespace) -> None:
     config = load_config(args.preset, ["pretrain.distributed.num_ranks=1", *args.overrides])
     cfg = config.pretrain.model_copy(update={"global_batch_size": config.pretrain.distributed.micro_batch_size})
     vocab = config.curate.tokenizer.vocab_size
-    rank, world = init_distributed()
+    rank, world = init_distributed("deepspeed")  # one rank: the engine only joins the group
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         base = _base_dir(args.base, Path(tmp)) if args.base else None

@@ -310,3 +310,73 @@ def test_every_component_in_the_contributing_table_is_started_by_a_test_that_exi
         tree = ast.parse((ROOT / path).read_text())
         names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert name in names, f"{component}: {path} has no test {name}"
+
+
+# -- parallelisms ----------------------------------------------------------------------------------
+
+# string constants spelled like an engine that do not name the engine: the process launcher that
+# is DeepSpeed's runner, and the library's own import name
+LAUNCHER_SPELLINGS = {
+    ("training/config.py", "launcher"),
+    ("training/align/config.py", "launcher"),
+    ("lmforge/processes/launch.py", "Launcher"),
+    ("lmforge/processes/launch.py", "launch.launcher"),
+    ("training/align/config.py", "d.launcher"),
+    ("training/device_setup.py", "find_spec"),
+}
+
+
+def _engine_literals(path: Path) -> list[tuple[int, str, str]]:
+    """(line, literal, context) of every string constant that is an engine's name."""
+    from training.parallel import ENGINE_NAMES
+
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in ENGINE_NAMES:
+            context, up = "", parents.get(node)
+            while up is not None and not context:
+                if isinstance(up, ast.AnnAssign | ast.Assign):
+                    target = up.target if isinstance(up, ast.AnnAssign) else up.targets[0]
+                    context = ast.unparse(target)
+                elif isinstance(up, ast.Compare):
+                    context = ast.unparse(up.left)
+                elif isinstance(up, ast.Call):
+                    context = ast.unparse(up.func).rsplit(".", 1)[-1]
+                up = parents.get(up)
+            out.append((node.lineno, node.value, context))
+    return out
+
+
+def test_no_engine_is_named_outside_its_module() -> None:
+    """Adding an engine is one module in training/parallel/engines: nothing else compares a backend
+    with a name, so nothing else needs an edit (tests and benchmarks, which compare engines, aside)."""
+    found = []
+    for package in ("lmforge", "flows", *DOMAIN):
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("training/parallel/engines/"):
+                continue
+            found += [
+                f"{rel}:{line}: {literal!r} ({context})"
+                for line, literal, context in _engine_literals(path)
+                if (rel, context) not in LAUNCHER_SPELLINGS
+            ]
+    assert not found, "\n".join(found)
+
+
+def test_the_engine_literal_check_reports_a_planted_comparison(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text('def f(plan):\n    return plan.backend == "fsdp2"\n')
+    assert _engine_literals(planted) == [(2, "fsdp2", "plan.backend")]
+
+
+def test_engines_and_dimensions_are_the_modules_of_their_folders() -> None:
+    from training.config import DistributedConfig
+    from training.parallel import DIMENSION_NAMES, ENGINE_NAMES, all_dimensions, all_engines
+
+    assert ENGINE_NAMES == tuple(sorted(p.stem for p in (ROOT / "training/parallel/engines").glob("[!_]*.py")))
+    assert [e.name for e in all_engines()] == list(ENGINE_NAMES)
+    assert DIMENSION_NAMES == tuple(sorted(p.stem for p in (ROOT / "training/parallel/dims").glob("[!_]*.py")))
+    assert {d.field for d in all_dimensions()} <= set(DistributedConfig.model_fields)  # each has its degree

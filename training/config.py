@@ -8,11 +8,17 @@ the same model up to floating-point reduction order, so those are runtime fields
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
+from training.parallel import ENGINE_NAMES
+
+# the engines are the modules of training/parallel/engines (adding one adds a choice here)
+EngineName = Literal[ENGINE_NAMES]  # type: ignore[valid-type]
+Backend = Literal[("auto", *ENGINE_NAMES)]  # type: ignore[valid-type]
 
 
 class ModelConfig(StrictModel):
@@ -107,11 +113,13 @@ class DistributedConfig(StrictModel):
         "a SLURM job; `lmforge slurm` sets it) or openmpi.",
     )
     master_port: int | None = runtime_field(None, description="Rendezvous port; a free one is picked when unset.")
-    backend: Literal["auto", "deepspeed", "fsdp2"] = runtime_field(
-        "auto", description="Training engine: DeepSpeed ZeRO or PyTorch FSDP2; auto asks the planner."
+    backend: Backend = runtime_field(  # type: ignore[valid-type]
+        "auto",
+        description="Training engine (a module of training/parallel/engines): DeepSpeed ZeRO or PyTorch FSDP2; "
+        "auto asks the planner.",
     )
-    prefer_backend: Literal["deepspeed", "fsdp2"] = runtime_field(
-        "deepspeed", description="The planner's choice when both families fit with the same traffic."
+    prefer_backend: EngineName = runtime_field(  # type: ignore[valid-type]
+        ENGINE_NAMES[0], description="The planner's choice when two engines fit with the same traffic."
     )
     zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field(
         "auto", description="DeepSpeed ZeRO stage; auto asks the planner."
@@ -141,18 +149,28 @@ class DistributedConfig(StrictModel):
             )
         if self.num_nodes > 1 and not self.hostfile:
             raise ValueError("num_nodes > 1 needs a hostfile naming the nodes")
-        if self.backend == "fsdp2" and self.zero_stage != "auto":
-            raise ValueError("zero_stage is DeepSpeed's; with backend: fsdp2 set sharding instead")
-        if self.backend == "deepspeed" and self.sharding != "auto":
-            raise ValueError("sharding is FSDP2's; with backend: deepspeed set zero_stage instead")
-        if self.backend == "fsdp2" and self.offload == "optimizer":
-            raise ValueError(
-                "FSDP2 offloads parameters, gradients and optimizer states together: offload optimizer+params"
-            )
-        if self.sharding == "hybrid" and self.num_nodes == 1:
-            raise ValueError(
-                "sharding: hybrid shards within a node and replicates across nodes: it needs num_nodes > 1"
-            )
+        from training.parallel import all_dimensions, all_engines, engine
+
+        if self.backend != "auto":
+            chosen = engine(self.backend)
+            for other in all_engines():
+                for name in other.own_fields:
+                    if other is not chosen and getattr(self, name) != "auto":
+                        raise ValueError(
+                            f"{name} is {other.title}'s; with backend: {chosen.name} set "
+                            f"{' or '.join(chosen.own_fields)} instead"
+                        )
+            for dim in all_dimensions():
+                degree = getattr(self, dim.field)
+                if not chosen.mesh_dimensions and degree != "auto" and degree > 1:
+                    raise ValueError(
+                        f"{dim.field} {degree} needs an engine that trains on a device mesh "
+                        f"({', '.join(e.name for e in all_engines() if e.mesh_dimensions)}); {chosen.title} does not"
+                    )
+        for e in all_engines():
+            problem = e.config_problem(self)
+            if problem:
+                raise ValueError(problem)
         return self
 
 
@@ -230,11 +248,16 @@ class PretrainConfig(StrictModel):
     def _batch_splits_evenly(self) -> PretrainConfig:
         """Checked here when the rank count is fixed (the planner checks `auto` once it knows the devices)."""
         d = self.distributed
-        if d.num_ranks != "auto":
-            per_step = d.micro_batch_size * int(d.num_ranks) * d.num_nodes
+        from training.parallel import all_dimensions
+
+        degrees = {dim.field: getattr(d, dim.field) for dim in all_dimensions()}
+        if d.num_ranks != "auto" and "auto" not in degrees.values():
+            split = {k: int(v) for k, v in degrees.items() if int(v) > 1}  # model-parallel ranks read one batch
+            per_step = d.micro_batch_size * int(d.num_ranks) * d.num_nodes // math.prod(split.values())
             if self.global_batch_size % per_step:
                 raise ValueError(
                     f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
-                    f"ranks x nodes = {d.micro_batch_size} x {d.num_ranks} x {d.num_nodes}"
+                    f"ranks x nodes{''.join(f' / {k}' for k in split)} = {d.micro_batch_size} x "
+                    f"{d.num_ranks} x {d.num_nodes}{''.join(f' / {v}' for v in split.values())}"
                 )
         return self

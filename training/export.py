@@ -26,17 +26,6 @@ TOKENIZER_FILES = (
 )
 
 
-def consolidated_state(engine: Any, zero_stage: int) -> dict[str, Any] | None:
-    """Full state dict on rank 0 (collective under ZeRO-3 and FSDP2), None elsewhere."""
-    import torch.distributed as dist
-
-    if hasattr(engine, "full_state_dict"):  # FSDP2
-        return engine.full_state_dict()
-    if zero_stage == 3:
-        return engine._zero3_consolidated_16bit_state_dict()
-    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()} if dist.get_rank() == 0 else None
-
-
 def end_of_turn_ids(tokenizer_dir: Path, eos_id: int) -> list[int]:
     """Stop tokens: <|im_end|> (the end of a chat turn, where vLLM and `generate` must stop) and EOS."""
     from tokenizers import Tokenizer
@@ -120,7 +109,10 @@ def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
     # eager kernels the exported model runs, and the check is about the weights, not the kernels;
     # for the same reason float8 layers (pretrain.float8) run as the plain nn.Linear they subclass
     with torch.no_grad(), torch.compiler.set_stance("force_eager"), high_precision(engine.module):
-        reference = engine(input_ids=batch).logits.float().cpu()
+        logits = engine(input_ids=batch).logits
+        if hasattr(logits, "full_tensor"):  # split by vocabulary under tensor parallelism
+            logits = logits.full_tensor()
+        reference = logits.float().cpu()
     engine.train()
     if dist.get_rank() != 0:
         return 0.0

@@ -1,4 +1,4 @@
-"""The training loop that runs inside every training rank (DeepSpeed or FSDP2).
+"""The training loop that runs inside every training rank, whatever the engine (`training.parallel`).
 
 One optimizer step = `grad_accum` micro-batches on every rank. Each micro-batch loss is
 averaged over ranks before its backward pass, so every rank takes the same decision:
@@ -22,10 +22,10 @@ from lmforge.errors import DeterministicError, TrainingDiverged
 from lmforge.hashing import atomic_write_json
 from training import checkpoint, float8
 from training.config import PretrainConfig
-from training.ds_config import build_ds_config
 from training.guardrails import SpikeDetector
 from training.metrics import METRICS_FILE, MetricsWriter, flops_per_token, memory_mb, peak_memory_mb
 from training.model import build_model, load_base
+from training.parallel import all_dimensions, engine, mesh
 from training.planner import Plan
 from training.reader import BatchSchedule, TokenWindows
 
@@ -74,7 +74,9 @@ class Trainer:
         if base_dir is not None:  # the base's embedding rows (Qwen-style bases have more than the tokenizer)
             self.vocab_size = json.loads((base_dir / "config.json").read_text())["vocab_size"]
         micro = cfg.distributed.micro_batch_size
-        self.schedule = BatchSchedule(len(self.train_data), micro, world, rank, cfg.seed)
+        # ranks of one model-parallel group read the same batch: the schedule is over data-parallel ranks
+        self.data_world, self.data_rank = plan.data_parallel, mesh.data_rank(plan, rank)
+        self.schedule = BatchSchedule(len(self.train_data), micro, self.data_world, self.data_rank, cfg.seed)
         self.val_schedule = self._validation_schedule(micro)
         self.detector = SpikeDetector(cfg.guardrails)
         self.ckpt_root = out_dir / "checkpoints"
@@ -95,15 +97,18 @@ class Trainer:
     def _validation_schedule(self, micro: int) -> BatchSchedule | None:
         """A small validation split is still used: fewer windows per rank rather than none."""
         windows = len(self.val_data)
-        if windows < self.world:
+        if windows < self.data_world:
             log.warning(
-                "validation split has %d window(s) of %d tokens, fewer than the %d ranks: no validation loss",
+                "validation split has %d window(s) of %d tokens, fewer than the %d data-parallel ranks: "
+                "no validation loss",
                 windows,
                 self.cfg.seq_len,
-                self.world,
+                self.data_world,
             )
             return None
-        return BatchSchedule(windows, min(micro, windows // self.world), self.world, self.rank, self.cfg.seed + 1)
+        return BatchSchedule(
+            windows, min(micro, windows // self.data_world), self.data_world, self.data_rank, self.cfg.seed + 1
+        )
 
     # -- engine ----------------------------------------------------------------------------
 
@@ -126,36 +131,25 @@ class Trainer:
                     ", ".join(self.float8_layers[:3]),
                     self.plan.precision,
                 )
+        self.params = sum(p.numel() for p in model.parameters())  # whole, before any of it is split
+        if self.plan.degrees:  # tensor parallel first, then checkpointing, compile and the engine's sharding
+            whole = mesh.get(self.plan)
+            for dim in all_dimensions():
+                if dim.name in self.plan.degrees:
+                    dim.apply(model, whole[dim.name], self.plan)
         if self.cfg.distributed.activation_checkpointing:
             # recompute each decoder layer in backward instead of keeping its activations
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.params = sum(p.numel() for p in model.parameters())
         if self.plan.compile:
-            from training.fsdp2 import decoder_layers
+            from training.parallel.engines.fsdp2 import decoder_layers
 
             # per block: one graph reused by every layer compiles far faster than the whole model,
-            # and FSDP2's hooks stay outside the compiled regions
+            # and the engine's hooks stay outside the compiled regions
             for layer in decoder_layers(model):
                 layer.compile()
-        if self.plan.backend == "fsdp2":
-            from training.fsdp2 import Fsdp2Engine
-
-            engine = Fsdp2Engine(model, self.cfg, self.plan)
-            self._apply_lr_scale(engine)
-            return engine
-        import deepspeed
-
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.cfg.optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=build_ds_config(self.cfg, self.plan)
-        )
-        self._apply_lr_scale(engine)
-        return engine
+        built = engine(self.plan.backend).build(model, self.cfg, self.plan)
+        self._apply_lr_scale(built)
+        return built
 
     def _apply_lr_scale(self, engine: Any) -> None:
         """Scale the schedule's peak LR, and the LR of the very next step (loaded from the checkpoint)."""
@@ -174,6 +168,8 @@ class Trainer:
     def _mean_over_ranks(self, value: Any) -> float:
         import torch.distributed as dist
 
+        if hasattr(value, "full_tensor"):  # a loss computed from split logits (loss parallel): replicated
+            value = value.full_tensor()
         tensor = value.detach().float().reshape(1).clone()
         dist.all_reduce(tensor)
         return float(tensor.item()) / self.world
@@ -187,7 +183,12 @@ class Trainer:
             "lr_scale": self.lr_scale,
             "detector": self.detector.state_dict(),
             "anomalies": self.anomalies,
-            "layout": {"world_size": self.world, "zero_stage": self.plan.zero_stage, "backend": self.plan.backend},
+            "layout": {
+                "world_size": self.world,
+                "zero_stage": self.plan.zero_stage,
+                "backend": self.plan.backend,
+                "mesh": mesh.shape(self.plan),
+            },
             "progress": self.progress,
         }
 
@@ -224,26 +225,20 @@ class Trainer:
         self._apply_lr_scale(self.engine)
 
     def _check_layout(self, directory: Path) -> None:
-        """ZeRO shards optimizer state by rank: it reloads only into the same stage and world size.
-        FSDP2's checkpoints (DCP) reshard on load: any world size, but only into FSDP2."""
+        """A checkpoint resumes only into the engine that wrote it, and only where that engine can
+        reload its layout (ZeRO: the same stage and world size; FSDP2's DCP reshards to any mesh)."""
         from lmforge.errors import ConfigError
 
         saved = checkpoint.read_trainer_state(directory).get("layout", {})
-        backend = saved.get("backend", "deepspeed")
+        backend = saved.get("backend", self.plan.backend)
         if backend != self.plan.backend:
             raise ConfigError(
                 f"{directory.name} was written by {backend}; this run uses {self.plan.backend}. Set "
                 f"pretrain.distributed.backend={backend}, or pretrain.resume=never to start over"
             )
-        if backend == "fsdp2":
-            return
-        stage, world = saved.get("zero_stage", self.plan.zero_stage), saved.get("world_size", self.world)
-        if stage != self.plan.zero_stage or (stage > 0 and world != self.world):
-            raise ConfigError(
-                f"{directory.name} was written with ZeRO-{stage} on {world} rank(s); this run uses "
-                f"ZeRO-{self.plan.zero_stage} on {self.world}. Set pretrain.distributed.zero_stage and "
-                "num_ranks back, or pretrain.resume=never to start over"
-            )
+        problem = engine(backend).resume_problem(saved, self.plan, self.world)
+        if problem:
+            raise ConfigError(f"{directory.name} was {problem}, or pretrain.resume=never to start over")
 
     # -- one step --------------------------------------------------------------------------
 
@@ -253,7 +248,18 @@ class Trainer:
 
         batch = torch.from_numpy(data.batch(windows)).to(self.device)
         logits = self.engine(input_ids=batch[:, :-1]).logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        with self.loss_context():
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def loss_context(self) -> Any:
+        """Where the loss and its backward run: loss parallel under tensor parallelism (split logits)."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for dim in all_dimensions():
+            if dim.name in self.plan.degrees and dim.loss_context is not None:
+                stack.enter_context(dim.loss_context())
+        return stack
 
     def train_step(self) -> Anomaly | float:
         """Run one optimizer step; return its loss, or the anomaly that stopped it."""
@@ -274,9 +280,10 @@ class Trainer:
                     return Anomaly("spike", self.step + 1, indices, step_loss, self._window_mean())
             if self.schedule.index_of(start) in self.nan_grad_at_batches:
                 loss = _poison_gradient(loss)  # test hook: a finite loss whose gradients are NaN
-            self.engine.backward(loss)
+            with self.loss_context():
+                self.engine.backward(loss)
             last = micro == self.plan.grad_accum - 1
-            if last and self.plan.zero_stage == 0 and self.plan.backend == "deepspeed":
+            if last and engine(self.plan.backend).norm_unreported(self.plan):
                 self.grad_norm = self._replicated_grad_norm()
                 if not math.isfinite(self.grad_norm):  # DeepSpeed would apply it (fp32) or skip it (bf16) silently
                     return Anomaly("non_finite_grad", self.step + 1, indices, sum(losses) / len(losses),

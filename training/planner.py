@@ -37,15 +37,16 @@ count it (its casts are transient; weights, gradients and optimizer states keep 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.errors import ConfigError
 from training.config import ModelConfig, PretrainConfig
 from training.device import DeviceInfo, detect_device
+from training.parallel import ENGINE_NAMES, Strategy, all_dimensions, all_engines, engine
 
 GIB = 1024**3
-STRATEGIES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
 # DeepSpeed's defaults, which ds_config.json sets explicitly (elements, in the 16-bit dtype)
 REDUCE_BUCKET = 500_000_000
 ALLGATHER_BUCKET = 500_000_000
@@ -83,65 +84,38 @@ class Plan:
     capacity_gib: float
     reasoning: list[str] = field(default_factory=list)
     budget: dict[str, Any] = field(default_factory=dict)
-    backend: str = "deepspeed"  # deepspeed | fsdp2
+    backend: str = ENGINE_NAMES[0]  # a training.parallel engine
     sharding: str = ""  # FSDP2: full | grad_op | hybrid
     compile: bool = False
     float8: str = "off"  # resolved pretrain.float8: off | on | emulate
+    degrees: dict[str, int] = field(default_factory=dict)  # model-parallel mesh dimensions above 1: {"tp": 2}
 
     @property
     def label(self) -> str:
-        return strategy_label(self.backend, self.zero_stage, self.sharding, self.offload)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One way to lay the training state out over ranks."""
-
-    backend: str
-    zero_stage: int  # DeepSpeed's stage, or the stage whose memory layout an FSDP2 sharding matches
-    sharding: str
-    offload: str
+        return engine(self.backend).label(self.zero_stage, self.sharding, self.offload)
 
     @property
-    def label(self) -> str:
-        return strategy_label(self.backend, self.zero_stage, self.sharding, self.offload)
+    def model_parallel(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different batches (the world divided by the model-parallel degrees)."""
+        return self.world_size // self.model_parallel
 
 
-def strategy_label(backend: str, zero_stage: int, sharding: str, offload: str) -> str:
-    name = f"ZeRO-{zero_stage}" if backend == "deepspeed" else f"FSDP2 {sharding}"
-    return f"{name} offload={offload}"
-
-
-# FSDP2's ladder: gathered weights kept through backward (ZeRO-2-like traffic), full shard
-# (ZeRO-3), hybrid shard across nodes (HSDP), then everything offloaded to host memory
-# (CPUOffloadPolicy moves parameters, gradients and optimizer states together).
-FSDP2_LADDER = [
-    ("grad_op", 2, "none"),
-    ("full", 3, "none"),
-    ("hybrid", 3, "none"),
-    ("full", 3, "optimizer+params"),
-    ("hybrid", 3, "optimizer+params"),
-]
 OFFLOAD_ORDER = {"none": 0, "optimizer": 1, "optimizer+params": 2}
 
 
 def communication(strategy: Strategy, grad_accum: int, ranks: int, nodes: int) -> tuple[float, float]:
     """(volume crossing nodes, total volume) per rank per optimizer step, in units of the model's size.
 
-    DeepSpeed: ZeRO-0 all-reduces once at the accumulation boundary (2); ZeRO-1 reduce-scatters
-    there and all-gathers the updated weights (2); ZeRO-2 reduce-scatters every micro-batch
-    (GA + 1); ZeRO-3 also gathers the weights for forward and backward of every micro-batch (3 GA).
-    FSDP2: grad_op gathers once per micro-batch and reduces once per step (GA + 1: unsharded
-    gradients accumulate locally); full shard gathers twice and reduces every micro-batch (3 GA:
-    accumulating unsharded gradients would cost what sharding saved). Hybrid shards within a
+    Each engine counts its own total (`Engine.traffic`). Hybrid sharding shards within a
     node: its cross-node traffic is the all-reduce of each rank's shard between replicas
     (2 GA / ranks per node); everything else stays inside the node.
     """
     ga = grad_accum
-    if strategy.backend == "deepspeed":
-        total = {0: 2.0, 1: 2.0, 2: ga + 1.0, 3: 3.0 * ga}[strategy.zero_stage]
-    else:
-        total = ga + 1.0 if strategy.sharding == "grad_op" else 3.0 * ga
+    total = engine(strategy.backend).traffic(strategy, ga)
     if nodes == 1:
         return 0.0, total
     if strategy.sharding == "hybrid":
@@ -149,33 +123,14 @@ def communication(strategy: Strategy, grad_accum: int, ranks: int, nodes: int) -
     return total, total
 
 
-def candidate_strategies(cfg: PretrainConfig) -> list[Strategy]:
-    """Both families' ladders, narrowed by what the configuration fixes."""
+def candidate_strategies(cfg: PretrainConfig, model_parallel: bool = False) -> list[Strategy]:
+    """Every engine's ladder (or the one the config names), narrowed by what the configuration
+    fixes; with model-parallel dimensions, only engines that compose with a device mesh."""
     d = cfg.distributed
     out: list[Strategy] = []
-    if d.backend in ("auto", "deepspeed"):
-        out += [
-            Strategy("deepspeed", st, "", off)
-            for st, off in STRATEGIES
-            if (d.zero_stage == "auto" or st == d.zero_stage) and (d.offload == "auto" or off == d.offload)
-        ]
-        if not out and d.backend == "deepspeed":  # an explicit combination outside the ladder, e.g. ZeRO-2 + offload
-            out.append(
-                Strategy(
-                    "deepspeed",
-                    0 if d.zero_stage == "auto" else int(d.zero_stage),
-                    "",
-                    "none" if d.offload == "auto" else d.offload,
-                )
-            )
-    if d.backend in ("auto", "fsdp2") and (d.backend == "fsdp2" or d.zero_stage == "auto"):
-        out += [
-            Strategy("fsdp2", st, sh, off)
-            for sh, st, off in FSDP2_LADDER
-            if (d.sharding == "auto" or sh == d.sharding)
-            and (d.offload == "auto" or off == d.offload)
-            and (sh != "hybrid" or d.num_nodes > 1 or d.sharding == "hybrid")
-        ]
+    for e in all_engines():
+        if d.backend in ("auto", e.name) and (e.mesh_dimensions or not model_parallel):
+            out += e.strategies(d)
     return out
 
 
@@ -218,7 +173,12 @@ def memory_fsdp2(
     else:
         gathered = (root + 2 * layer) * compute + layer * 4
     dense, _ = memory_per_rank(params, cfg, precision, ranks * nodes, 0, "none", vocab_size)
-    parts = {**sharded, "gathered": gathered, "activations": dense["activations"] * GIB}
+    parts = {
+        **sharded,
+        "gathered": gathered,
+        "activations": dense["activations"] * GIB,
+        "logits": dense["logits"] * GIB,
+    }
     if cpu:
         parts["fp32_build_copy"] = params * 4  # the model is built whole in fp32 before it is sharded
     return {k: v / GIB for k, v in parts.items()}, host / GIB
@@ -337,7 +297,9 @@ def memory_per_rank(
         "optimizer": optimizer,
         "optimizer_step": workspace,
         "buckets": buckets,
-        "activations": activations + logits,
+        "activations": activations,
+        # whole on every rank, also under tensor parallelism (the head's logits are gathered for the loss)
+        "logits": logits,
     }
     if cpu and mixed:
         parts["fp32_build_copy"] = params * 4
@@ -370,6 +332,39 @@ def compute_budget(
     return budget
 
 
+def mesh_label(degrees: dict[str, int]) -> str:
+    return " x ".join(f"{name} {size}" for name, size in degrees.items()) or "data parallel only"
+
+
+def dimension_by_mesh_name(name: str) -> Any:
+    return next(d for d in all_dimensions() if d.name == name)
+
+
+def mesh_candidates(cfg: PretrainConfig, ranks: int, vocab_size: int) -> list[dict[str, int]]:
+    """The model-parallel degrees to consider: the configured ones, or for `auto` every degree
+    that divides the ranks of a node (model-parallel groups stay inside a node) and the model."""
+    shape = {**cfg.model.model_dump(), "vocab_size": vocab_size, "seq_len": cfg.seq_len}
+    options: list[list[tuple[str, int]]] = [[]]
+    for dim in all_dimensions():
+        setting = getattr(cfg.distributed, dim.field)
+        if setting == "auto":
+            sizes = [n for n in (1, 2, 4, 8, 16) if n <= ranks and ranks % n == 0 and not dim.shape_problem(shape, n)]
+        else:
+            degree = int(setting)
+            if degree > 1 and ranks % degree:
+                raise ConfigError(
+                    f"pretrain.distributed.{dim.field} {degree} does not divide the {ranks} rank(s) of a node "
+                    f"({dim.title} groups stay inside one node)"
+                )
+            problem = dim.shape_problem(shape, degree) if degree > 1 else None
+            if problem:
+                raise ConfigError(f"pretrain.distributed.{dim.field}: {problem}")
+            sizes = [degree]
+        options = [prev + [(dim.name, n)] for prev in options for n in sizes]
+    out = [{name: n for name, n in combo if n > 1} for combo in options]
+    return [d for d in out if ranks % max(1, math.prod(d.values())) == 0]
+
+
 def resolve_ranks(cfg: PretrainConfig, device: DeviceInfo) -> int:
     if cfg.distributed.num_ranks != "auto":
         return int(cfg.distributed.num_ranks)
@@ -390,12 +385,6 @@ def plan_parallelism(
     device = device or detect_device()
     ranks = resolve_ranks(cfg, device)
     world = ranks * cfg.distributed.num_nodes
-    per_step = cfg.distributed.micro_batch_size * world
-    if cfg.global_batch_size % per_step:
-        raise ConfigError(
-            f"pretrain.global_batch_size {cfg.global_batch_size} is not a multiple of "
-            f"micro_batch_size x world size = {cfg.distributed.micro_batch_size} x {world}"
-        )
     precision = resolve_precision(cfg.precision, device)
     float8 = resolve_float8(cfg.float8, device)
     params = params or count_parameters(cfg.model, vocab_size)
@@ -414,64 +403,83 @@ def plan_parallelism(
     ]
     if cfg.float8 != "off":
         reasons.append(float8_reason(cfg.float8, float8, device))
-    grad_accum = cfg.global_batch_size // per_step
     cpu = device.kind == "cpu"
-    fitting: list[tuple[tuple[Any, ...], Strategy, dict[str, float], float]] = []
-    for index, strategy in enumerate(candidate_strategies(cfg)):
-        if strategy.backend == "deepspeed":
-            parts, host = memory_per_rank(
-                params, cfg, precision, world, strategy.zero_stage, strategy.offload, vocab_size, cpu=cpu
+    fitting: list[tuple[tuple[Any, ...], Strategy, dict[str, float], float, dict[str, int]]] = []
+    layouts = mesh_candidates(cfg, ranks, vocab_size)
+    if float8 != "off" and any(layouts):
+        if len(layouts) == 1:
+            raise ConfigError(
+                f"pretrain.float8 with {mesh_label(layouts[0])} is not supported yet (torchao's float8 needs its "
+                "own tensor-parallel styles); set pretrain.float8=off, or the model-parallel degrees to 1"
             )
-        else:
-            parts, host = memory_fsdp2(
-                params,
-                cfg,
-                precision,
-                ranks,
-                cfg.distributed.num_nodes,
-                strategy.sharding,
-                strategy.offload,
-                vocab_size,
-                cpu=cpu,
+        layouts = [d for d in layouts if not d]
+    for degrees in layouts:
+        model_parallel = math.prod(degrees.values())
+        data = world // model_parallel
+        per_step = cfg.distributed.micro_batch_size * data
+        if cfg.global_batch_size % per_step:
+            if len(layouts) == 1:
+                raise ConfigError(
+                    f"pretrain.global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size x "
+                    f"data-parallel ranks = {cfg.distributed.micro_batch_size} x {data}"
+                    + (f" (world {world} / model-parallel {model_parallel})" if model_parallel > 1 else "")
+                )
+            reasons.append(f"{mesh_label(degrees)}: global batch does not split over {data} data-parallel ranks")
+            continue
+        grad_accum = cfg.global_batch_size // per_step
+        for index, strategy in enumerate(candidate_strategies(cfg, bool(degrees))):
+            e = engine(strategy.backend)
+            parts, host = e.memory(
+                params, cfg, precision, ranks // model_parallel, cfg.distributed.num_nodes, strategy, vocab_size, cpu
             )
-        total = sum(parts.values())
-        if cpu:  # "offloaded" states stay in the same memory on a CPU-only machine
-            total += host
-        host_fits = cpu or host * ranks <= host_capacity
-        fits = total <= capacity and host_fits
-        across, volume = communication(strategy, grad_accum, ranks, cfg.distributed.num_nodes)
-        traffic = f"traffic {volume:g}x model/step" + (
-            f" ({across:g}x across nodes)" if cfg.distributed.num_nodes > 1 else ""
-        )
-        offloaded = f", {host:.3f} GiB/rank offloaded to host" if host else ""
-        verdict = (
-            "fits"
-            if fits
-            else "too big"
-            if total > capacity
-            else f"host RAM too small ({host_capacity:.1f} GiB usable)"
-        )
-        reasons.append(
-            f"{strategy.label}: {total:.3f} GiB/rank "
-            f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}), {traffic} -> {verdict}"
-        )
-        if fits:
-            preferred = strategy.backend == cfg.distributed.prefer_backend
-            rank_key = (OFFLOAD_ORDER[strategy.offload], across, volume, not preferred, index)
-            fitting.append((rank_key, strategy, parts, host))
+            for name, degree in degrees.items():
+                split = dimension_by_mesh_name(name).divides
+                parts = {k: (v / degree if k in split else v) for k, v in parts.items()}
+                host /= degree
+            total = sum(parts.values())
+            if cpu:  # "offloaded" states stay in the same memory on a CPU-only machine
+                total += host
+            host_fits = cpu or host * ranks <= host_capacity
+            fits = total <= capacity and host_fits
+            across, volume = communication(strategy, grad_accum, ranks // model_parallel, cfg.distributed.num_nodes)
+            traffic = f"traffic {volume:g}x model/step" + (
+                f" ({across:g}x across nodes)" if cfg.distributed.num_nodes > 1 else ""
+            )
+            offloaded = f", {host:.3f} GiB/rank offloaded to host" if host else ""
+            verdict = (
+                "fits"
+                if fits
+                else "too big"
+                if total > capacity
+                else f"host RAM too small ({host_capacity:.1f} GiB usable)"
+            )
+            where = f"{mesh_label(degrees)} + " if degrees else ""
+            reasons.append(
+                f"{where}{strategy.label}: {total:.3f} GiB/rank "
+                f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}), {traffic} -> {verdict}"
+            )
+            if fits:
+                preferred = strategy.backend == cfg.distributed.prefer_backend
+                # no offload first, then the least model parallelism (its collectives run every layer),
+                # then the least traffic across nodes and in all, then the preferred engine
+                rank_key = (OFFLOAD_ORDER[strategy.offload], model_parallel, across, volume, not preferred, index)
+                fitting.append((rank_key, strategy, parts, host, degrees))
     if not fitting:
         raise ConfigError(
             f"pretrain.distributed: no strategy fits in {capacity:.1f} GiB per rank; the most sharded, "
             f"{reasons[-1]}; lower micro_batch_size, enable activation_checkpointing, or add ranks"
         )
     fitting.sort(key=lambda item: item[0])
-    best_key, best, parts, host = fitting[0]
-    ties = [s.label for k, s, *_ in fitting[1:] if k[:3] == best_key[:3] and s.backend != best.backend]
+    best_key, best, parts, host, degrees = fitting[0]
+    ties = [s.label for k, s, *_ in fitting[1:] if k[:4] == best_key[:4] and s.backend != best.backend]
     why = "no offload, " if best.offload == "none" else "the least offload, "
+    if len(layouts) > 1:
+        why += "the least model parallelism, "
     why += "the least traffic that fits" + (" across nodes" if cfg.distributed.num_nodes > 1 else "")
     if ties:
         why += f"; tie with {ties[0]} broken by prefer_backend={cfg.distributed.prefer_backend}"
-    reasons.append(f"chosen: {best.label} ({why})")
+    model_parallel = math.prod(degrees.values())
+    grad_accum = cfg.global_batch_size // (cfg.distributed.micro_batch_size * (world // model_parallel))
     plan = Plan(
         best.zero_stage,
         best.offload,
@@ -489,7 +497,11 @@ def plan_parallelism(
         sharding=best.sharding,
         compile=cfg.compile,
         float8=float8,
+        degrees=degrees,
     )
+    from training.parallel import mesh
+
+    reasons.append(f"chosen: {best.label} ({why}); device mesh: {mesh.describe(plan)}")
     plan.budget = compute_budget(params, cfg, peak_tflops or cfg.peak_tflops, devices_used(world, device), vocab_size)
     return plan
 

@@ -122,7 +122,9 @@ def _finetune_line(config: PipelineBase, cfg: Any, vocab: int, plan: Any) -> str
     from training.planner import format_finetune, plan_finetune
 
     a = config.align
-    zero = a.distributed.zero_stage if a.distributed.backend == "deepspeed" else 3
+    from training.parallel import engine
+
+    zero = engine(a.distributed.backend).align_stage(a.distributed.zero_stage)
     finetune = plan_finetune(
         a.method,
         cfg.model,

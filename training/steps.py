@@ -23,8 +23,10 @@ from lmforge.configbase import ConfigView
 from lmforge.engine.graph import Step, StepContext
 from lmforge.engine.stage import BASE_MODEL, TOKEN_SHARDS, TOKENIZER, fine_tunes_base, has_base, hf_model
 from lmforge.errors import ConfigError, TrainingDiverged
-from lmforge.hashing import atomic_write_json
 from training.metrics import METRICS_FILE, last_logged_step
+from training.parallel import libraries as parallel_libraries
+from training.parallel import modules as parallel_modules
+from training.parallel.mesh import shape as mesh_shape
 
 if TYPE_CHECKING:
     from lmforge.processes.launch import Launcher
@@ -103,16 +105,10 @@ def _check_resumable(out_dir: Path, resume: str) -> None:
 
 
 def launcher_for(d: DistributedConfig, backend: str) -> Launcher:
-    """The launcher that starts the ranks. DeepSpeed on one node: torchrun when `launcher: auto`
-    (DeepSpeed's runner and its launch.py each import deepspeed, 9 CPU-s a launch, only to start
-    the ranks), the runner with a hostfile or several nodes. FSDP2 is plain torch.distributed:
-    torchrun on one node; across nodes DeepSpeed's runner (pdsh, SLURM's srun, OpenMPI) only starts
-    the ranks."""
-    if backend != "deepspeed":
-        return "torchrun" if d.num_nodes == 1 else "deepspeed"
-    if d.launcher == "auto":
-        return "torchrun" if d.num_nodes == 1 and not d.hostfile else "deepspeed"
-    return d.launcher
+    """The launcher that starts the ranks: the engine's choice (`training.parallel`)."""
+    from training.parallel import engine
+
+    return engine(backend).launcher(d)  # type: ignore[return-value]
 
 
 def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
@@ -139,12 +135,12 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     log.info("%s", format_plan(plan))
     _check_resumable(out_dir, cfg.resume)
     d = cfg.distributed
-    if plan.backend == "deepspeed":
-        from training.ds_config import build_ds_config
+    from training.parallel import all_engines, engine
 
-        atomic_write_json(out_dir / "ds_config.json", build_ds_config(cfg, plan))
-    else:
-        (out_dir / "ds_config.json").unlink(missing_ok=True)
+    for other in all_engines():  # a previous attempt's engine files, where this run uses another engine
+        for name in other.run_files if other.name != plan.backend else ():
+            (out_dir / name).unlink(missing_ok=True)
+    engine(plan.backend).write_run_files(out_dir, cfg, plan)
     launch = Launch(
         launcher_for(d, plan.backend), plan.num_ranks, d.num_nodes, d.hostfile, d.node_launcher, d.master_port
     )
@@ -196,6 +192,8 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 "zero_stage": plan.zero_stage,
                 "offload": plan.offload,
                 "world_size": plan.world_size,
+                "degrees": plan.degrees,
+                "mesh": mesh_shape(plan),
                 "per_rank_gib": plan.per_rank_gib,
                 "grad_accum": plan.grad_accum,
                 "precision": plan.precision,
@@ -285,13 +283,12 @@ PRETRAIN_STEPS = [
             "training.export",
             "training.train_entry",
             "training.guardrails",
-            "training.ds_config",
-            "training.fsdp2",
+            *parallel_modules(),
             "training.planner",
             "training.device_setup",
             "training.reader",
             "training.float8",
         ),
-        libraries=("torch", "transformers", "deepspeed", "torchao"),
+        libraries=("torch", "transformers", *parallel_libraries(), "torchao"),
     ),
 ]

@@ -1,7 +1,9 @@
 """Entry point of every training rank (started by the deepspeed or torchrun launcher).
 
-    deepspeed --num_gpus N --module training.train_entry --spec <out>/run_spec.json
-    torchrun --nproc_per_node N -m training.train_entry --spec <out>/run_spec.json   (FSDP2, one node)
+    torchrun --nproc_per_node N -m training.train_entry --spec <out>/run_spec.json
+    deepspeed --num_gpus N --module training.train_entry --spec <out>/run_spec.json   (DeepSpeed's runner)
+
+The engine (`training.parallel`) named by the plan joins the process group and wraps the model.
 
 It reads the run spec written by `training.steps`, trains with `training.loop.Trainer`,
 exports the Hugging Face model with a parity check, and records its outcome through
@@ -17,12 +19,15 @@ import sys
 from pathlib import Path
 
 from lmforge.processes.entry import main
-from training.device_setup import disable_shm_comm_op, preload_libraries, safe_attention_kernels
+from training.device_setup import preload_libraries, safe_attention_kernels
 
 
-def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
+def init_distributed(backend: str) -> tuple[int, int]:
+    """Thread count or GPU for this rank, then the engine's process group: (rank, world size)."""
     import torch
     import torch.distributed as dist
+
+    from training.parallel import engine
 
     if not torch.cuda.is_available():
         per_rank = max(
@@ -32,14 +37,7 @@ def init_distributed(backend: str = "deepspeed") -> tuple[int, int]:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         safe_attention_kernels()
-    if backend == "fsdp2":  # plain torch.distributed: RANK/WORLD_SIZE/MASTER_* from torchrun or the node launcher
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    else:
-        import deepspeed
-
-        disable_shm_comm_op()
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    engine(backend).init_process_group()
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -48,8 +46,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
 
     from lmforge.errors import ParityError
     from training.config import PretrainConfig
-    from training.export import consolidated_state, parity_gap, save_hf
+    from training.export import parity_gap, save_hf
     from training.loop import Trainer
+    from training.parallel import engine
     from training.planner import Plan
 
     cfg = PretrainConfig.model_validate(spec["config"])
@@ -71,7 +70,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         spec["debug"].get("step_delay_s", 0.0),
     )
     summary = trainer.run()
-    state = consolidated_state(trainer.engine, plan.zero_stage)
+    state = engine(plan.backend).consolidated_state(trainer.engine, plan)
     hf_dir = out_dir / "hf"
     if rank == 0:
         if state is None:
@@ -96,7 +95,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
 
 
 def work(spec: dict, rank: int) -> None:
-    rank, world = init_distributed(spec["plan"].get("backend", "deepspeed"))
+    rank, world = init_distributed(spec["plan"]["backend"])
     run(spec, rank, world)
 
 

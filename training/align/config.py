@@ -14,6 +14,8 @@ from pydantic import Field, model_validator
 
 from lmforge.configbase import StrictModel, runtime_field
 from training.align.methods import methods
+from training.config import EngineName
+from training.parallel import ENGINE_NAMES, all_engines, engine
 
 RENAMED_BUILTIN = {"tasks": "skills", "per_task": "per_skill"}  # old name -> new, accepted for one more release
 Skill = Literal["add", "subtract", "copy", "reverse", "sort", "upper", "count", "capital"]
@@ -82,10 +84,10 @@ class AlignDistributedConfig(StrictModel):
     num_ranks: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
         "auto", description="Ranks per node; auto = all GPUs, or 2 on CPU."
     )
-    backend: Literal["deepspeed", "fsdp2"] = runtime_field(
-        "deepspeed",
-        description="deepspeed: DDP or ZeRO (zero_stage) through accelerate; fsdp2: accelerate's FSDP plugin, "
-        "version 2, full shard per decoder layer.",
+    backend: EngineName = runtime_field(  # type: ignore[valid-type]
+        ENGINE_NAMES[0],
+        description="Training engine (a module of training/parallel/engines), through accelerate: deepspeed = DDP "
+        "or ZeRO (zero_stage); fsdp2 = accelerate's FSDP plugin, version 2, full shard per decoder layer.",
     )
     zero_stage: Literal[0, 2, 3] = runtime_field(
         0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP)."
@@ -153,10 +155,14 @@ class AlignConfigBase(StrictModel):
         d = self.distributed
         if d.num_nodes > 1 and not d.hostfile:
             raise ValueError("align.distributed.num_nodes > 1 needs a hostfile naming the nodes")
-        if self.method == "qlora" and (d.zero_stage == 3 or d.backend == "fsdp2"):
+        chosen = engine(d.backend)
+        if d.zero_stage and "zero_stage" not in chosen.own_fields:
+            raise ValueError(
+                f"align.distributed.zero_stage is {next(e.title for e in all_engines() if 'zero_stage' in e.own_fields)}'s; "
+                f"with backend: {d.backend} leave it at 0"
+            )
+        if self.method == "qlora" and chosen.align_stage(d.zero_stage) == 3:
             raise ValueError("align.method: qlora keeps the 4-bit base whole on every rank; use zero_stage 0-2 (DDP)")
-        if d.backend == "fsdp2" and d.zero_stage:
-            raise ValueError("align.distributed.zero_stage is DeepSpeed's; with backend: fsdp2 leave it at 0")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
         for name in (m.name for m in methods().values() if m.runs(self)):

@@ -25,7 +25,9 @@ def barrier() -> None:
 
 def sharded(spec: dict[str, Any]) -> bool:
     """Parameters sharded over ranks (ZeRO-3, FSDP2): no rank can generate alone."""
-    return spec["zero_stage"] == 3 or spec.get("backend") == "fsdp2"
+    from training.parallel import engine
+
+    return engine(spec["backend"]).align_stage(spec["zero_stage"]) == 3
 
 
 def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
@@ -36,26 +38,9 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     cfg, out_dir = spec["config"], Path(spec["out_dir"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_step = cfg["micro_batch_size"] * world
-    ds: dict[str, Any] | None = None
-    if spec["zero_stage"]:
-        ds = {
-            "zero_optimization": {"stage": spec["zero_stage"]},
-            "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"},
-            "fp16": {"enabled": False},
-        }
-        if spec["zero_stage"] == 3:
-            ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    if spec.get("backend") == "fsdp2":
-        # accelerate's FSDP plugin, version 2: fully_shard per decoder layer (the model's
-        # _no_split_modules) and at the root; the saved model is gathered whole on rank 0
-        extra.update(
-            fsdp="full_shard auto_wrap",
-            fsdp_config={"version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"},
-        )
+    from training.parallel import engine
+
+    extra = {**engine(spec["backend"]).trl_arguments(spec), **extra}
     if spec.get("quantized_base"):  # QLoRA: checkpointed layers, as prepare_model_for_kbit_training set them
         extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -83,7 +68,6 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
         data_seed=cfg["seed"],
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
-        deepspeed=ds,
         save_only_model=False,
         **extra,
     )

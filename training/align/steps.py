@@ -174,14 +174,12 @@ def rank_spec(ctx: StepContext, m: AlignMethod) -> dict[str, Any]:
 
     a = ctx.config.align
     cfg = m.section(ctx.config)
-    if a.distributed.backend == "fsdp2":
-        from training.device import detect_device
+    from training.device import detect_device
+    from training.parallel import engine
 
-        if detect_device().kind != "cuda":
-            raise ConfigError(
-                "align.distributed.backend: fsdp2 needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
-                "(it trains them as plain DDP); use deepspeed on CPU"
-            )
+    problem = engine(a.distributed.backend).align_problem(detect_device().kind)
+    if problem:
+        raise ConfigError(problem)
     base = ctx.path(first_present(ctx, m.start_candidates()))  # the start the graph chose
     context = _context(base)
     chats = m.data == CHAT

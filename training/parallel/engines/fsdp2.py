@@ -8,8 +8,12 @@ it to a model sharded with FSDP2, so the loop's guardrails, rollbacks, metrics, 
 export and parity check are the same code for both backends.
 
 Sharding: `fully_shard` per decoder layer and once at the root (embeddings, final norm and
-head), on a 1-D mesh over every rank (full shard), or a 2-D (replicate x shard) mesh for
-hybrid sharding: sharded within a node, replicated across nodes (HSDP). `grad_op` keeps the
+head), over the data-parallel part of the device mesh (`training.parallel.mesh`): its shard
+dimension (full shard), or (replicate x shard) for hybrid sharding: sharded within a node,
+replicated across nodes (HSDP). Model-parallel dimensions (tensor + sequence parallel) are
+applied to the model before it reaches the engine (`Trainer._build_engine`), as torchtitan
+orders them: parallelize, then activation checkpointing, then compile, then `fully_shard`;
+the parameters are then DTensors on the whole mesh. `grad_op` keeps the
 gathered parameters from forward to backward (`reshard_after_forward=False`: one all-gather
 per micro-batch instead of two, ZeRO-2's memory). Mixed precision: fp32 sharded parameters
 (the master copy) with bf16 compute and fp32 gradient reduction where the hardware has bf16.
@@ -31,12 +35,26 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from training.config import PretrainConfig
-from training.planner import Plan
+from training.parallel import Engine, Strategy, mesh
 
+if TYPE_CHECKING:  # the config validates against this registry while it is defined: no import cycle
+    from training.config import DistributedConfig, PretrainConfig
+    from training.planner import Plan
+
+NAME = __name__.rsplit(".", 1)[-1]
 SCHEDULER_FILE = "scheduler.json"
+# FSDP2's ladder: gathered weights kept through backward (ZeRO-2-like traffic), full shard
+# (ZeRO-3), hybrid shard across nodes (HSDP), then everything offloaded to host memory
+# (CPUOffloadPolicy moves parameters, gradients and optimizer states together).
+LADDER = [
+    ("grad_op", 2, "none"),
+    ("full", 3, "none"),
+    ("hybrid", 3, "none"),
+    ("full", 3, "optimizer+params"),
+    ("hybrid", 3, "optimizer+params"),
+]
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -46,16 +64,6 @@ def decoder_layers(model: Any) -> list[Any]:
     if layers is None:
         raise TypeError(f"{type(model).__name__}: no model.layers to shard per block")
     return list(layers)
-
-
-def build_mesh(plan: Plan) -> Any:
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if plan.sharding == "hybrid":
-        return init_device_mesh(kind, (plan.num_nodes, plan.num_ranks), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(kind, (plan.world_size,), mesh_dim_names=("shard",))
 
 
 class Fsdp2Engine:
@@ -73,11 +81,11 @@ class Fsdp2Engine:
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload != "none" else OffloadPolicy()
         if torch.cuda.is_available() and plan.offload == "none":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
-        mesh = build_mesh(plan)
+        data = mesh.data_mesh(mesh.get(plan), plan)
         reshard = plan.sharding != "grad_op"
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=data, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+        fully_shard(model, mesh=data, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
         self.module = model
         opt = cfg.optim
         decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -196,3 +204,104 @@ class Fsdp2Engine:
             self.lr_scheduler.load_state_dict(saved["scheduler"])
         self.micro = 0
         return str(source), saved["client_state"]
+
+
+# -- the engine's registration -------------------------------------------------------------
+
+
+def config_problem(d: DistributedConfig) -> str | None:
+    if d.backend == NAME and d.offload == "optimizer":
+        return "FSDP2 offloads parameters, gradients and optimizer states together: offload optimizer+params"
+    if d.sharding == "hybrid" and d.num_nodes == 1:
+        return "sharding: hybrid shards within a node and replicates across nodes: it needs num_nodes > 1"
+    return None
+
+
+def strategies(d: DistributedConfig) -> list[Strategy]:
+    if d.backend != NAME and d.zero_stage != "auto":  # backend auto with a ZeRO stage fixed: DeepSpeed's
+        return []
+    return [
+        Strategy(NAME, stage, sharding, offload)
+        for sharding, stage, offload in LADDER
+        if (d.sharding == "auto" or sharding == d.sharding)
+        and (d.offload == "auto" or offload == d.offload)
+        and (sharding != "hybrid" or d.num_nodes > 1 or d.sharding == "hybrid")
+    ]
+
+
+def traffic(strategy: Strategy, grad_accum: int) -> float:
+    """grad_op gathers once per micro-batch and reduces once per step (GA + 1: unsharded gradients
+    accumulate locally); full shard gathers twice and reduces every micro-batch (3 GA: accumulating
+    unsharded gradients would cost what sharding saved)."""
+    return grad_accum + 1.0 if strategy.sharding == "grad_op" else 3.0 * grad_accum
+
+
+def memory(
+    params: int, cfg: PretrainConfig, precision: str, ranks: int, nodes: int, strategy: Strategy, vocab: int, cpu: bool
+) -> tuple[dict[str, float], float]:
+    from training.planner import memory_fsdp2
+
+    return memory_fsdp2(params, cfg, precision, ranks, nodes, strategy.sharding, strategy.offload, vocab, cpu=cpu)
+
+
+def launcher(d: DistributedConfig) -> str:
+    """Plain torch.distributed: torchrun on one node; across nodes DeepSpeed's runner (pdsh, SLURM's
+    srun, OpenMPI) only starts the ranks."""
+    return "torchrun" if d.num_nodes == 1 else "deepspeed"
+
+
+def init_process_group() -> None:
+    """RANK/WORLD_SIZE/MASTER_* come from torchrun or the node launcher."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def resume_problem(saved: dict[str, Any], plan: Plan, world: int) -> None:
+    """DCP reshards on load: any world size and any mesh (tensor-parallel shards included)."""
+    return None
+
+
+def trl_arguments(spec: dict[str, Any]) -> dict[str, Any]:
+    """accelerate's FSDP plugin, version 2: fully_shard per decoder layer (the model's
+    _no_split_modules) and at the root; the saved model is gathered whole on rank 0."""
+    return {
+        "fsdp": "full_shard auto_wrap",
+        "fsdp_config": {"version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"},
+    }
+
+
+def align_problem(device_kind: str) -> str | None:
+    if device_kind != "cuda":
+        return (
+            f"align.distributed.backend: {NAME} needs GPUs: accelerate's FSDP plugin does not shard CPU ranks "
+            "(it trains them as plain DDP); use another engine on CPU"
+        )
+    return None
+
+
+ENGINE = Engine(
+    name=NAME,
+    title="FSDP2",
+    own_fields=("sharding",),
+    config_problem=config_problem,
+    strategies=strategies,
+    label=lambda stage, sharding, offload: f"FSDP2 {sharding} offload={offload}",
+    traffic=traffic,
+    memory=memory,
+    launcher=launcher,
+    init_process_group=init_process_group,
+    build=Fsdp2Engine,
+    consolidated_state=lambda engine, plan: engine.full_state_dict(),
+    resume_problem=resume_problem,
+    write_run_files=lambda out_dir, cfg, plan: None,
+    run_files=(),
+    norm_unreported=lambda plan: False,
+    libraries=("deepspeed",),  # its LR schedule is DeepSpeed's WarmupCosineLR
+    mesh_dimensions=True,
+    align_stage=lambda zero_stage: 3,  # parameters, gradients and optimizer states all sharded
+    trl_arguments=trl_arguments,
+    align_problem=align_problem,
+)

@@ -1,0 +1,1 @@
+"""Training engines, one module each (see training/parallel/__init__.py)."""
