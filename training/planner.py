@@ -442,8 +442,13 @@ def plan_parallelism(
             host_fits = cpu or host * ranks <= host_capacity
             fits = total <= capacity and host_fits
             across, volume = communication(strategy, grad_accum, ranks // model_parallel, cfg.distributed.num_nodes)
+            if data == 1:  # one data-parallel rank: the engine has nobody to gather from or reduce with
+                across, volume = 0.0, 0.0
             traffic = f"traffic {volume:g}x model/step" + (
                 f" ({across:g}x across nodes)" if cfg.distributed.num_nodes > 1 else ""
+            )
+            traffic += "".join(
+                f" + {dimension_by_mesh_name(name).traffic_note(degree)}" for name, degree in degrees.items()
             )
             offloaded = f", {host:.3f} GiB/rank offloaded to host" if host else ""
             verdict = (
