@@ -121,6 +121,12 @@ class DistributedConfig(StrictModel):
     prefer_backend: EngineName = runtime_field(  # type: ignore[valid-type]
         ENGINE_NAMES[0], description="The planner's choice when two engines fit with the same traffic."
     )
+    tensor_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
+        1,
+        description="Tensor + sequence parallel degree (ranks that split every layer's weights and the sequence "
+        "between them; inside one node). auto = the planner's choice: 1 unless the model only fits split. "
+        "With FSDP2; the ranks of a node must be a multiple of it.",
+    )
     zero_stage: Literal["auto", 0, 1, 2, 3] = runtime_field(
         "auto", description="DeepSpeed ZeRO stage; auto asks the planner."
     )
