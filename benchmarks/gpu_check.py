@@ -14,6 +14,11 @@ Sections, each a child process with its own time limit, its log kept under --out
              loop, the preset's model (gpu-1node: 1.1B Llama, seq 2048, micro-batch 8), bf16;
   backends   `benchmarks/pretrain.py --compare backends --ranks 1`: FSDP2 vs DeepSpeed ZeRO-2 and
              ZeRO-0 on the same batches from the same weights;
+  tp         `benchmarks/pretrain.py --compare mesh --ranks N` (N = the GPUs, at most 8): tensor +
+             sequence parallel (DTensor, `training/parallel/dims/tensor.py`) over N GPUs vs FSDP2
+             full shard over the same GPUs, in bf16 on NCCL: tokens/s and the loss gap per step.
+             With one GPU it runs the DTensor plan on a mesh of one (the CUDA kernels of every
+             style, no traffic): a check that the plan runs and learns, not a speed figure;
   align      the alignment stage's entry (`training.align.entry`, started by accelerate as the
              align step starts it) on a model of the preset's architecture: LoRA SFT, then LoRA DPO
              from the SFT model, with the preset's align values (LoRA r/alpha, lr, micro-batch,
@@ -46,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("matmul", "attention", "plain", "backends", "align", "compile", "float8")
+SECTIONS = ("matmul", "attention", "plain", "backends", "tp", "align", "compile", "float8")
 
 
 def matmul() -> None:
@@ -323,6 +328,14 @@ def align(args: argparse.Namespace) -> None:
         start = out / "hf"
 
 
+def gpus_for_tp() -> int:
+    """The GPUs the tp section spreads over: all of them up to 8 (a power of two), else 1."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return max(n for n in (1, 2, 4, 8) if n <= max(1, count))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="gpu-1node")
@@ -363,6 +376,7 @@ def main() -> None:
         "matmul": [sys.executable, __file__, "--section", "matmul"],
         "plain": [*bench, "--compare", "plain"],
         "backends": [*bench, "--compare", "backends", "--ranks", "1"],
+        "tp": [*bench, "--compare", "mesh", "--ranks", str(gpus_for_tp())],
         "attention": [sys.executable, __file__, "--section", "attention", *sys.argv[1:]],
         "align": [sys.executable, __file__, "--section", "align", *sys.argv[1:]],
         "compile": [*bench, "--compare", "compile"],

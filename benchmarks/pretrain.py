@@ -6,7 +6,11 @@ Three comparisons (`--compare`):
             in turn on the same batches from the same initial weights, so tokens/s and the loss
             trajectories (largest relative gap per step) are compared under the same conditions;
   compile   torch.compile (per decoder layer, inductor) vs eager, one process: the first step's
-            compile time apart from steady-state tokens/s.
+            compile time apart from steady-state tokens/s;
+  mesh      tensor + sequence parallel over all ranks (FSDP2 on a (dp 1 x tp N) mesh) vs FSDP2
+            full shard over the same ranks, as `backends` does: same batches, same weights.
+            On CPU ranks over gloo TP moves activations every layer, so expect it slower; on
+            one GPU (`--ranks 1`) it runs the DTensor path on a mesh of one, as a check.
 
 Both train the same model (same config, seed and initial weights) on the same batches,
 with the same dtype, thread count, AdamW settings, gradient clipping and LR schedule.
@@ -18,7 +22,7 @@ With `--base DIR` (a Hugging Face model directory, or `neox` / `qwen2` for a sma
 here with transformers, the tests' base-model builders) `plain` compares continued pretraining
 of that model: both sides start from its weights, in its own architecture (target >= 0.95).
 
-    .venv/bin/python benchmarks/pretrain.py [--compare plain|backends|compile] [--steps 30]
+    .venv/bin/python benchmarks/pretrain.py [--compare plain|backends|compile|mesh] [--steps 30]
         [--preset tiny-cpu] [--set KEY=VALUE ...] [--base DIR|neox|qwen2]
 """
 
@@ -174,11 +178,19 @@ def backends_worker(args: argparse.Namespace) -> None:
     cfg, vocab, device, plan, peak, replace = _setup(args, world)
     rank, world = init_distributed("deepspeed")
     threads = torch.get_num_threads()
-    plans = {
-        "deepspeed": replace(plan, backend="deepspeed", zero_stage=2, sharding=""),
-        "fsdp2": replace(plan, backend="fsdp2", zero_stage=2, sharding="grad_op"),
-        "zero0": replace(plan, backend="deepspeed", zero_stage=0, sharding=""),
-    }
+    if args.compare == "mesh":  # the same global batch: TP's one data-parallel rank accumulates
+        plans = {
+            "fsdp2": replace(plan, backend="fsdp2", zero_stage=3, sharding="full", degrees={}),
+            "tp": replace(
+                plan, backend="fsdp2", zero_stage=3, sharding="full", degrees={"tp": world}, grad_accum=world
+            ),
+        }
+    else:
+        plans = {
+            "deepspeed": replace(plan, backend="deepspeed", zero_stage=2, sharding=""),
+            "fsdp2": replace(plan, backend="fsdp2", zero_stage=2, sharding="grad_op"),
+            "zero0": replace(plan, backend="deepspeed", zero_stage=0, sharding=""),
+        }
     special = {"bos_id": 0, "eos_id": 0, "pad_id": 1}
     root = Path(args.workdir)
     pack = root / "pack"
@@ -202,6 +214,8 @@ def backends_worker(args: argparse.Namespace) -> None:
             timings[name].append(time.perf_counter() - start)
     if rank:
         return
+    if args.compare == "mesh":
+        return _report_mesh(cfg, plan, trainers, timings, losses, anomalies, threads, peak, device, args.steps, world)
     trainer = trainers["deepspeed"]
     _header(
         cfg,
@@ -242,6 +256,21 @@ def backends_worker(args: argparse.Namespace) -> None:
     print(f"ratio (FSDP2 / DeepSpeed ZeRO-0, the planner's choice here): {tps['fsdp2'] / tps['zero0']:.3f}")
 
 
+def _report_mesh(cfg, plan, trainers, timings, losses, anomalies, threads, peak, device, steps, world) -> None:  # type: ignore[no-untyped-def]
+    where = f"{world} ranks (gloo)" if device.kind == "cpu" else f"{world} GPU(s)"
+    _header(cfg, plan, trainers["fsdp2"], threads, peak, device, steps, where)
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    tps = {n: tokens_per_step / _steady(t) for n, t in timings.items()}
+    print(f"{'path':34} {'tokens/s':>10} {'first loss':>11} {'last loss':>10}")
+    for name, label in (("fsdp2", f"FSDP2 full shard (dp {world})"), ("tp", f"TP + SP (tp {world}) on FSDP2")):
+        print(f"{label:34} {tps[name]:10.0f} {losses[name][0]:11.4f} {losses[name][-1]:10.4f}")
+    for line in anomalies:
+        print(line)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(losses["tp"], losses["fsdp2"])]
+    print(f"loss, TP vs FSDP2: largest relative gap {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}")
+    print(f"ratio (TP / FSDP2 tokens/s): {tps['tp'] / tps['fsdp2']:.3f}")
+
+
 def compare_backends(args: argparse.Namespace) -> None:
     import subprocess
 
@@ -249,7 +278,7 @@ def compare_backends(args: argparse.Namespace) -> None:
         command = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
             f"--master_port={os.environ.get('MASTER_PORT', '29614')}",
-            __file__, "--worker", "--compare", "backends", "--workdir", tmp,
+            __file__, "--worker", "--compare", args.compare, "--workdir", tmp,
             "--steps", str(args.steps), "--preset", args.preset,
         ]  # fmt: skip
         for item in args.overrides:
@@ -318,7 +347,7 @@ def compare_compile(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", choices=("plain", "backends", "compile"), default="plain")
+    parser.add_argument("--compare", choices=("plain", "backends", "compile", "mesh"), default="plain")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--preset", default="tiny-cpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -327,7 +356,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.compare == "backends":
+    if args.compare in ("backends", "mesh"):
         return backends_worker(args) if args.worker else compare_backends(args)
     if args.compare == "compile":
         return compare_compile(args)
