@@ -539,3 +539,97 @@ def test_a_resume_from_the_final_checkpoint_trains_no_further_step(tmp_path: Pat
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert logged_train_loss(metrics, 3, 0.0) == pytest.approx((4.0 + 3.0 + 1.0) / 3)
     assert logged_train_loss(tmp_path / "none.jsonl", 3, 0.5) == 0.5
+
+
+# -- the device mesh ------------------------------------------------------------------------------
+
+
+def _llama(size: str, nodes: int, micro: int, tp: object = "auto") -> PretrainConfig:
+    shapes = {  # Llama 3.1 8B and 70B
+        "8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8},
+        "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8},
+    }
+    multi = {"hostfile": "/etc/hosts.ds", "launcher": "deepspeed"} if nodes > 1 else {}
+    return PretrainConfig.model_validate(
+        {
+            "model": {**shapes[size], "tie_embeddings": False},
+            "seq_len": 8192,
+            "precision": "bf16",
+            "global_batch_size": micro * 8 * nodes,
+            "distributed": {
+                "num_ranks": 8,
+                "num_nodes": nodes,
+                "micro_batch_size": micro,
+                "activation_checkpointing": True,
+                "tensor_parallel": tp,
+                **multi,
+            },
+        }
+    )
+
+
+def test_the_planner_splits_layers_only_when_sharding_alone_does_not_fit() -> None:
+    h100 = DeviceInfo("cuda", "H100", 8, 80 * GIB, True, 64, host_memory_bytes=2048 * GIB, capability=(9, 0))
+    small = plan_parallelism(_llama("8B", 1, 1), 128256, h100)
+    assert small.degrees == {} and small.offload == "none"
+    big = plan_parallelism(_llama("70B", 8, 8), 128256, h100)  # torchtitan's 70B: FSDP x TP 8
+    assert big.degrees == {"tp": 8} and big.backend == "fsdp2" and big.offload == "none"
+    assert big.data_parallel == 8 and big.grad_accum == 8  # 512 sequences = 8 data ranks x 8 x 8 micro-batches
+    assert big.reasoning[-1].endswith("device mesh: dp_shard 8 x tp 8")
+    # a TP candidate's memory divides the split parts by its degree, and leaves the fp32 build copy whole
+    line = next(r for r in big.reasoning if r.startswith("tp 8 + FSDP2 full offload=none"))
+    assert "all-gathers" in line and "fits" in line
+    with pytest.raises(ConfigError, match="no strategy fits .* tp 2 \\+ FSDP2"):  # a fixed degree is not overridden
+        plan_parallelism(_llama("70B", 8, 8, tp=2), 128256, h100)
+
+
+def test_tensor_parallel_settings_are_refused_in_one_line() -> None:
+    cpu = DeviceInfo("cpu", "test", 1, 64 * GIB, False, 2)
+    base = {"distributed": {"num_ranks": 2, "backend": "fsdp2", "micro_batch_size": 4}, "global_batch_size": 8}
+    for extra, message in (
+        ({"tensor_parallel": 4}, "tensor_parallel 4 does not divide the 2 rank"),
+        ({"tensor_parallel": 2, "model": {"num_kv_heads": 1, "num_heads": 4}}, "does not divide num_kv_heads 1"),
+        ({"tensor_parallel": 2, "float8": "emulate"}, "float8 with tp 2 is not supported"),
+    ):
+        settings = {
+            **base,
+            "distributed": {**base["distributed"], "tensor_parallel": extra["tensor_parallel"]},
+            **{k: v for k, v in extra.items() if k != "tensor_parallel"},
+        }
+        with pytest.raises(ConfigError, match=message):
+            plan_parallelism(PretrainConfig.model_validate(settings), 512, cpu)
+
+
+def test_mesh_coordinates_put_tensor_parallel_ranks_side_by_side() -> None:
+    from training.parallel import mesh
+    from training.planner import Plan
+
+    plan = Plan(3, "none", 8, 2, 16, 1, "bf16", 1, {}, 0.0, 80.0, sharding="hybrid", degrees={"tp": 4})
+    assert mesh.shape(plan) == {"dp_replicate": 2, "dp_shard": 2, "tp": 4}
+    assert [mesh.coordinates(plan, r)["tp"] for r in range(5)] == [0, 1, 2, 3, 0]  # consecutive: one node
+    assert [mesh.data_rank(plan, r) for r in (0, 3, 4, 8, 15)] == [0, 0, 1, 2, 3]
+    assert mesh.describe(plan) == "dp_replicate 2 x dp_shard 2 x tp 4"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_every_projection_of_a_family_has_a_tensor_parallel_style(model_type: str) -> None:
+    """The plan is a table of patterns: each must match the family's module names, and every linear
+    layer of the decoder must fall under a split style (a layer left whole would hold full weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.parallel.dims.tensor import matches, plan_for
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = [n for n, _ in model.named_modules()]
+    styled = dict(matches(plan_for(model_type), names))  # raises where a pattern matches nothing
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(styled.get(n) in ("colwise", "rowwise_to_sequence", "head") for n in linears)
+    assert styled["model.embed_tokens"] == "embedding" and styled["model.norm"] == "sequence_out"
+    with pytest.raises(ValueError, match="no plan for model type 'gpt_neox'"):
+        plan_for("gpt_neox")
