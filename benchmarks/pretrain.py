@@ -7,8 +7,9 @@ Three comparisons (`--compare`):
             trajectories (largest relative gap per step) are compared under the same conditions;
   compile   torch.compile (per decoder layer, inductor) vs eager, one process: the first step's
             compile time apart from steady-state tokens/s;
-  mesh      tensor + sequence parallel over all ranks (FSDP2 on a (dp 1 x tp N) mesh) vs FSDP2
-            full shard over the same ranks, as `backends` does: same batches, same weights.
+  mesh      tensor + sequence parallel over all ranks (FSDP2 on a (dp 1 x tp N) mesh) and, for
+            an untied model, N pipeline stages, vs FSDP2 full shard over the same ranks, as
+            `backends` does: same batches, same weights.
             On CPU ranks over gloo TP moves activations every layer, so expect it slower; on
             one GPU (`--ranks 1`) it runs the DTensor path on a mesh of one, as a check.
 
@@ -178,13 +179,17 @@ def backends_worker(args: argparse.Namespace) -> None:
     cfg, vocab, device, plan, peak, replace = _setup(args, world)
     rank, world = init_distributed("deepspeed")
     threads = torch.get_num_threads()
-    if args.compare == "mesh":  # the same global batch: TP's one data-parallel rank accumulates
+    if args.compare == "mesh":  # the same global batch: TP's (and PP's) one data-parallel rank accumulates
         plans = {
             "fsdp2": replace(plan, backend="fsdp2", zero_stage=3, sharding="full", degrees={}),
             "tp": replace(
                 plan, backend="fsdp2", zero_stage=3, sharding="full", degrees={"tp": world}, grad_accum=world
             ),
         }
+        if world > 1 and not cfg.model.tie_embeddings:  # stages need the embedding and head apart
+            plans["pp"] = replace(
+                plan, backend="fsdp2", zero_stage=3, sharding="full", degrees={"pp": world}, grad_accum=world
+            )
     else:
         plans = {
             "deepspeed": replace(plan, backend="deepspeed", zero_stage=2, sharding=""),
@@ -262,13 +267,22 @@ def _report_mesh(cfg, plan, trainers, timings, losses, anomalies, threads, peak,
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     tps = {n: tokens_per_step / _steady(t) for n, t in timings.items()}
     print(f"{'path':34} {'tokens/s':>10} {'first loss':>11} {'last loss':>10}")
-    for name, label in (("fsdp2", f"FSDP2 full shard (dp {world})"), ("tp", f"TP + SP (tp {world}) on FSDP2")):
-        print(f"{label:34} {tps[name]:10.0f} {losses[name][0]:11.4f} {losses[name][-1]:10.4f}")
+    labels = {
+        "fsdp2": f"FSDP2 full shard (dp {world})",
+        "tp": f"TP + SP (tp {world}) on FSDP2",
+        "pp": f"PP ({world} stages, 1F1B) on FSDP2",
+    }
+    for name in trainers:
+        print(f"{labels[name]:34} {tps[name]:10.0f} {losses[name][0]:11.4f} {losses[name][-1]:10.4f}")
     for line in anomalies:
         print(line)
-    gaps = [abs(a - b) / abs(b) for a, b in zip(losses["tp"], losses["fsdp2"])]
-    print(f"loss, TP vs FSDP2: largest relative gap {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}")
-    print(f"ratio (TP / FSDP2 tokens/s): {tps['tp'] / tps['fsdp2']:.3f}")
+    for name in [n for n in trainers if n != "fsdp2"]:
+        gaps = [abs(a - b) / abs(b) for a, b in zip(losses[name], losses["fsdp2"])]
+        what = name.upper()
+        print(f"loss, {what} vs FSDP2: largest relative gap {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}")
+        print(f"ratio ({what} / FSDP2 tokens/s): {tps[name] / tps['fsdp2']:.3f}")
+    if "pp" not in trainers:
+        print("PP not compared: it needs untied embeddings (--set pretrain.model.tie_embeddings=false) and 2+ ranks")
 
 
 def compare_backends(args: argparse.Namespace) -> None:

@@ -175,6 +175,8 @@ ROWS = [
     ("pretrain.distributed.backend=fsdp2;pretrain.distributed.sharding=full", set()),
     ("pretrain.distributed.backend=fsdp2;pretrain.distributed.tensor_parallel=2", set()),
     ("pretrain.distributed.tensor_parallel=auto", set()),
+    ("pretrain.distributed.backend=fsdp2;pretrain.distributed.pipeline_parallel=2", set()),
+    ("pretrain.distributed.pipeline_schedule=gpipe", set()),
     ("pretrain.compile=true", set()),
     ("pretrain.eval_batches=2", set()),
     ("pretrain.peak_tflops=1.0", set()),

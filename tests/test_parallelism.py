@@ -147,3 +147,60 @@ def test_mesh_settings_are_checked_when_the_config_loads() -> None:
         load_config("tiny-cpu", ["pretrain.distributed.backend=deepspeed", *TP2])
     with pytest.raises(ConfigError, match="global_batch_size 8 is not a multiple"):
         load_config("tiny-cpu", [*TP2, "pretrain.global_batch_size=8", "pretrain.distributed.micro_batch_size=16"])
+
+
+# -- pipeline parallelism: untied embeddings (the embedding and the head sit on different stages) --
+
+UNTIED = ("pretrain.model.tie_embeddings=false",)
+PP2 = ("pretrain.distributed.num_ranks=2", "pretrain.distributed.pipeline_parallel=2")
+
+
+@pytest.fixture(scope="module")
+def one_rank_untied(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workspace = tmp_path_factory.mktemp("mesh-1-untied")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    return _run(workspace, *UNTIED, "pretrain.distributed.num_ranks=1")
+
+
+@pytest.fixture(scope="module")
+def pp_two(curated: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workspace = tmp_path_factory.mktemp("mesh-pp2")
+    shutil.copytree(curated[0], workspace, dirs_exist_ok=True)
+    return _run(workspace, *UNTIED, *PP2)  # the default schedule, 1F1B
+
+
+def test_pipeline_parallel_matches_one_rank(pp_two: dict, one_rank_untied: dict) -> None:
+    assert pp_two["key"] == one_rank_untied["key"]
+    plan = pp_two["extra"]["plan"]
+    assert plan["degrees"] == {"pp": 2} and plan["mesh"]["pp"] == 2 and plan["grad_accum"] == 2
+    pp, ref = _metrics(pp_two), _metrics(one_rank_untied)
+    gaps = _loss_gaps(pp, ref)
+    assert len(gaps) == 30 and max(gaps) < TOLERANCE, gaps
+    assert [r["grad_norm"] for r in pp] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4)  # over both stages
+    val = [(a["val_loss"], b["val_loss"]) for a, b in zip(pp, ref) if "val_loss" in b]
+    assert val and all(abs(a - b) / b < TOLERANCE for a, b in val)
+    assert _weight_gap(_weights(pp_two), _weights(one_rank_untied)) < TOLERANCE
+    assert pp_two["metrics"]["parity_max_abs_logit_diff"] <= 1e-3  # the stages' slices merged into one model
+
+
+def test_a_pipeline_checkpoint_resumes_without_stages_and_back(
+    pp_two: dict, one_rank_untied: dict, tmp_path: Path
+) -> None:
+    """Each stage's DCP shards carry the whole model's names: PP's step-10 checkpoint loads into FSDP 2,
+    and one rank's step-20 checkpoint into GPipe stages; both end at one rank's weights."""
+    out = _resume_from(pp_two, tmp_path / "a", 10)
+    flat = _run(tmp_path / "a", *UNTIED, *FSDP2_2)
+    assert "resumed from step-00000010" in (out / "logs" / "rank-0.log").read_text()
+    assert _weight_gap(_weights(flat), _weights(one_rank_untied)) < TOLERANCE
+    out = _resume_from(one_rank_untied, tmp_path / "b", 20)
+    staged = _run(tmp_path / "b", *UNTIED, *PP2, "pretrain.distributed.pipeline_schedule=gpipe")
+    assert "resumed from step-00000020" in (out / "logs" / "rank-0.log").read_text()
+    assert max(_loss_gaps(_metrics(staged)[20:], _metrics(one_rank_untied)[20:])) < TOLERANCE
+    assert _weight_gap(_weights(staged), _weights(one_rank_untied)) < TOLERANCE
+
+
+def test_pipeline_settings_are_refused_in_one_line() -> None:
+    from lmforge.config import load_config
+
+    with pytest.raises(ConfigError, match="needs an engine that trains on a device mesh"):
+        load_config("tiny-cpu", ["pretrain.distributed.backend=deepspeed", *UNTIED, *PP2])

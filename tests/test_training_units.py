@@ -633,3 +633,45 @@ def test_every_projection_of_a_family_has_a_tensor_parallel_style(model_type: st
     assert styled["model.embed_tokens"] == "embedding" and styled["model.norm"] == "sequence_out"
     with pytest.raises(ValueError, match="no plan for model type 'gpt_neox'"):
         plan_for("gpt_neox")
+
+
+def test_pipeline_stages_keep_the_whole_models_names_and_split_layers_evenly() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.parallel.dims.pipeline import bounds, stage_module
+
+    assert [bounds(5, s, 2) for s in range(2)] == [(0, 3), (3, 5)]
+    assert [bounds(4, s, 4) for s in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    whole = set(model.state_dict())
+    parts = [set(stage_module(model, s, 2).state_dict()) for s in range(2)]
+    assert parts[0] | parts[1] == whole and not parts[0] & parts[1]  # the stages' slices are the model
+    assert "model.embed_tokens.weight" in parts[0] and {"lm_head.weight", "model.norm.weight"} <= parts[1]
+    assert "model.layers.2.mlp.down_proj.weight" in parts[1]
+
+
+def test_pipeline_settings_are_refused_by_the_planner_in_one_line() -> None:
+    cpu = DeviceInfo("cpu", "test", 1, 64 * GIB, False, 2)
+    base = {"backend": "fsdp2", "num_ranks": 2, "micro_batch_size": 4}
+    for settings, message in (
+        ({"distributed": {**base, "pipeline_parallel": 2}}, "needs tie_embeddings false"),
+        (
+            {"model": {"tie_embeddings": False, "num_layers": 1}, "distributed": {**base, "pipeline_parallel": 2}},
+            "exceeds num_layers 1",
+        ),
+        (
+            {
+                "model": {"tie_embeddings": False, "num_kv_heads": 2},
+                "distributed": {**base, "num_ranks": 4, "pipeline_parallel": 2, "tensor_parallel": 2},
+            },
+            "together is not supported yet",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            plan_parallelism(PretrainConfig.model_validate({**settings, "global_batch_size": 8}), 512, cpu)

@@ -121,6 +121,16 @@ class DistributedConfig(StrictModel):
     prefer_backend: EngineName = runtime_field(  # type: ignore[valid-type]
         ENGINE_NAMES[0], description="The planner's choice when two engines fit with the same traffic."
     )
+    pipeline_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
+        1,
+        description="Pipeline stages (consecutive layers per rank group, micro-batches flowing through them; "
+        "across nodes). auto = the planner's choice. With FSDP2 and untied embeddings.",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b"] = runtime_field(
+        "1f1b",
+        description="Pipeline schedule: gpipe (every forward, then every backward) or 1f1b (one forward, one "
+        "backward: at most `pipeline_parallel` micro-batches of activations held).",
+    )
     tensor_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
         1,
         description="Tensor + sequence parallel degree (ranks that split every layer's weights and the sequence "

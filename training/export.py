@@ -96,8 +96,9 @@ def save_hf(
     torch.set_grad_enabled(True)
 
 
-def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
-    """Max |logit difference| between the engine and the exported model on `batch` (rank 0 value)."""
+def parity_gap(engine: Any, hf_dir: Path, batch: Any, forward: Any = None) -> float:
+    """Max |logit difference| between the engine and the exported model on `batch` (rank 0 value).
+    `forward(batch)`: the engine's logits where calling it is not enough (pipeline stages)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -109,7 +110,7 @@ def parity_gap(engine: Any, hf_dir: Path, batch: Any) -> float:
     # eager kernels the exported model runs, and the check is about the weights, not the kernels;
     # for the same reason float8 layers (pretrain.float8) run as the plain nn.Linear they subclass
     with torch.no_grad(), torch.compiler.set_stance("force_eager"), high_precision(engine.module):
-        logits = engine(input_ids=batch).logits
+        logits = forward(batch) if forward is not None else engine(input_ids=batch).logits
         if hasattr(logits, "full_tensor"):  # split by vocabulary under tensor parallelism
             logits = logits.full_tensor()
         reference = logits.float().cpu()

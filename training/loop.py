@@ -85,7 +85,10 @@ class Trainer:
         self.progress: dict[str, Any] = {"last_val": None, "tps_sum": 0.0, "tps_count": 0, "wall_s": 0.0}
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
-        self.float8_layers: list[str] = []  # the linear layers torchao trains in float8 (pretrain.float8)
+        self.float8_layers: list[str] = []
+        self.pipeline: Any = None  # the pipeline schedule (pretrain.distributed.pipeline_parallel > 1)
+        self._pipeline_starts: list[int] = []  # the micro-batches the schedule is running (the NaN test hook)
+        self._pipeline_micro = 0  # the linear layers torchao trains in float8 (pretrain.float8)
         self.mem_before_engine_mb = memory_mb()  # the baseline the planner's per-rank figures add to
         self.engine = self._build_engine()
         self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len, self.vocab_size)
@@ -134,9 +137,9 @@ class Trainer:
         self.params = sum(p.numel() for p in model.parameters())  # whole, before any of it is split
         if self.plan.degrees:  # tensor parallel first, then checkpointing, compile and the engine's sharding
             whole = mesh.get(self.plan)
-            for dim in all_dimensions():
+            for dim in all_dimensions():  # pipeline stages first: the other dimensions split a stage
                 if dim.name in self.plan.degrees:
-                    dim.apply(model, whole[dim.name], self.plan)
+                    model = dim.apply(model, whole[dim.name], self.plan)
         if self.cfg.distributed.activation_checkpointing:
             # recompute each decoder layer in backward instead of keeping its activations
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -149,6 +152,16 @@ class Trainer:
                 layer.compile()
         built = engine(self.plan.backend).build(model, self.cfg, self.plan)
         self._apply_lr_scale(built)
+        if "pp" in self.plan.degrees:  # rebuilt with the engine (a rollback): the stage it drives is new
+            from training.parallel.dims import pipeline
+
+            self.pipeline = pipeline.schedule(
+                built.module,
+                mesh.get(self.plan)["pp"],
+                self.plan.grad_accum,
+                self._pipeline_loss,
+                self.cfg.distributed.pipeline_schedule,
+            )
         return built
 
     def _apply_lr_scale(self, engine: Any) -> None:
@@ -261,8 +274,100 @@ class Trainer:
                 stack.enter_context(dim.loss_context())
         return stack
 
+    # -- pipeline parallel: the schedule runs every micro-batch's forward and backward in one call --
+
+    def _pipeline_loss(self, logits: Any, target: Any) -> Any:
+        """The last stage's loss of one micro-batch (the schedule divides the gradients by the number of
+        micro-batches itself, `scale_grads`, as the engine's backward does)."""
+        import torch.nn.functional as F
+
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+        micro, self._pipeline_micro = self._pipeline_micro, self._pipeline_micro + 1
+        if (
+            micro < len(self._pipeline_starts)
+            and self.schedule.index_of(self._pipeline_starts[micro]) in self.nan_at_batches
+        ):
+            loss = loss * float("nan")  # test hook: a batch that produces NaN
+        return loss
+
+    def _pipeline_run(self, batch: Any, starts: list[int], train: bool) -> list[float]:
+        """Run the schedule on this data rank's micro-batches; every rank gets the per-micro-batch losses
+        (the last stage's, broadcast over the pipeline, then averaged over the data-parallel ranks)."""
+        import torch
+        import torch.distributed as dist
+
+        stages = mesh.get(self.plan)["pp"]
+        stage, last = stages.get_local_rank(), stages.size() - 1
+        self._pipeline_starts, self._pipeline_micro = starts, 0
+        losses: list[Any] = []
+        run = self.pipeline.step if train else self.pipeline.eval
+        args = (batch[:, :-1],) if stage == 0 else ()
+        kwargs = {"target": batch[:, 1:], "losses": losses} if stage == last else {}
+        run(*args, **kwargs)
+        values = torch.zeros(self.plan.grad_accum, dtype=torch.float64, device=self.device)
+        if stage == last:
+            values = torch.stack([loss.detach().double() for loss in losses])
+        dist.broadcast(values, src=dist.get_global_rank(stages.get_group(), last), group=stages.get_group())
+        # every rank now holds its data rank's values, each data rank's (world / data ranks) times over
+        dist.all_reduce(values)
+        return [float(v) / self.world for v in values]
+
+    def _pipeline_step(self) -> Anomaly | float:
+        import torch
+
+        starts, windows = [], []
+        for _ in range(self.plan.grad_accum):
+            start, own = self.schedule.next()
+            starts.append(start)
+            windows += own
+        batch = torch.from_numpy(self.train_data.batch(windows)).to(self.device)
+        losses = self._pipeline_run(batch, starts, train=True)
+        step_loss = sum(losses) / len(losses)
+        bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+        anomaly = None
+        if bad is not None:
+            anomaly = Anomaly("non_finite", self.step + 1, [starts[bad]], losses[bad], self._window_mean())
+        elif self.detector.judge(step_loss) == "spike":
+            anomaly = Anomaly("spike", self.step + 1, starts, step_loss, self._window_mean())
+        if anomaly is not None:  # the backward already ran: its gradients are dropped, not applied
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            return anomaly
+        skipped = self.engine.skipped_steps
+        self.engine.micro = self.plan.grad_accum  # the schedule ran every micro-batch's backward
+        self.engine.step()
+        if self.engine.skipped_steps > skipped:
+            return Anomaly("non_finite_grad", self.step + 1, starts, step_loss, self._window_mean())
+        self.grad_norm = _float(self.engine.get_global_grad_norm())
+        self.detector.accept(step_loss)
+        self.step += 1
+        self.tokens += self.cfg.global_batch_size * self.cfg.seq_len
+        return step_loss
+
+    def forward_logits(self, batch: Any) -> Any:
+        """The whole model's logits of `batch` on rank 0 (the parity check's reference)."""
+        if "pp" not in self.plan.degrees:
+            return self.engine(input_ids=batch).logits
+        import torch
+        import torch.distributed as dist
+
+        stages = mesh.get(self.plan)["pp"]
+        stage, last = stages.get_local_rank(), stages.size() - 1
+        self._pipeline_starts, self._pipeline_micro = [], 0
+        if stage == 0:
+            out = self.pipeline.eval(batch)
+        elif stage == last:  # the schedule computes its loss on the last stage: targets it ignores here
+            out = self.pipeline.eval(target=torch.zeros(batch.shape, dtype=torch.long, device=self.device), losses=[])
+        else:
+            out = self.pipeline.eval()
+        shape = (batch.shape[0], batch.shape[1], self.vocab_size)
+        logits = out.float() if stage == last else torch.zeros(shape, device=self.device)
+        dist.broadcast(logits, src=dist.get_global_rank(stages.get_group(), last), group=stages.get_group())
+        return logits
+
     def train_step(self) -> Anomaly | float:
         """Run one optimizer step; return its loss, or the anomaly that stopped it."""
+        if "pp" in self.plan.degrees:
+            return self._pipeline_step()
         losses: list[float] = []
         indices: list[int] = []
         for micro in range(self.plan.grad_accum):
@@ -417,6 +522,16 @@ class Trainer:
         self.engine.eval()
         total = 0.0
         with torch.no_grad():
+            if "pp" in self.plan.degrees:  # the schedule's micro-batches: eval_batches rounded up to them
+                ga = self.plan.grad_accum
+                rounds = -(-self.cfg.eval_batches // ga)
+                for index in range(rounds):
+                    starts = [(index * ga + i) * self.val_schedule.span for i in range(ga)]
+                    windows = [w for start in starts for w in self.val_schedule.windows(start)]
+                    batch = torch.from_numpy(self.val_data.batch(windows)).to(self.device)
+                    total += sum(self._pipeline_run(batch, [], train=False))
+                self.engine.train()
+                return total / (rounds * ga)
             for index in range(self.cfg.eval_batches):
                 windows = self.val_schedule.windows(index * self.val_schedule.span)
                 total += self._mean_over_ranks(self.micro_loss(windows, self.val_data))

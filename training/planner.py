@@ -342,27 +342,36 @@ def dimension_by_mesh_name(name: str) -> Any:
 
 def mesh_candidates(cfg: PretrainConfig, ranks: int, vocab_size: int) -> list[dict[str, int]]:
     """The model-parallel degrees to consider: the configured ones, or for `auto` every degree
-    that divides the ranks of a node (model-parallel groups stay inside a node) and the model."""
+    that divides the ranks of a node (inner groups stay inside a node) and the model. An outer
+    dimension (pipeline stages) divides the whole world and is only planned when set."""
     shape = {**cfg.model.model_dump(), "vocab_size": vocab_size, "seq_len": cfg.seq_len}
     options: list[list[tuple[str, int]]] = [[]]
     for dim in all_dimensions():
         setting = getattr(cfg.distributed, dim.field)
-        if setting == "auto":
+        span = ranks * cfg.distributed.num_nodes if dim.outer else ranks
+        if setting == "auto" and dim.outer:
+            sizes = [1]  # not yet chosen by the planner: set pretrain.distributed.<field>
+        elif setting == "auto":
             sizes = [n for n in (1, 2, 4, 8, 16) if n <= ranks and ranks % n == 0 and not dim.shape_problem(shape, n)]
         else:
             degree = int(setting)
-            if degree > 1 and ranks % degree:
-                raise ConfigError(
-                    f"pretrain.distributed.{dim.field} {degree} does not divide the {ranks} rank(s) of a node "
-                    f"({dim.title} groups stay inside one node)"
-                )
+            if degree > 1 and span % degree:
+                where = f"the {span} rank(s) in all" if dim.outer else f"the {ranks} rank(s) of a node"
+                inside = "" if dim.outer else f" ({dim.title} groups stay inside one node)"
+                raise ConfigError(f"pretrain.distributed.{dim.field} {degree} does not divide {where}{inside}")
             problem = dim.shape_problem(shape, degree) if degree > 1 else None
             if problem:
                 raise ConfigError(f"pretrain.distributed.{dim.field}: {problem}")
             sizes = [degree]
         options = [prev + [(dim.name, n)] for prev in options for n in sizes]
     out = [{name: n for name, n in combo if n > 1} for combo in options]
-    return [d for d in out if ranks % max(1, math.prod(d.values())) == 0]
+    for degrees in out:
+        if len(degrees) > 1:
+            raise ConfigError(
+                f"pretrain.distributed: {mesh_label(degrees)} together is not supported yet; set one of "
+                f"{', '.join(d.field for d in all_dimensions())} to 1"
+            )
+    return [d for d in out if (ranks * cfg.distributed.num_nodes) % max(1, math.prod(d.values())) == 0]
 
 
 def resolve_ranks(cfg: PretrainConfig, device: DeviceInfo) -> int:
@@ -429,9 +438,8 @@ def plan_parallelism(
         grad_accum = cfg.global_batch_size // per_step
         for index, strategy in enumerate(candidate_strategies(cfg, bool(degrees))):
             e = engine(strategy.backend)
-            parts, host = e.memory(
-                params, cfg, precision, ranks // model_parallel, cfg.distributed.num_nodes, strategy, vocab_size, cpu
-            )
+            nodes = cfg.distributed.num_nodes
+            parts, host = e.memory(params, cfg, precision, max(1, data // nodes), nodes, strategy, vocab_size, cpu)
             for name, degree in degrees.items():
                 split = dimension_by_mesh_name(name).divides
                 parts = {k: (v / degree if k in split else v) for k, v in parts.items()}
@@ -441,7 +449,7 @@ def plan_parallelism(
                 total += host
             host_fits = cpu or host * ranks <= host_capacity
             fits = total <= capacity and host_fits
-            across, volume = communication(strategy, grad_accum, ranks // model_parallel, cfg.distributed.num_nodes)
+            across, volume = communication(strategy, grad_accum, max(1, data // nodes), nodes)
             if data == 1:  # one data-parallel rank: the engine has nobody to gather from or reduce with
                 across, volume = 0.0, 0.0
             traffic = f"traffic {volume:g}x model/step" + (

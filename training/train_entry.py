@@ -78,10 +78,12 @@ def run(spec: dict, rank: int, world: int) -> dict:
         base = Path(spec["base_dir"]) if spec.get("base_dir") else None
         save_hf(state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir, base)
     trainer._barrier()
-    windows = list(range(min(4, len(trainer.val_data) or 1)))
     data = trainer.val_data if len(trainer.val_data) else trainer.train_data
+    # pipeline stages run the training's micro-batch shapes: one data rank's step of them
+    rows = plan.grad_accum * cfg.distributed.micro_batch_size if "pp" in plan.degrees else 4
+    windows = [i % max(1, len(data)) for i in range(rows if "pp" in plan.degrees else min(4, len(data) or 1))]
     batch = torch.from_numpy(data.batch(windows))[:, :-1].to(trainer.device)
-    gap = trainer._broadcast(parity_gap(trainer.engine, hf_dir, batch))
+    gap = trainer._broadcast(parity_gap(trainer.engine, hf_dir, batch, trainer.forward_logits))
     summary["parity_max_abs_logit_diff"] = gap
     if rank == 0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

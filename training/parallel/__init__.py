@@ -106,8 +106,8 @@ class Dimension:
     name: str  # the mesh dimension's name ("tp")
     field: str  # its degree: pretrain.distributed.<field>
     title: str
-    # (model, sub-mesh, plan) -> None: parallelize the model in place, before the engine wraps it
-    apply: Callable[[Any, Any, Any], None]
+    # (model, sub-mesh, plan) -> the model this rank trains (parallelized in place, or this rank's part)
+    apply: Callable[[Any, Any, Any], Any]
     # (model shape dict, degree) -> a one-line reason the model cannot be split that way, or None
     shape_problem: Callable[[dict[str, Any], int], str | None]
     # the memory parts (planner names) this dimension divides by its degree
@@ -116,6 +116,8 @@ class Dimension:
     traffic_note: Callable[[int], str]
     # () -> a context the loss and its backward run in (the logits stay split: loss parallel), or None
     loss_context: Callable[[], Any] | None = None
+    # placed before the data-parallel dimensions in the mesh (across nodes), not after (inside a node)
+    outer: bool = False
 
 
 @cache

@@ -14,10 +14,19 @@ DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
 
 
 def shape(plan: Any) -> dict[str, int]:
-    """{dimension: degree}, outermost first; degree-1 dimensions included (they cost nothing)."""
+    """{dimension: degree}, outermost first: outer model-parallel dimensions (pipeline stages, across
+    nodes), then data parallel, then the inner ones (tensor parallel, inside a node)."""
+    from training.parallel import all_dimensions
+
     model_parallel = plan.model_parallel
     replicate = plan.num_nodes if plan.sharding == "hybrid" else 1
-    return {DP_REPLICATE: replicate, DP_SHARD: plan.world_size // (replicate * model_parallel), **plan.degrees}
+    outer = {d.name for d in all_dimensions() if d.outer}
+    return {
+        **{k: v for k, v in plan.degrees.items() if k in outer},
+        DP_REPLICATE: replicate,
+        DP_SHARD: plan.world_size // (replicate * model_parallel),
+        **{k: v for k, v in plan.degrees.items() if k not in outer},
+    }
 
 
 def coordinates(plan: Any, rank: int) -> dict[str, int]:

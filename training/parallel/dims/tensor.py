@@ -112,7 +112,7 @@ def matches(plan: dict[str, str], names: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def apply(model: Any, tp_mesh: Any, run_plan: Any) -> None:
+def apply(model: Any, tp_mesh: Any, run_plan: Any) -> Any:
     """Parallelize a Hugging Face causal LM in place over `tp_mesh` (the engine wraps it afterwards)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -122,6 +122,7 @@ def apply(model: Any, tp_mesh: Any, run_plan: Any) -> None:
         parallelize_module(modules[name], tp_mesh, style(style_name))
     if tied:  # both halves were split by vocabulary row: tie them again, one parameter
         model.lm_head.weight = model.model.embed_tokens.weight
+    return model
 
 
 def loss_parallel() -> Any:

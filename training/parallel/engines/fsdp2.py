@@ -63,7 +63,7 @@ def decoder_layers(model: Any) -> list[Any]:
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise TypeError(f"{type(model).__name__}: no model.layers to shard per block")
-    return list(layers)
+    return list(layers.values()) if hasattr(layers, "values") else list(layers)  # a pipeline stage's ModuleDict
 
 
 class Fsdp2Engine:
@@ -81,7 +81,9 @@ class Fsdp2Engine:
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload != "none" else OffloadPolicy()
         if torch.cuda.is_available() and plan.offload == "none":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
-        data = mesh.data_mesh(mesh.get(plan), plan)
+        whole = mesh.get(plan)
+        data = mesh.data_mesh(whole, plan)
+        self.stages = whole["pp"] if "pp" in plan.degrees else None  # the pipeline's sub-mesh
         reshard = plan.sharding != "grad_op"
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=data, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
@@ -134,8 +136,17 @@ class Fsdp2Engine:
         if self.micro < self.plan.grad_accum:
             return
         clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
-        self.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if self.stages is not None:  # each pipeline stage holds some layers: the norm is over all stages
+            import torch.distributed as dist
+
+            norm = norm**2
+            dist.all_reduce(norm, group=self.stages.get_group())
+            norm = norm.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, clip if clip > 0 else float("inf"), norm, foreach=True)
+        self.grad_norm = float(norm)
         if not math.isfinite(self.grad_norm):  # as DeepSpeed does: never apply it (the Trainer reports it)
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
@@ -160,9 +171,19 @@ class Fsdp2Engine:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state: dict[str, Any] = get_model_state_dict(
-            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        if self.stages is None:
+            state: dict[str, Any] = get_model_state_dict(
+                self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:  # each stage gathers its slice (same names as the whole model's), rank 0 merges them
+            gathered: dict[str, Any] = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+            own = {k: v.detach().cpu() for k, v in gathered.items()}
+            state = {}
+            if mesh.data_rank(self.plan, dist.get_rank()) == 0:  # one copy per stage: the first data rank's
+                slices: list[Any] = [None] * self.stages.size()
+                group = self.stages.get_group()
+                dist.gather_object(own, slices if dist.get_rank() == 0 else None, dst=0, group=group)
+                state = {k: v for part in slices if part for k, v in part.items()}
         if dist.get_rank() != 0:
             return None
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.plan.precision)
