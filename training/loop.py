@@ -32,6 +32,13 @@ from training.reader import BatchSchedule, TokenWindows
 log = logging.getLogger(__name__)
 
 
+def token_loss(logits: Any, targets: Any) -> Any:
+    """Mean next-token cross-entropy in fp32 (whole or vocabulary-split logits alike)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 @dataclass
 class Anomaly:
     kind: str
@@ -85,10 +92,10 @@ class Trainer:
         self.progress: dict[str, Any] = {"last_val": None, "tps_sum": 0.0, "tps_count": 0, "wall_s": 0.0}
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
-        self.float8_layers: list[str] = []
+        self.float8_layers: list[str] = []  # the linear layers torchao trains in float8 (pretrain.float8)
         self.pipeline: Any = None  # the pipeline schedule (pretrain.distributed.pipeline_parallel > 1)
         self._pipeline_starts: list[int] = []  # the micro-batches the schedule is running (the NaN test hook)
-        self._pipeline_micro = 0  # the linear layers torchao trains in float8 (pretrain.float8)
+        self._pipeline_micro = 0
         self.mem_before_engine_mb = memory_mb()  # the baseline the planner's per-rank figures add to
         self.engine = self._build_engine()
         self.flops_per_token = flops_per_token(self.params, cfg.model, cfg.seq_len, self.vocab_size)
@@ -257,12 +264,11 @@ class Trainer:
 
     def micro_loss(self, windows: list[int], data: TokenWindows) -> Any:
         import torch
-        import torch.nn.functional as F
 
         batch = torch.from_numpy(data.batch(windows)).to(self.device)
         logits = self.engine(input_ids=batch[:, :-1]).logits
         with self.loss_context():
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            return token_loss(logits, batch[:, 1:])
 
     def loss_context(self) -> Any:
         """Where the loss and its backward run: loss parallel under tensor parallelism (split logits)."""
@@ -279,9 +285,7 @@ class Trainer:
     def _pipeline_loss(self, logits: Any, target: Any) -> Any:
         """The last stage's loss of one micro-batch (the schedule divides the gradients by the number of
         micro-batches itself, `scale_grads`, as the engine's backward does)."""
-        import torch.nn.functional as F
-
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
+        loss = token_loss(logits, target)
         micro, self._pipeline_micro = self._pipeline_micro, self._pipeline_micro + 1
         if (
             micro < len(self._pipeline_starts)
@@ -290,14 +294,18 @@ class Trainer:
             loss = loss * float("nan")  # test hook: a batch that produces NaN
         return loss
 
+    def _stages(self) -> tuple[Any, int, int]:
+        """(the pipeline's sub-mesh, this rank's stage, the last stage)."""
+        stages = mesh.get(self.plan)["pp"]
+        return stages, stages.get_local_rank(), stages.size() - 1
+
     def _pipeline_run(self, batch: Any, starts: list[int], train: bool) -> list[float]:
         """Run the schedule on this data rank's micro-batches; every rank gets the per-micro-batch losses
         (the last stage's, broadcast over the pipeline, then averaged over the data-parallel ranks)."""
         import torch
         import torch.distributed as dist
 
-        stages = mesh.get(self.plan)["pp"]
-        stage, last = stages.get_local_rank(), stages.size() - 1
+        stages, stage, last = self._stages()
         self._pipeline_starts, self._pipeline_micro = starts, 0
         losses: list[Any] = []
         run = self.pipeline.step if train else self.pipeline.eval
@@ -350,8 +358,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        stages = mesh.get(self.plan)["pp"]
-        stage, last = stages.get_local_rank(), stages.size() - 1
+        stages, stage, last = self._stages()
         self._pipeline_starts, self._pipeline_micro = [], 0
         if stage == 0:
             out = self.pipeline.eval(batch)

@@ -80,8 +80,8 @@ def run(spec: dict, rank: int, world: int) -> dict:
     trainer._barrier()
     data = trainer.val_data if len(trainer.val_data) else trainer.train_data
     # pipeline stages run the training's micro-batch shapes: one data rank's step of them
-    rows = plan.grad_accum * cfg.distributed.micro_batch_size if "pp" in plan.degrees else 4
-    windows = [i % max(1, len(data)) for i in range(rows if "pp" in plan.degrees else min(4, len(data) or 1))]
+    rows = plan.grad_accum * cfg.distributed.micro_batch_size if "pp" in plan.degrees else min(4, len(data) or 1)
+    windows = [i % max(1, len(data)) for i in range(rows)]
     batch = torch.from_numpy(data.batch(windows))[:, :-1].to(trainer.device)
     gap = trainer._broadcast(parity_gap(trainer.engine, hf_dir, batch, trainer.forward_logits))
     summary["parity_max_abs_logit_diff"] = gap
