@@ -25,7 +25,11 @@ import pytest
 from tests.conftest import SMALL_CURATE, SMALL_PRETRAIN
 
 pytestmark = pytest.mark.slow
-SETTINGS = [*SMALL_CURATE, *SMALL_PRETRAIN, "pretrain.max_steps=60"]
+# Each step sleeps 0.2 s (a fault-injection setting, keyed apart): the stop is sent at step 25, and
+# undelayed the 35 steps left can finish before a cancellation's 2 s poll sees it (CI at `e0b2a26`:
+# the run completed, committed, and the "resumed" run was a cache hit). The resume runs with it too.
+RUN = ["pretrain.max_steps=60", "debug.pretrain.step_delay_s=0.2"]
+SETTINGS = [*SMALL_CURATE, *SMALL_PRETRAIN, *RUN]
 
 
 def _start(workspace: Path) -> subprocess.Popen:
@@ -134,7 +138,8 @@ def _resumes(workspace: Path, out_dir: Path) -> None:
 
     checkpoints = sorted(p.name for p in (out_dir / "checkpoints").glob("step-*"))
     assert checkpoints, "the stopped run left no checkpoint"
-    manifest = run_pipeline_locally(small_config(workspace, "pretrain.max_steps=60"), ["pretrain"])["pretrain/train"]
+    assert not (out_dir / "manifest.json").exists(), f"the run finished before the stop reached it ({checkpoints})"
+    manifest = run_pipeline_locally(small_config(workspace, *RUN), ["pretrain"])["pretrain/train"]
     assert manifest["dir"] == str(out_dir) and manifest["counts"]["steps"] == 60
     assert f"resumed from {checkpoints[-1]}" in (out_dir / "logs" / "rank-0.log").read_text()
 
