@@ -191,6 +191,7 @@ ROWS = [
     ("align.distributed.launcher=torchrun", set()),
     ("align.distributed.num_ranks=1", set()),
     ("align.distributed.zero_stage=2", set()),
+    ("align.distributed.num_ranks=2;align.distributed.tensor_parallel=2", set()),
     ("align.distributed.master_port=29998", set()),
     ("align.distributed.launcher=deepspeed;align.distributed.hostfile=pyproject.toml", set()),
     (

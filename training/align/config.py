@@ -92,6 +92,13 @@ class AlignDistributedConfig(StrictModel):
     zero_stage: Literal[0, 2, 3] = runtime_field(
         0, description="DeepSpeed ZeRO stage through accelerate (0: plain DDP)."
     )
+    tensor_parallel: int = runtime_field(
+        1,
+        ge=1,
+        description="Ranks each layer is split over with transformers' own tensor-parallel plan for the model "
+        "(`base_model_tp_plan`: Llama, Qwen2, Mistral, ...); the ranks divided by it hold data-parallel "
+        "replicas (sharded with fsdp2). Full fine-tuning by SFT and DPO; 1 = no tensor parallelism.",
+    )
     hostfile: str | None = runtime_field(None, description="Hostfile for multi-node runs (same format as pretraining).")
     num_nodes: int = runtime_field(1, description="Nodes.", ge=1)
     node_launcher: Literal["pdsh", "slurm", "openmpi"] = runtime_field(
@@ -165,14 +172,22 @@ class AlignConfigBase(StrictModel):
             raise ValueError("align.method: qlora keeps the 4-bit base whole on every rank; use zero_stage 0-2 (DDP)")
         if (d.hostfile or d.num_nodes > 1) and d.launcher != "deepspeed":
             raise ValueError("multi-node alignment (hostfile, num_nodes) needs align.distributed.launcher: deepspeed")
+        tp = d.tensor_parallel
+        if tp > 1:
+            from training.parallel.dims.tensor import align_problem
+
+            problem = align_problem(self, [m for m in methods().values() if m.runs(self)])
+            if problem:
+                raise ValueError(problem)
         for name in (m.name for m in methods().values() if m.runs(self)):
             cfg = getattr(self, name)
             if d.num_ranks != "auto" and cfg.global_batch_size % (
-                cfg.micro_batch_size * int(d.num_ranks) * d.num_nodes
+                cfg.micro_batch_size * (int(d.num_ranks) // tp) * d.num_nodes
             ):
+                replicas = "ranks / tensor_parallel" if tp > 1 else "ranks"
                 raise ValueError(
                     f"{name}.global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
-                    f"x ranks x nodes = {cfg.micro_batch_size} x {d.num_ranks} x {d.num_nodes}"
+                    f"x {replicas} x nodes = {cfg.micro_batch_size} x {int(d.num_ranks) // tp} x {d.num_nodes}"
                 )
         return self
 

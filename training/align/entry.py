@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.processes.entry import main
-from training.align.kit import METRICS, barrier, load_model, sharded
+from training.align.kit import METRICS, barrier, load_model, sharded, tensor_parallel
 from training.device_setup import disable_shm_comm_op, imports_without, preload_libraries, safe_attention_kernels
 
 if TYPE_CHECKING:
@@ -220,6 +220,13 @@ def train(spec: dict[str, Any], rank: int) -> None:
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
     disable_shm_comm_op()
     safe_attention_kernels()
+    if tensor_parallel(spec) > 1:
+        import torch
+
+        if not torch.cuda.is_available():
+            from training.parallel.dims.tensor import allow_on_cpu
+
+            allow_on_cpu()
     if spec["zero_stage"]:
         import deepspeed
         import torch
@@ -241,9 +248,13 @@ def train(spec: dict[str, Any], rank: int) -> None:
         model = load_4bit(spec["base_dir"], spec["precision"])
         log.info("QLoRA: %d linear layers in 4-bit NF4 (double quantization)", four_bit_layers(model))
     else:
-        model = load_model(spec["base_dir"], spec["precision"])
+        model = load_model(spec["base_dir"], spec["precision"], tensor_parallel(spec))
     trainer: Trainer = method.trainer(spec, model, tokenizer, _callbacks(method, spec, holder))
     holder["trainer"] = trainer
+    if tensor_parallel(spec) > 1:
+        from training.align import tp_checkpoint
+
+        tp_checkpoint.install(trainer)
     if method.token_keys:  # a trainer that counts no tokens itself (TRL's experimental ORPO and CPO)
         holder["tokens"] = TokenCount(trainer, method.token_keys)
     if spec.get("quantized_base"):
@@ -256,14 +267,21 @@ def train(spec: dict[str, Any], rank: int) -> None:
         trainer.remove_callback(noisy)
     if rank == 0:
         log.info(
-            "distributed: %s over %d rank(s)", trainer.accelerator.distributed_type, trainer.accelerator.num_processes
+            "distributed: %s over %d rank(s)%s",
+            trainer.accelerator.distributed_type,
+            trainer.accelerator.num_processes,
+            f", tensor parallel {tensor_parallel(spec)} (transformers' plan)" if tensor_parallel(spec) > 1 else "",
         )
     stop_at_max_steps(trainer)
     started = time.time()
     result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.time() - started
     target = out_dir / ("adapter" if spec.get("lora") else "hf")
-    trainer.save_model(str(target))  # collective under ZeRO-3; written by rank 0
+    trainer.save_model(str(target))  # collective under ZeRO-3 and tensor parallelism; written by rank 0
+    if rank == 0 and tensor_parallel(spec) > 1:
+        from training.align.tp_checkpoint import tidy_export
+
+        tidy_export(target)
     if rank == 0:
         finish(method, spec, trainer, tokenizer, result, seconds)
 

@@ -24,10 +24,14 @@ def barrier() -> None:
 
 
 def sharded(spec: dict[str, Any]) -> bool:
-    """Parameters sharded over ranks (ZeRO-3, FSDP2): no rank can generate alone."""
+    """Parameters sharded or split over ranks (ZeRO-3, FSDP2, tensor parallelism): no rank can generate alone."""
     from training.parallel import engine
 
-    return engine(spec["backend"]).align_stage(spec["zero_stage"]) == 3
+    return engine(spec["backend"]).align_stage(spec["zero_stage"]) == 3 or tensor_parallel(spec) > 1
+
+
+def tensor_parallel(spec: dict[str, Any]) -> int:
+    return int(spec.get("tensor_parallel", 1))
 
 
 def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
@@ -36,11 +40,14 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     import torch
 
     cfg, out_dir = spec["config"], Path(spec["out_dir"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_step = cfg["micro_batch_size"] * world
+    world, degree = int(os.environ.get("WORLD_SIZE", "1")), tensor_parallel(spec)
+    per_step = cfg["micro_batch_size"] * (world // degree)  # a tensor-parallel group reads one batch
     from training.parallel import engine
+    from training.parallel.dims.tensor import align_trainer_arguments
 
-    extra = {**engine(spec["backend"]).trl_arguments(spec), **extra}
+    chosen = engine(spec["backend"])
+    sharding = chosen.trl_arguments(spec) if world > degree else {}  # no replicas: nothing for it to shard
+    extra = {**sharding, **align_trainer_arguments(degree, world, chosen.mesh_dimensions), **extra}
     if spec.get("quantized_base"):  # QLoRA: checkpointed layers, as prepare_model_for_kbit_training set them
         extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -68,16 +75,22 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
         data_seed=cfg["seed"],
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
-        save_only_model=False,
+        save_only_model=tensor_parallel(spec) > 1,  # the Trainer's refusal; training.align.tp_checkpoint resumes it
         **extra,
     )
 
 
-def load_model(path: str, precision: str) -> Any:
+def load_model(path: str, precision: str, tensor_parallel: int = 1) -> Any:
+    """The causal LM at `path`; with `tensor_parallel` > 1 loaded already split over the ranks by
+    transformers' own plan for it (every rank calls this together)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    from training.parallel.dims.tensor import align_load_arguments
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, **align_load_arguments(tensor_parallel)
+    )
 
 
 def peft_config(spec: dict[str, Any]) -> Any:

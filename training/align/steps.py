@@ -188,11 +188,20 @@ def rank_spec(ctx: StepContext, m: AlignMethod) -> dict[str, Any]:
     verifiable = spread_over_tasks(
         [r for r in read_jsonl(data_dir.parent / HELDOUT_SFT) if "answer" in r], a.eval_generations
     )
-    world = _ranks(ctx.config) * a.distributed.num_nodes
-    if cfg.global_batch_size % (cfg.micro_batch_size * world):
+    world, degree = _ranks(ctx.config) * a.distributed.num_nodes, a.distributed.tensor_parallel
+    if degree > 1:
+        from training.parallel.dims.tensor import align_model_problem, align_world_problem
+
+        problem = align_world_problem(
+            world, a.distributed.num_nodes, degree, engine(a.distributed.backend).mesh_dimensions
+        ) or align_model_problem(json.loads((base / "config.json").read_text()), degree, str(base / "config.json"))
+        if problem:
+            raise ConfigError(problem)
+    if cfg.global_batch_size % (cfg.micro_batch_size * (world // degree)):
+        replicas = "world size / tensor_parallel" if degree > 1 else "world size"
         raise ConfigError(
             f"align.{m.name}.global_batch_size {cfg.global_batch_size} is not a multiple of "
-            f"micro_batch_size x world size = {cfg.micro_batch_size} x {world}"
+            f"micro_batch_size x {replicas} = {cfg.micro_batch_size} x {world // degree}"
         )
     lora = m.lora(ctx.config)
     fields = [f.rsplit(".", 1)[1] for f in m.training_fields()]
@@ -209,6 +218,7 @@ def rank_spec(ctx: StepContext, m: AlignMethod) -> dict[str, Any]:
         "precision": precision(ctx.config),
         "zero_stage": a.distributed.zero_stage,
         "backend": a.distributed.backend,
+        "tensor_parallel": degree,
         "lora": a.lora.model_dump(mode="json") if lora else None,
         "quantized_base": False,
         "fault": ctx.config.debug.align.model_dump(mode="json"),
@@ -278,6 +288,7 @@ def train_finalize(m: AlignMethod):  # type: ignore[no-untyped-def]
                 "hf_dir": str(ctx.out_dir / "hf"),
                 "examples": summary.get("examples_after", []),
                 "world_size": spec["world_size"],
+                "tensor_parallel": spec.get("tensor_parallel", 1),
                 "precision": spec["precision"],
                 "lora": spec["lora"] is not None,
             },

@@ -92,6 +92,9 @@ class AlignMethod:
     starts: ClassVar[tuple[Product, ...]] = ()
     loads_policy: ClassVar[bool] = True  # the entry loads the start model (4-bit under QLoRA) as `model`
     generates: ClassVar[bool] = True  # held-out exact match of greedy answers every `eval_every` steps
+    # trains under transformers' tensor-parallel plans (`align.distributed.tensor_parallel`): its trainer
+    # is TRL's on the policy the entry loads, with no model of its own that is not a plain copy
+    tensor_parallel: ClassVar[bool] = False
     code: ClassVar[tuple[str, ...]] = ()  # modules it runs beyond its own module and the KIT
     in_recipe: ClassVar[bool] = True  # named in `align.recipe` (the draft is switched by its own `enabled`)
     in_default_recipe: ClassVar[bool] = False  # in `align.recipe`'s default (SFT, DPO)
@@ -112,8 +115,8 @@ class AlignMethod:
         if "product" not in cls.__dict__ and "name" in cls.__dict__:
             cls.product = hf_model(cls.name)
         # what a method owns is its own to say: a subclass of DPO (another package's variant) neither
-        # owns the preference data nor joins the default recipe unless it says so
-        for flag in ("owns_data", "in_default_recipe"):
+        # owns the preference data, joins the default recipe nor trains under tensor parallelism unless it says so
+        for flag in ("owns_data", "in_default_recipe", "tensor_parallel"):
             if flag not in cls.__dict__:
                 setattr(cls, flag, False)
 

@@ -43,6 +43,7 @@ class DpoConfig(TrainConfig):
 
 class DPO(PreferenceMethod):
     name = "dpo"
+    tensor_parallel = True  # TRL's trainer on the policy the entry loads split (align.distributed.tensor_parallel)
     config = DpoConfig
     description = "Direct preference optimisation with TRL against the frozen SFT model"
     starts: ClassVar[tuple[Product, ...]] = (SFT_MODEL,)
@@ -58,7 +59,7 @@ class DPO(PreferenceMethod):
     def trainer(self, spec: dict[str, Any], model: Any, tokenizer: Any, callbacks: list[Any]) -> Any:
         from trl import DPOConfig, DPOTrainer
 
-        from training.align.kit import dataset, load_model, peft_config, training_args
+        from training.align.kit import dataset, load_model, peft_config, tensor_parallel, training_args
 
         weight = spec["config"].get("sft_weight", 0.0)
         losses = (
@@ -68,7 +69,7 @@ class DPO(PreferenceMethod):
         )
         args = training_args(spec, DPOConfig, beta=spec["config"]["beta"], **losses)
         # the reference is the SFT model, frozen, loaded from disk like the policy (with LoRA: adapter off)
-        reference = None if spec.get("lora") else load_model(spec["base_dir"], spec["precision"])
+        reference = None if spec.get("lora") else load_model(spec["base_dir"], spec["precision"], tensor_parallel(spec))
         return DPOTrainer(
             model=model,
             ref_model=reference,

@@ -25,6 +25,7 @@ class SftConfig(TrainConfig):
 
 class SFT(AlignMethod):
     name = "sft"
+    tensor_parallel = True  # TRL's trainer on the policy the entry loads split (align.distributed.tensor_parallel)
     config = SftConfig
     description = "Supervised fine-tuning with TRL (full or LoRA, merged), assistant-only loss"
     data = CHAT

@@ -158,3 +158,128 @@ DIMENSION = Dimension(
     ),
     loss_context=loss_parallel,
 )
+
+
+# -- alignment: transformers' own plans ------------------------------------------------------------
+# Alignment builds its models with `from_pretrained` inside TRL's trainers, which is where transformers'
+# own tensor-parallel plans apply: `base_model_tp_plan` (q/k/v and gate/up by column, o/down by row, the
+# head by column gathered) loaded already split with `DistributedConfig(tp_size=N)`, and the Trainer
+# feeds every rank of a tensor-parallel group the same batch (accelerate's ParallelismConfig: the data
+# is split over the replicas only). lmforge uses those rather than the tables above: the trainer, its
+# checkpoints and its export (`save_model` gathers one whole safetensors model) stay TRL's and
+# transformers'. They have no sequence parallelism.
+
+
+def align_problem(align: Any, running: list[Any]) -> str | None:
+    """Why `align.distributed.tensor_parallel` cannot run with these settings (one line), else None."""
+    from training.parallel import all_engines
+
+    d = align.distributed
+    degree = d.tensor_parallel
+    head = f"align.distributed.tensor_parallel {degree}"
+    if align.method != "full":
+        return (
+            f"{head}: method {align.method} trains adapters on split layers, which is not supported; use method: full"
+        )
+    refused = [m.name for m in running if not m.tensor_parallel]
+    if refused:
+        able = ", ".join(m.name for m in running if m.tensor_parallel) or "SFT and DPO"
+        return f"{head}: {', '.join(refused)} does not train under tensor parallelism ({able} do); leave it at 1"
+    if d.num_ranks != "auto" and int(d.num_ranks) % degree:
+        return f"{head} does not divide num_ranks {d.num_ranks}"
+    if d.zero_stage:
+        return (
+            f"{head}: ZeRO stage {d.zero_stage} is not composed with transformers' tensor parallelism here; "
+            f"use zero_stage 0, or backend: {next(e.name for e in all_engines() if e.mesh_dimensions)} for sharded replicas"
+        )
+    return None
+
+
+def align_world_problem(world: int, nodes: int, degree: int, mesh_engine: bool) -> str | None:
+    """The ranks the launch has against the degree: without an engine that shards the replicas (FSDP2
+    on a mesh), accelerate has no data-parallel dimension to put beside tensor parallelism."""
+    if world % degree:
+        return f"align.distributed.tensor_parallel {degree} does not divide the {world} ranks"
+    if degree > world // nodes:
+        return f"align.distributed.tensor_parallel {degree} is more than the {world // nodes} ranks of a node"
+    if world > degree and not mesh_engine:
+        return (
+            f"align.distributed.tensor_parallel {degree} on {world} ranks needs data-parallel replicas beside it, "
+            "which accelerate builds with FSDP2 only: use backend: fsdp2, or tensor_parallel = the ranks"
+        )
+    return None
+
+
+def align_model_problem(model_config: dict[str, Any], degree: int, source: str) -> str | None:
+    """The start model must have a plan in the installed transformers, and the degree must divide
+    what the plan splits."""
+    from transformers import AutoConfig
+
+    kind = model_config.get("model_type")
+    try:
+        plan = getattr(AutoConfig.for_model(**model_config), "base_model_tp_plan", None)
+    except (ValueError, KeyError):
+        plan = None
+    if not plan:
+        return (
+            f"{source}: model_type {kind!r} has no tensor-parallel plan in the installed transformers "
+            "(base_model_tp_plan); set align.distributed.tensor_parallel: 1"
+        )
+    splits = {
+        "num_attention_heads": model_config.get("num_attention_heads"),
+        "num_key_value_heads": model_config.get("num_key_value_heads", model_config.get("num_attention_heads")),
+        "intermediate_size": model_config.get("intermediate_size"),
+        "vocab_size": model_config.get("vocab_size"),
+    }
+    bad = [f"{k} {v}" for k, v in splits.items() if isinstance(v, int) and v % degree]
+    if bad:
+        return f"{source}: align.distributed.tensor_parallel {degree} does not divide {', '.join(bad)}"
+    return None
+
+
+def align_load_arguments(degree: int) -> dict[str, Any]:
+    """`from_pretrained` arguments that load the model already split over the tensor-parallel ranks."""
+    if degree <= 1:
+        return {}
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=degree)}
+
+
+def align_trainer_arguments(degree: int, world: int, mesh_engine: bool) -> dict[str, Any]:
+    """accelerate's ParallelismConfig for the Trainer: the replicas sharded by FSDP2 (a 2-D mesh) or,
+    without them, tensor parallelism alone."""
+    if degree <= 1:
+        return {}
+    from accelerate.parallelism_config import ParallelismConfig
+
+    replicas = world // degree
+    if mesh_engine and replicas > 1:
+        return {"parallelism_config": ParallelismConfig(dp_shard_size=replicas, tp_size=degree)}
+    return {"parallelism_config": ParallelismConfig(tp_size=degree)}
+
+
+def allow_on_cpu() -> None:
+    """accelerate 1.15's ParallelismConfig accepts only GPU (or DeepSpeed/FSDP) distributed types, and a
+    CPU run is MULTI_CPU; its tensor-parallel path itself has nothing device-specific (DTensor's
+    collectives run on gloo). This lets the check see a multi-device run, on CPU only, so 2 CPU ranks
+    train exactly what 2 GPUs would (tests/test_parallelism.py checks them against one rank). Written
+    here because accelerate has no setting for it; a no-op where accelerate changes that method."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    check = getattr(ParallelismConfig, "_validate_accelerator", None)
+    if check is None or getattr(check, "lmforge_cpu", False):
+        return
+
+    class _MultiDevice:
+        def __init__(self, accelerator: Any) -> None:
+            self._accelerator = accelerator
+
+        def __getattr__(self, name: str) -> Any:
+            return True if name == "multi_device" else getattr(self._accelerator, name)
+
+    def validate(self: Any, accelerator: Any) -> Any:
+        return check(self, _MultiDevice(accelerator))
+
+    validate.lmforge_cpu = True  # type: ignore[attr-defined]
+    ParallelismConfig._validate_accelerator = validate  # type: ignore[method-assign]
