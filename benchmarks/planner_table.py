@@ -3,7 +3,8 @@ configurations torchtitan publishes for the same shapes (no GPU needed: it is th
 
     .venv/bin/python benchmarks/planner_table.py [--nodes 1,2,8,16] [--markdown]
 
-Each row plans `pretrain.distributed.backend: auto` and `tensor_parallel: auto` at torchtitan's
+Each row plans `pretrain.distributed.backend: auto`, `tensor_parallel: auto` and
+`pipeline_parallel: auto` at torchtitan's
 sequence length (8192) and per-rank micro-batch for that model (its train config's
 `local_batch_size`: 1, 8 and 2), bf16, full activation checkpointing, a global batch of
 micro-batch x GPUs (so every mesh splits it), 2 TiB of host RAM per node. The torchtitan column
@@ -60,6 +61,7 @@ def plan_row(model: str, nodes: int) -> tuple[str, str, float, str]:
         "micro_batch_size": MICRO[model],
         "activation_checkpointing": True,
         "tensor_parallel": "auto",
+        "pipeline_parallel": "auto",
         **({"hostfile": "/etc/lmforge/hostfile", "launcher": "deepspeed"} if nodes > 1 else {}),
     }
     cfg = PretrainConfig.model_validate(

@@ -4,6 +4,9 @@ each run compared with one rank training the same model on the same global batch
 One launch per property: the 1-rank reference; TP=2 with a rank SIGKILLed at step 25 (its Prefect
 retry resumes from step 20); FSDP=2; FSDP=2 resumed from the TP run's step-10 checkpoint; and
 FSDP 2 x TP 2 on 4 ranks resumed from the FSDP=2 run's step-20 checkpoint (a mesh change both ways).
+Pipeline stages: PP=2 against one rank (untied embeddings), its checkpoint resumed without stages,
+and one rank's checkpoint resumed by PP 2 x TP 2 on 4 ranks. Alignment on transformers' own plans:
+SFT then DPO at TP=2 through a killed rank against one rank.
 
 Marked slow: each run starts real processes.
 """
@@ -187,16 +190,23 @@ def test_a_pipeline_checkpoint_resumes_without_stages_and_back(
     pp_two: dict, one_rank_untied: dict, tmp_path: Path
 ) -> None:
     """Each stage's DCP shards carry the whole model's names: PP's step-10 checkpoint loads into FSDP 2,
-    and one rank's step-20 checkpoint into GPipe stages; both end at one rank's weights."""
+    and one rank's step-20 checkpoint into GPipe stages split by tensor parallelism (PP 2 x TP 2 on 4
+    ranks: sequence-split activations between stages, loss parallel on the last); both end at one
+    rank's weights."""
     out = _resume_from(pp_two, tmp_path / "a", 10)
     flat = _run(tmp_path / "a", *UNTIED, *FSDP2_2)
     assert "resumed from step-00000010" in (out / "logs" / "rank-0.log").read_text()
     assert _weight_gap(_weights(flat), _weights(one_rank_untied)) < TOLERANCE
     out = _resume_from(one_rank_untied, tmp_path / "b", 20)
-    staged = _run(tmp_path / "b", *UNTIED, *PP2, "pretrain.distributed.pipeline_schedule=gpipe")
+    both = ("pretrain.distributed.num_ranks=4", "pretrain.distributed.pipeline_parallel=2")
+    staged = _run(tmp_path / "b", *UNTIED, *both, "pretrain.distributed.tensor_parallel=2",
+                  "pretrain.distributed.pipeline_schedule=gpipe")  # fmt: skip
+    plan = staged["extra"]["plan"]
+    assert plan["degrees"] == {"pp": 2, "tp": 2} and plan["world_size"] == 4
     assert "resumed from step-00000020" in (out / "logs" / "rank-0.log").read_text()
     assert max(_loss_gaps(_metrics(staged)[20:], _metrics(one_rank_untied)[20:])) < TOLERANCE
     assert _weight_gap(_weights(staged), _weights(one_rank_untied)) < TOLERANCE
+    assert staged["metrics"]["parity_max_abs_logit_diff"] <= 1e-3  # stages and tensor slices merged whole
 
 
 def test_pipeline_settings_are_refused_in_one_line() -> None:

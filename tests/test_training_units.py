@@ -544,11 +544,13 @@ def test_a_resume_from_the_final_checkpoint_trains_no_further_step(tmp_path: Pat
 # -- the device mesh ------------------------------------------------------------------------------
 
 
-def _llama(size: str, nodes: int, micro: int, tp: object = "auto") -> PretrainConfig:
-    shapes = {  # Llama 3.1 8B and 70B
+def _llama(size: str, nodes: int, micro: int, tp: object = "auto", pp: object = 1, **extra: object) -> PretrainConfig:
+    shapes = {  # Llama 3.1 8B, 70B and 405B
         "8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8},
         "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8},
-    }
+        "405B": {"hidden_size": 16384, "intermediate_size": 53248, "num_layers": 126, "num_heads": 128,
+                 "num_kv_heads": 8},
+    }  # fmt: skip
     multi = {"hostfile": "/etc/hosts.ds", "launcher": "deepspeed"} if nodes > 1 else {}
     return PretrainConfig.model_validate(
         {
@@ -562,7 +564,9 @@ def _llama(size: str, nodes: int, micro: int, tp: object = "auto") -> PretrainCo
                 "micro_batch_size": micro,
                 "activation_checkpointing": True,
                 "tensor_parallel": tp,
+                "pipeline_parallel": pp,
                 **multi,
+                **extra,
             },
         }
     )
@@ -581,6 +585,27 @@ def test_the_planner_splits_layers_only_when_sharding_alone_does_not_fit() -> No
     assert "all-gathers" in line and "fits" in line
     with pytest.raises(ConfigError, match="no strategy fits .* tp 2 \\+ FSDP2"):  # a fixed degree is not overridden
         plan_parallelism(_llama("70B", 8, 8, tp=2), 128256, h100)
+
+
+def test_the_planner_adds_pipeline_stages_across_nodes_where_fsdp_and_tp_alone_would_offload() -> None:
+    h100 = DeviceInfo("cuda", "H100", 8, 80 * GIB, True, 64, host_memory_bytes=2048 * GIB, capability=(9, 0))
+    without = plan_parallelism(_llama("405B", 8, 2), 128256, h100)  # stages not planned: offloaded
+    assert "pp" not in without.degrees and without.offload != "none"
+    staged = plan_parallelism(_llama("405B", 8, 2, pp="auto"), 128256, h100)
+    assert staged.degrees == {"pp": 4, "tp": 8} and staged.offload == "none" and staged.grad_accum == 32
+    assert staged.reasoning[-1].endswith("device mesh: pp 4 x dp_shard 2 x tp 8")
+    # 1F1B's first stage holds min(stages, micro-batches) micro-batches of its quarter of the layers
+    line = next(r for r in staged.reasoning if r.startswith("pp 4 x tp 8 + FSDP2 full offload=none"))
+    assert "fits" in line
+    from training.parallel.dims.pipeline import memory_factors
+
+    assert memory_factors(4, 32, _llama("405B", 8, 2, pp=4)) == {"activations": 1.0}  # 4 of 32 in flight, 1/4 each
+    assert memory_factors(4, 32, _llama("405B", 8, 2, pp=4, pipeline_schedule="gpipe")) == {"activations": 8.0}
+    one_node = plan_parallelism(_llama("70B", 1, 8, pp="auto"), 128256, h100)  # a stage is whole nodes
+    assert "pp" not in one_node.degrees and one_node.offload != "none"
+    with pytest.raises(ConfigError, match="1F1B needs at least 4 micro-batches per step"):
+        cfg = _llama("8B", 4, 1, tp=1, pp=4)
+        plan_parallelism(cfg.model_copy(update={"global_batch_size": 8}), 128256, h100)
 
 
 def test_tensor_parallel_settings_are_refused_in_one_line() -> None:
@@ -656,7 +681,9 @@ def test_pipeline_stages_keep_the_whole_models_names_and_split_layers_evenly() -
     assert "model.layers.2.mlp.down_proj.weight" in parts[1]
 
 
-def test_pipeline_settings_are_refused_by_the_planner_in_one_line() -> None:
+def test_pipeline_settings_are_refused_by_the_planner_in_one_line_and_compose_with_tensor_parallel() -> None:
+    from training.parallel import mesh
+
     cpu = DeviceInfo("cpu", "test", 1, 64 * GIB, False, 2)
     base = {"backend": "fsdp2", "num_ranks": 2, "micro_batch_size": 4}
     for settings, message in (
@@ -665,13 +692,18 @@ def test_pipeline_settings_are_refused_by_the_planner_in_one_line() -> None:
             {"model": {"tie_embeddings": False, "num_layers": 1}, "distributed": {**base, "pipeline_parallel": 2}},
             "exceeds num_layers 1",
         ),
-        (
-            {
-                "model": {"tie_embeddings": False, "num_kv_heads": 2},
-                "distributed": {**base, "num_ranks": 4, "pipeline_parallel": 2, "tensor_parallel": 2},
-            },
-            "together is not supported yet",
-        ),
     ):
         with pytest.raises(ConfigError, match=message):
             plan_parallelism(PretrainConfig.model_validate({**settings, "global_batch_size": 8}), 512, cpu)
+    both = {
+        "model": {"tie_embeddings": False, "num_kv_heads": 2},
+        "distributed": {**base, "num_ranks": 4, "pipeline_parallel": 2, "tensor_parallel": 2},
+    }
+    plan = plan_parallelism(PretrainConfig.model_validate({**both, "global_batch_size": 8}), 512, cpu)
+    assert plan.degrees == {"pp": 2, "tp": 2} and mesh.shape(plan) == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 1,
+        "tp": 2,
+    }
+    assert mesh.coordinates(plan, 3) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}

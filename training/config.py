@@ -124,7 +124,8 @@ class DistributedConfig(StrictModel):
     pipeline_parallel: Annotated[int, Field(ge=1)] | Literal["auto"] = runtime_field(
         1,
         description="Pipeline stages (consecutive layers per rank group, micro-batches flowing through them; "
-        "across nodes). auto = the planner's choice. With FSDP2 and untied embeddings.",
+        "across nodes). auto = the planner's choice among degrees that divide the nodes (a stage is whole "
+        "nodes; 1 on one node). With FSDP2 and untied embeddings; composes with tensor_parallel.",
     )
     pipeline_schedule: Literal["gpipe", "1f1b"] = runtime_field(
         "1f1b",

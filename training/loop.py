@@ -311,10 +311,11 @@ class Trainer:
         run = self.pipeline.step if train else self.pipeline.eval
         args = (batch[:, :-1],) if stage == 0 else ()
         kwargs = {"target": batch[:, 1:], "losses": losses} if stage == last else {}
-        run(*args, **kwargs)
+        with self.loss_context():  # the last stage's loss and its backward run inside the schedule
+            run(*args, **kwargs)
         values = torch.zeros(self.plan.grad_accum, dtype=torch.float64, device=self.device)
         if stage == last:
-            values = torch.stack([loss.detach().double() for loss in losses])
+            values = torch.stack([_whole(loss).detach().double() for loss in losses])
         dist.broadcast(values, src=dist.get_global_rank(stages.get_group(), last), group=stages.get_group())
         # every rank now holds its data rank's values, each data rank's (world / data ranks) times over
         dist.all_reduce(values)
@@ -360,14 +361,16 @@ class Trainer:
 
         stages, stage, last = self._stages()
         self._pipeline_starts, self._pipeline_micro = [], 0
-        if stage == 0:
-            out = self.pipeline.eval(batch)
-        elif stage == last:  # the schedule computes its loss on the last stage: targets it ignores here
-            out = self.pipeline.eval(target=torch.zeros(batch.shape, dtype=torch.long, device=self.device), losses=[])
-        else:
-            out = self.pipeline.eval()
+        with self.loss_context():
+            if stage == 0:
+                out = self.pipeline.eval(batch)
+            elif stage == last:  # the schedule computes its loss on the last stage: targets it ignores here
+                target = torch.zeros(batch.shape, dtype=torch.long, device=self.device)
+                out = self.pipeline.eval(target=target, losses=[])
+            else:
+                out = self.pipeline.eval()
         shape = (batch.shape[0], batch.shape[1], self.vocab_size)
-        logits = out.float() if stage == last else torch.zeros(shape, device=self.device)
+        logits = _whole(out).float() if stage == last else torch.zeros(shape, device=self.device)
         dist.broadcast(logits, src=dist.get_global_rank(stages.get_group(), last), group=stages.get_group())
         return logits
 
@@ -665,6 +668,11 @@ class Trainer:
                 tokens_per_s,
                 f" mfu {values['mfu']:.2%}" if "mfu" in values else "",
             )
+
+
+def _whole(value: Any) -> Any:
+    """A tensor whole on this rank: a DTensor (split logits, a loss-parallel loss) gathered."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _poison_gradient(loss: Any) -> Any:

@@ -343,14 +343,16 @@ def dimension_by_mesh_name(name: str) -> Any:
 def mesh_candidates(cfg: PretrainConfig, ranks: int, vocab_size: int) -> list[dict[str, int]]:
     """The model-parallel degrees to consider: the configured ones, or for `auto` every degree
     that divides the ranks of a node (inner groups stay inside a node) and the model. An outer
-    dimension (pipeline stages) divides the whole world and is only planned when set."""
+    dimension (pipeline stages) is planned across nodes: every degree that divides the node count
+    (a stage is whole nodes)."""
     shape = {**cfg.model.model_dump(), "vocab_size": vocab_size, "seq_len": cfg.seq_len}
     options: list[list[tuple[str, int]]] = [[]]
     for dim in all_dimensions():
         setting = getattr(cfg.distributed, dim.field)
         span = ranks * cfg.distributed.num_nodes if dim.outer else ranks
         if setting == "auto" and dim.outer:
-            sizes = [1]  # not yet chosen by the planner: set pretrain.distributed.<field>
+            nodes = cfg.distributed.num_nodes
+            sizes = [n for n in (1, 2, 4, 8, 16) if n <= nodes and nodes % n == 0 and not dim.shape_problem(shape, n)]
         elif setting == "auto":
             sizes = [n for n in (1, 2, 4, 8, 16) if n <= ranks and ranks % n == 0 and not dim.shape_problem(shape, n)]
         else:
@@ -365,12 +367,6 @@ def mesh_candidates(cfg: PretrainConfig, ranks: int, vocab_size: int) -> list[di
             sizes = [degree]
         options = [prev + [(dim.name, n)] for prev in options for n in sizes]
     out = [{name: n for name, n in combo if n > 1} for combo in options]
-    for degrees in out:
-        if len(degrees) > 1:
-            raise ConfigError(
-                f"pretrain.distributed: {mesh_label(degrees)} together is not supported yet; set one of "
-                f"{', '.join(d.field for d in all_dimensions())} to 1"
-            )
     return [d for d in out if (ranks * cfg.distributed.num_nodes) % max(1, math.prod(d.values())) == 0]
 
 
@@ -436,13 +432,27 @@ def plan_parallelism(
             reasons.append(f"{mesh_label(degrees)}: global batch does not split over {data} data-parallel ranks")
             continue
         grad_accum = cfg.global_batch_size // per_step
+        step_problems = [
+            problem
+            for name, degree in degrees.items()
+            if (check := dimension_by_mesh_name(name).step_problem) and (problem := check(degree, grad_accum, cfg))
+        ]
+        if step_problems:
+            if len(layouts) == 1:
+                raise ConfigError(f"pretrain.distributed.{step_problems[0]}")
+            reasons.append(f"{mesh_label(degrees)}: {step_problems[0]}")
+            continue
         for index, strategy in enumerate(candidate_strategies(cfg, bool(degrees))):
             e = engine(strategy.backend)
             nodes = cfg.distributed.num_nodes
             parts, host = e.memory(params, cfg, precision, max(1, data // nodes), nodes, strategy, vocab_size, cpu)
             for name, degree in degrees.items():
-                split = dimension_by_mesh_name(name).divides
-                parts = {k: (v / degree if k in split else v) for k, v in parts.items()}
+                dim = dimension_by_mesh_name(name)
+                factors = dim.memory_factors(degree, grad_accum, cfg) if dim.memory_factors else {}
+                parts = {
+                    k: v * factors[k] if k in factors else v / degree if k in dim.divides else v
+                    for k, v in parts.items()
+                }
                 host /= degree
             total = sum(parts.values())
             if cpu:  # "offloaded" states stay in the same memory on a CPU-only machine

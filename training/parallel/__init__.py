@@ -118,6 +118,11 @@ class Dimension:
     loss_context: Callable[[], Any] | None = None
     # placed before the data-parallel dimensions in the mesh (across nodes), not after (inside a node)
     outer: bool = False
+    # (degree, micro-batches per step, the pretrain config) -> factors for memory parts this dimension
+    # changes otherwise than dividing by its degree (pipeline stages hold several micro-batches' activations)
+    memory_factors: Callable[[int, int, Any], dict[str, float]] | None = None
+    # (degree, micro-batches per step, the pretrain config) -> why this layout cannot run, or None
+    step_problem: Callable[[int, int, Any], str | None] | None = None
 
 
 @cache

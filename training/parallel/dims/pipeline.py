@@ -14,6 +14,10 @@ parameters and does not trace Hugging Face's masking code.
 
 A tied output head (`tie_word_embeddings`) would need its gradient summed across the first and
 last stage; that is refused in one line instead.
+
+With tensor parallelism (applied to each stage after it is cut) the residual stream leaves a stage
+split along the sequence (sequence parallelism): each tensor-parallel rank sends its own slice to
+the same rank of the next stage, and the stage computes the rotary positions of the whole sequence.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ def stage_module(model: Any, stage: int, stages: int) -> Any:
             super().__init__()
             inner = model.model
             self.config = model.config
+            self.stage = stage
             self.first, self.last = stage == 0, stage == stages - 1
+            # under sequence parallelism a later stage receives its rank's slice of the sequence
+            self.sequence_split = 1
             self.model: Any = nn.Module()  # named as the whole model: model.embed_tokens, model.layers.<i>, ...
             if self.first:
                 self.model.embed_tokens = inner.embed_tokens
@@ -56,7 +63,8 @@ def stage_module(model: Any, stage: int, stages: int) -> Any:
         def forward(self, hidden: Any) -> Any:
             if self.first:
                 hidden = self.model.embed_tokens(hidden)
-            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            length = hidden.shape[1] * (1 if self.first else self.sequence_split)
+            positions = torch.arange(length, device=hidden.device).unsqueeze(0)
             rotary = self.model.rotary_emb(hidden, position_ids=positions)
             for layer in self.model.layers.values():
                 # no mask: SDPA's causal path, as the whole model takes it for unpadded windows
@@ -96,13 +104,35 @@ def shape_problem(shape: dict[str, Any], degree: int) -> str | None:
     return None
 
 
+def in_flight(degree: int, micro_batches: int, schedule_name: str) -> int:
+    """Micro-batches whose activations the first stage holds at once: GPipe all of them (every forward
+    before any backward), 1F1B at most one per stage."""
+    return micro_batches if schedule_name == "gpipe" else min(degree, micro_batches)
+
+
+def memory_factors(degree: int, micro_batches: int, cfg: Any) -> dict[str, float]:
+    """A stage holds 1/degree of the layers' activations, for every micro-batch in flight."""
+    return {"activations": in_flight(degree, micro_batches, cfg.distributed.pipeline_schedule) / degree}
+
+
+def step_problem(degree: int, micro_batches: int, cfg: Any) -> str | None:
+    if cfg.distributed.pipeline_schedule == "1f1b" and micro_batches < degree:
+        return (
+            f"pipeline_parallel {degree} with 1F1B needs at least {degree} micro-batches per step "
+            f"(global batch / (micro-batch x data-parallel ranks) = {micro_batches})"
+        )
+    return None
+
+
 DIMENSION = Dimension(
     name="pp",
     field="pipeline_parallel",
     title="pipeline parallel",
     apply=apply,
     shape_problem=shape_problem,
-    divides=("weights", "gradients", "optimizer", "optimizer_step", "gathered", "activations"),
+    divides=("weights", "gradients", "optimizer", "optimizer_step", "gathered"),
     traffic_note=lambda degree: f"one activation send per micro-batch between {degree} stages",
     outer=True,
+    memory_factors=memory_factors,
+    step_problem=step_problem,
 )

@@ -101,12 +101,13 @@ def plan_for(model_type: str) -> dict[str, str]:
     return PLANS[model_type]
 
 
-def matches(plan: dict[str, str], names: list[str]) -> list[tuple[str, str]]:
-    """(module name, style) in plan order, then module order; a pattern matching nothing is an error."""
+def matches(plan: dict[str, str], names: list[str], stage: bool = False) -> list[tuple[str, str]]:
+    """(module name, style) in plan order, then module order; a pattern matching nothing is an error,
+    except on a pipeline stage (`stage`), which holds only some of the model's modules."""
     out: list[tuple[str, str]] = []
     for pattern, name in plan.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and not stage:
             raise ValueError(f"tensor-parallel plan pattern {pattern!r} matches no module of the model")
         out += [(n, name) for n in hits]
     return out
@@ -118,10 +119,13 @@ def apply(model: Any, tp_mesh: Any, run_plan: Any) -> Any:
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     modules = dict(model.named_modules())
-    for name, style_name in matches(plan_for(model.config.model_type), list(modules)):
+    stage = hasattr(model, "stage")  # a pipeline stage (training.parallel.dims.pipeline): some modules only
+    for name, style_name in matches(plan_for(model.config.model_type), list(modules), stage):
         parallelize_module(modules[name], tp_mesh, style(style_name))
     if tied:  # both halves were split by vocabulary row: tie them again, one parameter
         model.lm_head.weight = model.model.embed_tokens.weight
+    if stage:  # what a later stage receives is this rank's slice of the sequence
+        model.sequence_split = tp_mesh.size()
     return model
 
 

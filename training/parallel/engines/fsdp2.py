@@ -179,7 +179,8 @@ class Fsdp2Engine:
             gathered: dict[str, Any] = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
             own = {k: v.detach().cpu() for k, v in gathered.items()}
             state = {}
-            if mesh.data_rank(self.plan, dist.get_rank()) == 0:  # one copy per stage: the first data rank's
+            # one copy per stage: the rank at 0 on every other dimension (a tensor-parallel slice is gathered whole)
+            if all(v == 0 for k, v in mesh.coordinates(self.plan, dist.get_rank()).items() if k != "pp"):
                 slices: list[Any] = [None] * self.stages.size()
                 group = self.stages.get_group()
                 dist.gather_object(own, slices if dist.get_rank() == 0 else None, dst=0, group=group)
