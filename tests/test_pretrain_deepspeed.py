@@ -356,7 +356,12 @@ def test_planner_memory_matches_what_a_real_run_uses(curated: tuple[Path, dict],
         "pretrain.eval_every=4",
     )
     manifest = run_pipeline_locally(config, ["pretrain"])["pretrain/train"]
-    planned_mb = sum(manifest["extra"]["plan"]["per_rank_gib"].values()) * 1024
+    # The planner adds the fp32 copy a bf16 run builds its model in to the training parts (a bound
+    # that assumes they coexist); it is cast and freed before DeepSpeed makes its fp32 master
+    # weights and Adam states, so the peak measured here is the training parts alone (an AVX512-BF16
+    # host, 2026-11-30: 287 MB measured, 412 planned with the copy, 366 without; fp32 plans none).
+    parts = manifest["extra"]["plan"]["per_rank_gib"]
+    planned_mb = sum(v for k, v in parts.items() if k != "fp32_build_copy") * 1024
     measured_mb = manifest["metrics"]["mem_peak_mb"] - manifest["metrics"]["mem_before_engine_mb"]
     assert manifest["extra"]["plan"]["zero_stage"] == 0 and manifest["counts"]["params"] > 10_000_000
     assert 0.7 < measured_mb / planned_mb < 1.3, (measured_mb, planned_mb)
