@@ -285,8 +285,14 @@ def test_sft_and_dpo_under_transformers_tensor_parallel_match_one_rank_through_a
 
 def test_alignment_tensor_parallel_settings_are_refused_in_one_line(tmp_path: Path) -> None:
     from lmforge.config import load_config
-    from training.parallel.dims.tensor import align_model_problem, align_world_problem
+    from training.parallel.dims.tensor import align_model_problem, align_trainer_arguments, align_world_problem
 
+    # accelerate's ParallelismConfig for the Trainer: TP alone, or FSDP2 replicas beside it on a 2-D mesh
+    alone = align_trainer_arguments(2, 2, mesh_engine=True)["parallelism_config"]
+    assert alone.tp_size == 2 and (alone.dp_shard_size or 1) == 1
+    both = align_trainer_arguments(2, 4, mesh_engine=True)["parallelism_config"]
+    assert (both.dp_shard_size, both.tp_size) == (2, 2)
+    assert align_trainer_arguments(1, 4, mesh_engine=True) == {}
     for extra, message in (
         (["align.method=lora"], "method lora trains adapters on split layers"),
         (["align.recipe=[sft, kto]"], "kto does not train under tensor parallelism"),

@@ -46,7 +46,8 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
     from training.parallel.dims.tensor import align_trainer_arguments
 
     chosen = engine(spec["backend"])
-    sharding = chosen.trl_arguments(spec) if world > degree else {}  # no replicas: nothing for it to shard
+    # the engine's arguments, except under tensor parallelism without replicas (nothing for FSDP to shard)
+    sharding = chosen.trl_arguments(spec) if degree == 1 or world > degree else {}
     extra = {**sharding, **align_trainer_arguments(degree, world, chosen.mesh_dimensions), **extra}
     if spec.get("quantized_base"):  # QLoRA: checkpointed layers, as prepare_model_for_kbit_training set them
         extra.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
