@@ -220,7 +220,8 @@ def train(spec: dict[str, Any], rank: int) -> None:
     os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "tensorboard")  # transformers 5 has no logging_dir
     disable_shm_comm_op()
     safe_attention_kernels()
-    if tensor_parallel(spec) > 1:
+    degree = tensor_parallel(spec)
+    if degree > 1:
         import torch
 
         if not torch.cuda.is_available():
@@ -248,10 +249,10 @@ def train(spec: dict[str, Any], rank: int) -> None:
         model = load_4bit(spec["base_dir"], spec["precision"])
         log.info("QLoRA: %d linear layers in 4-bit NF4 (double quantization)", four_bit_layers(model))
     else:
-        model = load_model(spec["base_dir"], spec["precision"], tensor_parallel(spec))
+        model = load_model(spec["base_dir"], spec["precision"], degree)
     trainer: Trainer = method.trainer(spec, model, tokenizer, _callbacks(method, spec, holder))
     holder["trainer"] = trainer
-    if tensor_parallel(spec) > 1:
+    if degree > 1:
         from training.align import tp_checkpoint
 
         tp_checkpoint.install(trainer)
@@ -270,7 +271,7 @@ def train(spec: dict[str, Any], rank: int) -> None:
             "distributed: %s over %d rank(s)%s",
             trainer.accelerator.distributed_type,
             trainer.accelerator.num_processes,
-            f", tensor parallel {tensor_parallel(spec)} (transformers' plan)" if tensor_parallel(spec) > 1 else "",
+            f", tensor parallel {degree} (transformers' plan)" if degree > 1 else "",
         )
     stop_at_max_steps(trainer)
     started = time.time()
@@ -278,7 +279,7 @@ def train(spec: dict[str, Any], rank: int) -> None:
     seconds = time.time() - started
     target = out_dir / ("adapter" if spec.get("lora") else "hf")
     trainer.save_model(str(target))  # collective under ZeRO-3 and tensor parallelism; written by rank 0
-    if rank == 0 and tensor_parallel(spec) > 1:
+    if rank == 0 and degree > 1:
         from training.align.tp_checkpoint import tidy_export
 
         tidy_export(target)

@@ -76,7 +76,7 @@ def training_args(spec: dict[str, Any], cls: Any, **extra: Any) -> Any:
         data_seed=cfg["seed"],
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
-        save_only_model=tensor_parallel(spec) > 1,  # the Trainer's refusal; training.align.tp_checkpoint resumes it
+        save_only_model=degree > 1,  # the Trainer's refusal; training.align.tp_checkpoint resumes it
         **extra,
     )
 

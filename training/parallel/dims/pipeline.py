@@ -46,7 +46,6 @@ def stage_module(model: Any, stage: int, stages: int) -> Any:
             super().__init__()
             inner = model.model
             self.config = model.config
-            self.stage = stage
             self.first, self.last = stage == 0, stage == stages - 1
             # under sequence parallelism a later stage receives its rank's slice of the sequence
             self.sequence_split = 1

@@ -119,7 +119,7 @@ def apply(model: Any, tp_mesh: Any, run_plan: Any) -> Any:
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     modules = dict(model.named_modules())
-    stage = hasattr(model, "stage")  # a pipeline stage (training.parallel.dims.pipeline): some modules only
+    stage = hasattr(model, "sequence_split")  # a pipeline stage (training.parallel.dims.pipeline): some modules only
     for name, style_name in matches(plan_for(model.config.model_type), list(modules), stage):
         parallelize_module(modules[name], tp_mesh, style(style_name))
     if tied:  # both halves were split by vocabulary row: tie them again, one parameter
