@@ -251,6 +251,7 @@ UNIT_FILES = frozenset(
         "test_layout.py",
         "test_lineage_graph.py",
         "test_refusal_detector.py",
+        "test_rope.py",
         "test_runtime_files_identity.py",
         "test_safety_labels.py",
         "test_store.py",

@@ -46,6 +46,34 @@ class ModelConfig(StrictModel):
         return self
 
 
+class RopeScalingConfig(StrictModel):
+    """How rotary positions stretch when continued pretraining runs at a longer `seq_len` than the
+    model was trained at (context extension). The frequencies are transformers' own; see lmforge/rope.py."""
+
+    type: Literal["auto", "none", "linear", "dynamic", "yarn", "llama3"] = Field(
+        "auto",
+        description="auto = yarn when seq_len exceeds the model's trained context, else nothing; none = train at "
+        "the longer length with the positions unscaled (the baseline an extension is measured against).",
+    )
+    factor: float | None = Field(
+        None, ge=1, description="Context multiple; default: seq_len / the trained context (recorded as original)."
+    )
+    beta_fast: float = Field(32.0, gt=0, description="YaRN: rotations above which a dimension is not interpolated.")
+    beta_slow: float = Field(1.0, gt=0, description="YaRN: rotations below which a dimension is fully interpolated.")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: the low-frequency wavelength divisor.")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: the high-frequency wavelength divisor.")
+
+    @model_validator(mode="after")
+    def _bands(self) -> RopeScalingConfig:
+        if self.beta_fast <= self.beta_slow:
+            raise ValueError(f"beta_fast {self.beta_fast} must exceed beta_slow {self.beta_slow}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor {self.low_freq_factor}"
+            )
+        return self
+
+
 class OptimConfig(StrictModel):
     """AdamW with linear warmup and cosine decay to `min_lr_ratio * lr`."""
 
@@ -219,6 +247,7 @@ class PretrainConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     seq_len: int = Field(256, ge=8, description="Training sequence length in tokens.")
+    rope_scaling: RopeScalingConfig = RopeScalingConfig()
     global_batch_size: int = Field(
         16, ge=1, description="Sequences per optimizer step, over all ranks and accumulation."
     )

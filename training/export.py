@@ -8,6 +8,7 @@ the training engine's logits on a fixed validation batch within a tolerance.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -47,8 +48,6 @@ def generation_config(tokenizer_dir: Path, special: dict[str, int], context: int
 
 def copy_tokenizer(tokenizer_dir: Path, out_dir: Path, context: int) -> None:
     """The tokenizer files, with `model_max_length` set to the model's context (TRL and lm-eval read it)."""
-    import json
-
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out_dir / name)
@@ -66,16 +65,26 @@ def save_hf(
     tokenizer_dir: Path,
     out_dir: Path,
     base_dir: Path | None = None,
+    rope: dict[str, Any] | None = None,
 ) -> None:
     """Save the weights as a Hugging Face model: lmforge's Llama, or the base's own architecture,
-    generation config (its stop tokens) and context when training continued a base model."""
+    generation config (its stop tokens) and context when training continued a base model; with
+    `rope`, the context extended to seq_len (lmforge/rope.py). config.json carries the rotary
+    settings in both of transformers' shapes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from lmforge.rope import apply, with_both_shapes
+
     if base_dir is not None:
         config = AutoConfig.from_pretrained(str(base_dir))
+        trained = getattr(config, "max_position_embeddings", None)
+        if rope is not None:
+            apply(config, rope, trainer_cfg.seq_len)
         context = int(getattr(config, "max_position_embeddings", None) or trainer_cfg.seq_len)
         generation = GenerationConfig.from_pretrained(str(base_dir))
+        if rope is not None and generation.max_length == trained:  # lmforge's own: generation up to the context
+            generation.max_length = context
     else:
         config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
         context = trainer_cfg.seq_len
@@ -91,6 +100,8 @@ def save_hf(
     model.generation_config = generation
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
+    config_path = out_dir / "config.json"
+    config_path.write_text(json.dumps(with_both_shapes(json.loads(config_path.read_text())), indent=2) + "\n")
     copy_tokenizer(tokenizer_dir, out_dir, context)
     del model
     torch.set_grad_enabled(True)

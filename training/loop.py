@@ -65,6 +65,7 @@ class Trainer:
         base_dir: Path | None = None,
         nan_grad_at_batches: tuple[int, ...] = (),
         step_delay_s: float = 0.0,
+        rope: dict[str, Any] | None = None,
     ):
         import torch
 
@@ -75,6 +76,7 @@ class Trainer:
 
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         self.out_dir, self.special, self.base_dir = out_dir, special, base_dir
+        self.rope = rope  # the base's rotary positions stretched to seq_len (context extension), or None
         self.train_data = TokenWindows(pack_dir, "train", cfg.seq_len)
         self.val_data = TokenWindows(pack_dir, "val", cfg.seq_len)
         self.vocab_size = self.train_data.vocab_size
@@ -124,7 +126,7 @@ class Trainer:
 
     def _build_engine(self) -> Any:
         if self.base_dir is not None:
-            model = load_base(self.base_dir)
+            model = load_base(self.base_dir, self.rope, self.cfg.seq_len)
         else:
             model = build_model(self.cfg.model, self.vocab_size, self.cfg.seq_len, self.special, self.cfg.seed)
         if self.plan.float8 != "off":

@@ -44,12 +44,18 @@ def build_model(model: ModelConfig, vocab_size: int, max_positions: int, special
     return LlamaForCausalLM(config)
 
 
-def load_base(base_dir: Path) -> Any:
-    """A base model's weights in fp32 (the engine casts for mixed precision), ready to train."""
+def load_base(base_dir: Path, rope: dict[str, Any] | None = None, context: int | None = None) -> Any:
+    """A base model's weights in fp32 (the engine casts for mixed precision), ready to train; with
+    `rope`, its rotary positions stretched to `context` tokens (context extension, lmforge/rope.py)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(base_dir))
+    if rope is not None:
+        from lmforge.rope import apply
+
+        apply(config, rope, int(context or config.max_position_embeddings))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), config=config, dtype=torch.float32)
     model.config.use_cache = False
     return model
 
@@ -59,7 +65,9 @@ def decoder_shape(config: dict[str, Any]) -> dict[str, Any]:
     GPT-2 spellings), for the planner's memory model and the FLOP count."""
     hidden = config.get("hidden_size") or config.get("n_embd") or config["d_model"]
     heads = config.get("num_attention_heads") or config.get("n_head") or config["num_heads"]
-    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10_000.0
+    from lmforge.rope import rope_parameters_of
+
+    rope = rope_parameters_of(config)["rope_theta"]
     return {
         "hidden_size": hidden,
         "intermediate_size": config.get("intermediate_size") or config.get("n_inner") or 4 * hidden,

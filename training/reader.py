@@ -80,6 +80,19 @@ class TokenWindows:
             self._docs[shard] = pq.read_table(self.pack_dir / self.shards[shard]["docs"]).to_pydict()
         return self._docs[shard]
 
+    def long_document_fraction(self, length: int | None = None) -> float:
+        """The share of the split's tokens in documents of at least `length` tokens (default: seq_len),
+        the ones a window can hold without crossing into another document (context extension's mix)."""
+        length = length or self.seq_len
+        long_tokens = total = 0
+        for shard in range(len(self.shards)):
+            lengths = np.asarray(
+                pq.read_table(self.pack_dir / self.shards[shard]["docs"], columns=["length"])["length"]
+            )
+            total += int(lengths.sum())
+            long_tokens += int(lengths[lengths >= length].sum())
+        return long_tokens / total if total else 0.0
+
     def describe(self, window: int) -> dict[str, Any]:
         """Shard, token offset and the ids of the documents a window overlaps (for anomaly reports)."""
         first_shard, first_start = self.locate(window)

@@ -59,6 +59,12 @@ def _summary(manifests: dict[str, dict[str, Any]]) -> list[str]:
 def _check(config: PipelineBase, source: str) -> None:
     if config.pretrain.init == "base" and not config.base_model.path:
         raise ConfigError(f"{source}: pretrain.init: base needs base_model.path (the model to continue training)")
+    scaling = config.pretrain.rope_scaling.type
+    if scaling not in ("auto", "none") and (not config.base_model.path or config.pretrain.init == "scratch"):
+        raise ConfigError(
+            f"{source}: pretrain.rope_scaling.type={scaling} extends a model trained at a shorter context: it needs "
+            "base_model.path (continued pretraining); a model from scratch is trained at seq_len unscaled"
+        )
     hostfile = config.pretrain.distributed.hostfile
     if hostfile and not Path(hostfile).exists():
         raise ConfigError(f"{source}: pretrain.distributed.hostfile: file not found: {hostfile}")

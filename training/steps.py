@@ -71,8 +71,10 @@ def _pretrain_config(view: Any) -> Any:
     return PretrainConfig.model_validate(values)
 
 
-def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int]:
-    """The config with the base's architecture in `model`, and the base's embedding rows."""
+def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int, dict[str, Any] | None]:
+    """The config with the base's architecture in `model`, the base's embedding rows, and the rotary
+    settings that extend its context to `seq_len` (None: the base keeps its own; lmforge/rope.py)."""
+    from lmforge.rope import extension
     from training.model import model_config_of
 
     hf_config = json.loads((base_dir / "config.json").read_text())
@@ -81,10 +83,8 @@ def _base_shape(cfg: Any, base_dir: Path, pack_vocab: int) -> tuple[Any, int]:
         raise ConfigError(
             f"base_model: the tokenizer has {pack_vocab} tokens but {base_dir}/config.json has {rows} embedding rows"
         )
-    context = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or cfg.seq_len)
-    if cfg.seq_len > context:
-        raise ConfigError(f"pretrain.seq_len {cfg.seq_len} exceeds the base model's context of {context} tokens")
-    return cfg.model_copy(update={"model": model_config_of(hf_config)}), rows
+    rope = extension(cfg.rope_scaling, hf_config, cfg.seq_len)
+    return cfg.model_copy(update={"model": model_config_of(hf_config)}), rows, rope
 
 
 _STARTED_OVER: set[Path] = set()
@@ -120,13 +120,16 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     pack_dir, tokenizer_dir = ctx.path(TOKEN_SHARDS), ctx.path(TOKENIZER)
     vocab_size, special = _special_tokens(pack_dir)
     base_dir = ctx.path(BASE_MODEL) if ctx.has(BASE_MODEL) else None
-    params = None
+    params, rope = None, None
     if base_dir is not None:
+        from lmforge.rope import describe
         from training.model import count_weights
 
-        cfg, vocab_size = _base_shape(cfg, base_dir, vocab_size)
+        cfg, vocab_size, rope = _base_shape(cfg, base_dir, vocab_size)
         params = count_weights(base_dir)
         log.info("continued pretraining of %s (%.2fM parameters)", base_dir, params / 1e6)
+        if rope is not None:
+            log.info("context extended to %d tokens; rotary positions: %s", cfg.seq_len, describe(rope))
     device = detect_device()
     per_device = cfg.peak_tflops or peak_tflops(device, resolve_precision(cfg.precision, device))
     plan = plan_parallelism(
@@ -150,6 +153,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "pack_dir": str(pack_dir),
         "tokenizer_dir": str(tokenizer_dir),
         "base_dir": str(base_dir) if base_dir is not None else None,
+        "rope": rope,
         "special": special,
         "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
         "peak_tflops": per_device * devices_used(plan.world_size, device),
@@ -166,6 +170,8 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
     except TrainingDiverged as exc:
         exc.anomalies = anomaly_rows(_read_anomalies(out_dir))  # published by the flow even though the step failed
         raise
+    from training.reader import TokenWindows
+
     summary = json.loads((out_dir / "summary.json").read_text())
     anomalies = _read_anomalies(out_dir)
     unigram = ctx.manifest(TOKEN_SHARDS)["metrics"].get("unigram_entropy_nats")
@@ -181,6 +187,8 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "metrics": {
             **{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params", "float8_layers")},
             "unigram_entropy_nats": unigram,
+            # the share of training tokens in documents at least seq_len long (context extension's mix)
+            "long_document_fraction": round(TokenWindows(pack_dir, "train", cfg.seq_len).long_document_fraction(), 4),
         },
         "extra": {
             "anomalies": anomaly_rows(anomalies),
@@ -201,6 +209,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
                 "reasoning": plan.reasoning,
             },
             "float8_layers": summary.get("float8_layers", []),
+            "rope": rope,  # None: the model's own rotary settings (no context extension)
             "budget": plan.budget,
             "hf_dir": str(out_dir / "hf"),
         },

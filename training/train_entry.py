@@ -68,6 +68,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         Path(spec["base_dir"]) if spec.get("base_dir") else None,
         tuple(spec["debug"]["nan_grad_at_batches"]),
         spec["debug"].get("step_delay_s", 0.0),
+        spec.get("rope"),
     )
     summary = trainer.run()
     state = engine(plan.backend).consolidated_state(trainer.engine, plan)
@@ -76,7 +77,9 @@ def run(spec: dict, rank: int, world: int) -> dict:
         if state is None:
             raise RuntimeError("rank 0 holds no consolidated model state to export")
         base = Path(spec["base_dir"]) if spec.get("base_dir") else None
-        save_hf(state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir, base)
+        save_hf(
+            state, cfg, trainer.vocab_size, spec["special"], Path(spec["tokenizer_dir"]), hf_dir, base, spec.get("rope")
+        )
     trainer._barrier()
     data = trainer.val_data if len(trainer.val_data) else trainer.train_data
     # pipeline stages run the training's micro-batch shapes: one data rank's step of them

@@ -117,8 +117,12 @@ def copy_tokenizer(model_dir: Path, out: Path) -> Path:
 
 def convert(model_dir: Path, out_file: Path, python: Path, work: Path) -> dict[str, Any]:
     """HF directory -> bf16 GGUF with llama.cpp's converter; one line when it does not know the architecture."""
+    from lmforge.rope import gguf_refusal
+
     config = json.loads((model_dir / "config.json").read_text())
     architecture = (config.get("architectures") or ["?"])[0]
+    if (refusal := gguf_refusal(config)) is not None:
+        raise ConfigError(f"quantize.gguf: {model_dir}: {refusal}; or set quantize.gguf.enabled: false")
     command = [
         sys.executable,
         "-m",
