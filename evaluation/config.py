@@ -19,6 +19,8 @@ BUILTIN_TASKS = [
     "lmforge_preference",
     "lmforge_humaneval",
 ]
+# built-in, but chosen by name (evaluate.tasks): for a model whose context was extended (pretrain.rope_scaling)
+LONG_CONTEXT_TASKS = ["lmforge_passkey", "lmforge_ppl_by_length"]
 
 
 class BuiltinTaskConfig(StrictModel):
@@ -28,6 +30,30 @@ class BuiltinTaskConfig(StrictModel):
     ppl_docs: int = Field(40, ge=1, description="Held-out documents for lmforge_heldout_ppl.")
     ppl_max_chars: int = Field(3000, ge=100, description="Characters of each held-out document scored.")
     seed: int = 0
+    context_lengths: list[int] = Field(
+        default_factory=lambda: [64, 128, 256],
+        description="lmforge_passkey and lmforge_ppl_by_length: the lengths measured, in tokens of the lineage's "
+        "tokenizer (set them to the contexts before and after an extension).",
+    )
+    passkey_depths: list[float] = Field(
+        default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0],
+        description="lmforge_passkey: where the key sits in the filler (0 = first, 1 = last).",
+    )
+    passkey_per_cell: int = Field(4, ge=1, description="lmforge_passkey: items per length and depth.")
+
+    @field_validator("context_lengths")
+    @classmethod
+    def _lengths(cls, lengths: list[int]) -> list[int]:
+        if not lengths or min(lengths) < 32:
+            raise ValueError("needs at least one length, each of at least 32 tokens")
+        return sorted(set(lengths))
+
+    @field_validator("passkey_depths")
+    @classmethod
+    def _depths(cls, depths: list[float]) -> list[float]:
+        if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+            raise ValueError("needs at least one depth, each between 0 and 1")
+        return depths
 
 
 class ContaminationConfig(StrictModel):

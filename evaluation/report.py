@@ -66,6 +66,7 @@ def metric_row(
         "clean_items": len(clean),
         "contaminated_share": round(len(dirty & set(values)) / max(len(values), 1), 4),
         "bootstrap_estimate": estimate,
+        "by_length": stats.by_length(metric, values),  # the long-context tasks: [[tokens, value], ...]
     }
 
 
@@ -145,6 +146,13 @@ def card(
             f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {_fmt(r['clean_value'])} ({r['clean_items']}) | "
             f"{r['contaminated_share']:.1%} |"
         )
+    lengths = [r for r in rows if r.get("by_length")]
+    if lengths:
+        lines += ["", "## By context length (tokens)", "", "| model | backend | task | metric | by length |"]
+        lines.append("|---|---|---|---|---|")
+        for r in lengths:
+            cells = ", ".join(f"{length}: {_fmt(v)}" for length, v in r["by_length"])
+            lines.append(f"| {r['model']} | {r['backend']} | {r['task']} | {r['metric']} | {cells} |")
     lines += [
         "",
         "## Along the lineage (paired bootstrap on shared items)",

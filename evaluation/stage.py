@@ -141,10 +141,13 @@ def _check(config: PipelineBase, source: str) -> None:
             names.append(check_task_name(name, f"{task}: task"))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    from evaluation.config import BUILTIN_TASKS
+    from evaluation.config import BUILTIN_TASKS, LONG_CONTEXT_TASKS
 
     _check_judged(config, source)
-    known = [*names, *(t for t in BUILTIN_TASKS if t not in names)]  # a limit for an unselected built-in is harmless
+    known = [
+        *names,
+        *(t for t in [*BUILTIN_TASKS, *LONG_CONTEXT_TASKS] if t not in names),
+    ]  # a limit for an unselected built-in is harmless
     for task in config.evaluate.limit:
         if task not in known:
             close = difflib.get_close_matches(task, known, n=1)

@@ -10,6 +10,7 @@ negative log-likelihood over total words or bytes), and are resampled as such, n
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,20 @@ PRIMARY = {
     "lmforge_chat_exact": "exact_match",
     "lmforge_preference": "acc",
     "lmforge_humaneval": "pass@1",
+    "lmforge_passkey": "acc",
+    "lmforge_ppl_by_length": "token_perplexity",
 }
+LENGTH_ID = re.compile(r"L(\d+)-")  # the long-context tasks' item ids start with their length
+
+
+def by_length(metric: str, values: dict[str, Any]) -> list[list[float]]:
+    """[[length, the metric over that length's items], ...] by length, for items whose ids say their
+    length (else [])."""
+    groups: dict[int, list[Any]] = {}
+    for item, value in values.items():
+        if match := LENGTH_ID.match(item):
+            groups.setdefault(int(match.group(1)), []).append(value)
+    return [[length, aggregate(metric, groups[length])] for length in sorted(groups)]
 
 
 def item_values(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:

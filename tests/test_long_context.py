@@ -107,3 +107,33 @@ def test_the_gguf_file_keeps_the_scaling(extended: dict, tmp_path: Path) -> None
     assert fields["llama.rope.scaling.factor"] == 4.0
     assert fields["llama.rope.scaling.original_context_length"] == 64
     assert fields["llama.rope.freq_base"] == 10_000.0
+
+
+LENGTH_EVAL = [
+    "evaluate.tasks=[lmforge_passkey, lmforge_ppl_by_length]",
+    "evaluate.models=[base, pretrained]",
+    "evaluate.backends=[hf]",
+    "evaluate.backend_models={}",
+    "evaluate.builtin.context_lengths=[64, 256]",
+    "evaluate.builtin.passkey_depths=[0.0, 0.5, 1.0]",
+    "evaluate.builtin.passkey_per_cell=2",
+    "evaluate.limit={}",
+]
+
+
+def test_the_card_measures_both_models_by_context_length(extended: dict) -> None:
+    from lmforge.engine.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    workspace = Path(extended["dir"]).parents[2]
+    trained_base = json.loads((Path(extended["dir"]) / "run_spec.json").read_text())["base_dir"]
+    result = run_pipeline_locally(
+        small_config(workspace, f"base_model.path={trained_base}", *EXTEND, *LENGTH_EVAL), ["evaluate"]
+    )
+    report = Path(result["evaluate/report"]["dir"])
+    card = (report / "comparison.md").read_text()
+    assert "## By context length (tokens)" in card
+    rows = {(r["model"], r["task"]): r for r in json.loads((report / "report.json").read_text())["results"]}
+    assert {m for m, _ in rows} == {"base", "pretrained"}
+    for row in rows.values():
+        assert [length for length, _ in row["by_length"]] == [64, 256]

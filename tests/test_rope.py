@@ -157,3 +157,75 @@ def test_a_model_from_scratch_refuses_a_scaling_type(tmp_path) -> None:
     with pytest.raises(ConfigError, match="needs base_model.path"):
         load_config("tiny-cpu", ["pretrain.rope_scaling.type=yarn"], str(tmp_path))
     assert PretrainConfig().rope_scaling.type == "auto"
+
+
+# -- evaluation at length (evaluation/build.py, evaluation/stats.py) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from evaluation.build import PASSKEY_FILLER, PASSKEY_HEAD, PASSKEY_QUESTION
+
+    corpus = [PASSKEY_HEAD, PASSKEY_QUESTION, *PASSKEY_FILLER, "The pass key is 12345. Remember it."] * 20
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    out = tmp_path_factory.mktemp("tok")
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_passkey_items_hide_the_key_at_each_depth_within_each_length(tokenizer_dir) -> None:
+    from evaluation.build import PASSKEY_FILLER, passkey_items
+
+    items = passkey_items(tokenizer_dir, [64, 256], [0.0, 0.5, 1.0], 2, seed=0)
+    assert len(items) == 2 * 3 * 2 and len({i["id"] for i in items}) == len(items)
+    for item in items:
+        assert item["id"].startswith(f"L{item['length']}-")
+        assert item["length"] - 24 <= item["tokens"] <= item["length"] - 4  # about the length, room for the answer
+        assert item["context"].count(item["answer"]) == 1 and item["context"].endswith("The pass key is")
+        at = item["context"].index(item["answer"])
+        before, after = (
+            sum(part.count(f) for f in PASSKEY_FILLER) for part in item["context"].partition(item["answer"])[::2]
+        )
+        assert before == round(item["depth"] * (before + after)), (item["depth"], before, after)
+        assert at > 0
+    assert passkey_items(tokenizer_dir, [64], [0.5], 1, seed=0) == passkey_items(tokenizer_dir, [64], [0.5], 1, seed=0)
+    with pytest.raises(ValueError, match="cannot hold the pass key"):
+        passkey_items(tokenizer_dir, [16], [0.5], 1, seed=0)
+
+
+def test_the_passkey_and_perplexity_scorers_and_the_by_length_table(tokenizer_dir, tmp_path) -> None:
+    import importlib.util
+    import math
+
+    from evaluation import report, stats
+    from evaluation.build import ppl_by_length_items
+
+    docs = [{"id": f"d{i}", "text": " ".join(["The sky is blue and the grass is green."] * 40)} for i in range(3)]
+    items = ppl_by_length_items(docs, tokenizer_dir, [64, 128], limit=2)
+    assert [i["id"] for i in items] == ["L64-d0", "L128-d0", "L64-d1", "L128-d1"]
+    assert all(12 <= i["tokens"] <= 20 and i["continuation"] for i in items)
+
+    import shutil
+
+    from evaluation.build import SANDBOX, TEMPLATES, VERIFY
+
+    for source in (TEMPLATES / "utils.py", SANDBOX, VERIFY):  # as build() lays the task folder out
+        shutil.copy2(source, tmp_path / source.name)
+    spec = importlib.util.spec_from_file_location("task_utils", tmp_path / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    assert utils.passkey_process({"answer": "48213"}, [" 48213"])["acc"] == 1.0
+    assert utils.passkey_process({"answer": "48213"}, [" 4821"])["acc"] == 0.0
+    pair = utils.ppl_process({"tokens": 16}, [(-16 * math.log(5.0), False)])["token_perplexity"]
+    assert abs(utils.token_perplexity([pair, pair]) - 5.0) < 1e-9
+    values = {"L64-a": 1.0, "L64-b": 0.0, "L256-a": 1.0}
+    assert stats.by_length("acc", values) == [[64, 0.5], [256, 1.0]]
+    assert stats.by_length("acc", {"HumanEval/0": 1.0}) == []
+    row = {"model": "pretrained", "backend": "hf", "task": "lmforge_passkey", "metric": "acc", "value": 0.75,
+           "ci_low": 0.5, "ci_high": 1.0, "clean_value": 0.75, "clean_items": 3, "contaminated_share": 0.0,
+           "by_length": [[64, 0.5], [256, 1.0]]}  # fmt: skip
+    assert "| pretrained | hf | lmforge_passkey | acc | 64: 0.5, 256: 1 |" in report.card([row], [], [], [])

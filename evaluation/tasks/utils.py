@@ -13,6 +13,7 @@ sample (status, isolation, stderr tail) lands in lm-eval's per-sample log.
 import importlib.util
 import json
 import os
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,3 +64,21 @@ def humaneval_process_verdict(doc, results):
 def chat_exact_results(doc, results):
     """lmforge_chat_exact: the verifier RL rewards with (lmforge/text/verify.py), on the greedy answer."""
     return {"exact_match": 1.0 if verify.is_correct(results[0], doc["answer"]) else 0.0}
+
+
+def passkey_process(doc, results):
+    """The pass key task: right when the first run of digits in the answer is the key."""
+    digits = re.search(r"\d+", results[0] or "")
+    return {"acc": 1.0 if digits and digits.group(0) == doc["answer"] else 0.0}
+
+
+def ppl_process(doc, results):
+    """(log-likelihood, tokens) of the scored continuation: perplexity is aggregated over tokens."""
+    loglikelihood, _ = results[0]
+    return {"token_perplexity": (loglikelihood, doc["tokens"])}
+
+
+def token_perplexity(items):
+    import math
+
+    return math.exp(-sum(ll for ll, _ in items) / max(1, sum(n for _, n in items)))
