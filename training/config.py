@@ -21,8 +21,31 @@ EngineName = Literal[ENGINE_NAMES]  # type: ignore[valid-type]
 Backend = Literal[("auto", *ENGINE_NAMES)]  # type: ignore[valid-type]
 
 
+class ExpertsConfig(StrictModel):
+    """Mixture of experts in every decoder layer (0 experts: a dense model). Exported as Mixtral
+    (`MixtralForCausalLM`: lmforge's Llama attention, its SwiGLU MLP replaced by routed experts) or,
+    with a shared expert, as Qwen2-MoE (`Qwen2MoeForCausalLM`, the only one of the two with a shared
+    expert): architectures transformers, vLLM and llama.cpp all load."""
+
+    num: int = Field(0, ge=0, description="Routed experts per layer; 0 = a dense model.")
+    top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
+    intermediate_size: int | None = Field(
+        None, ge=8, description="Each expert's SwiGLU width (default: the model's intermediate_size)."
+    )
+    shared_expert: bool = Field(
+        False, description="Add an always-on expert beside the routed ones (exported as Qwen2-MoE)."
+    )
+    router_aux_loss_coef: float = Field(
+        0.01, ge=0, description="Weight of the load-balancing loss (Switch Transformer's) added to the LM loss."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num > 0
+
+
 class ModelConfig(StrictModel):
-    """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+    """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), optionally with experts."""
 
     hidden_size: int = Field(256, ge=8)
     intermediate_size: int = Field(
@@ -36,9 +59,12 @@ class ModelConfig(StrictModel):
     rope_theta: float = Field(10_000.0, gt=0)
     tie_embeddings: bool = Field(True, description="Share input and output embeddings.")
     init_std: float = Field(0.02, gt=0)
+    experts: ExpertsConfig = ExpertsConfig()
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        if self.experts.enabled and self.experts.top_k > self.experts.num:
+            raise ValueError(f"experts.top_k {self.experts.top_k} exceeds experts.num {self.experts.num}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -106,6 +132,14 @@ class GuardrailConfig(StrictModel):
         ge=1,
         description="Stop (non-retryable) at this many anomalies in a row (each within `window` steps of the previous one).",
     )
+    router_collapse_share: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="Mixture of experts: an expert under this share of its layer's tokens for "
+        "`router_collapse_steps` steps in a row is a finding (a collapsed router) in the anomaly report.",
+    )
+    router_collapse_steps: int = Field(20, ge=1, description="See `router_collapse_share`.")
 
     @model_validator(mode="after")
     def _history_fits_window(self) -> GuardrailConfig:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from training.model import llama_config
+from training.model import model_config
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = (
@@ -86,7 +86,7 @@ def save_hf(
         if rope is not None and generation.max_length == trained:  # lmforge's own: generation up to the context
             generation.max_length = context
     else:
-        config = llama_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
+        config = model_config(trainer_cfg.model, vocab_size, trainer_cfg.seq_len, special)
         context = trainer_cfg.seq_len
         generation = generation_config(tokenizer_dir, special, trainer_cfg.seq_len)
     dtype = next(iter(state.values())).dtype

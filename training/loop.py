@@ -28,6 +28,7 @@ from training.model import build_model, load_base
 from training.parallel import all_dimensions, engine, mesh
 from training.planner import Plan
 from training.reader import BatchSchedule, TokenWindows
+from training.router import RouterStats
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,13 @@ class Trainer:
         self.anomalies: list[dict[str, Any]] = []
         self.params = 0
         self.float8_layers: list[str] = []  # the linear layers torchao trains in float8 (pretrain.float8)
+        experts = cfg.model.experts
+        self.router = (  # a mixture of experts: its routing, watched (training/router.py)
+            RouterStats(experts.top_k, cfg.guardrails.router_collapse_share, cfg.guardrails.router_collapse_steps)
+            if experts.enabled
+            else None
+        )
+        self.router_values: dict[str, float] = {}
         self.pipeline: Any = None  # the pipeline schedule (pretrain.distributed.pipeline_parallel > 1)
         self._pipeline_starts: list[int] = []  # the micro-batches the schedule is running (the NaN test hook)
         self._pipeline_micro = 0
@@ -264,13 +272,21 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------
 
-    def micro_loss(self, windows: list[int], data: TokenWindows) -> Any:
+    def micro_loss(self, windows: list[int], data: TokenWindows, train: bool = True) -> Any:
+        """The LM loss of `windows`; in training a mixture of experts adds its load-balancing loss and
+        counts its routing (validation reports the LM loss alone, comparable with a dense model's)."""
         import torch
 
         batch = torch.from_numpy(data.batch(windows)).to(self.device)
-        logits = self.engine(input_ids=batch[:, :-1]).logits
+        if self.router is None or not train:
+            logits = self.engine(input_ids=batch[:, :-1]).logits
+            with self.loss_context():
+                return token_loss(logits, batch[:, 1:])
+        out = self.engine(input_ids=batch[:, :-1], output_router_logits=True)
         with self.loss_context():
-            return token_loss(logits, batch[:, 1:])
+            loss = token_loss(out.logits, batch[:, 1:])
+        self.router.add(out.router_logits, out.aux_loss)
+        return loss + self.cfg.model.experts.router_aux_loss_coef * out.aux_loss
 
     def loss_context(self) -> Any:
         """Where the loss and its backward run: loss parallel under tensor parallelism (split logits)."""
@@ -380,6 +396,8 @@ class Trainer:
         """Run one optimizer step; return its loss, or the anomaly that stopped it."""
         if "pp" in self.plan.degrees:
             return self._pipeline_step()
+        if self.router is not None:
+            self.router.discard()  # what a rolled-back step counted
         losses: list[float] = []
         indices: list[int] = []
         for micro in range(self.plan.grad_accum):
@@ -419,7 +437,46 @@ class Trainer:
         self.detector.accept(step_loss)
         self.step += 1
         self.tokens += self.cfg.global_batch_size * self.cfg.seq_len
+        if self.router is not None:
+            self._close_router_step(step_loss)
         return step_loss
+
+    def _close_router_step(self, step_loss: float) -> None:
+        """The step's routing over every rank: its curves for `_log_step`, a collapsed expert a finding."""
+        import torch.distributed as dist
+
+        def summed(tensor: Any) -> Any:
+            tensor = tensor.to(self.device)
+            dist.all_reduce(tensor)
+            return tensor.cpu()
+
+        assert self.router is not None
+        self.router_values, collapsed = self.router.close_step(summed)
+        for finding in collapsed:
+            g = self.cfg.guardrails
+            action = (
+                f"recorded: expert {finding['expert']} of layer {finding['layer']} received under "
+                f"{g.router_collapse_share:.0%} of its tokens for {g.router_collapse_steps} steps in a row "
+                f"({finding['share']:.2%} in the last)"
+            )
+            log.warning("step %d: collapsed router: %s", self.step, action)
+            self.anomalies.append(
+                {
+                    "step": self.step,
+                    "kind": "router_collapse",
+                    "loss": step_loss,
+                    "window_mean": self._window_mean(),
+                    "loss_after": None,
+                    "grad_norm_before": self.grad_norm,
+                    "micro_batches": [],
+                    "window_positions": [],
+                    "samples": [],
+                    "action": action,
+                    "consecutive": 0,
+                    **finding,
+                }
+            )
+            self.write_anomalies()
 
     def _replicated_grad_norm(self) -> float:
         """Pre-clipping gradient norm under ZeRO-0, where DeepSpeed clips without reporting it.
@@ -546,7 +603,7 @@ class Trainer:
                 return total / (rounds * ga)
             for index in range(self.cfg.eval_batches):
                 windows = self.val_schedule.windows(index * self.val_schedule.span)
-                total += self._mean_over_ranks(self.micro_loss(windows, self.val_data))
+                total += self._mean_over_ranks(self.micro_loss(windows, self.val_data, train=False))
         self.engine.train()
         return total / self.cfg.eval_batches
 
@@ -633,6 +690,7 @@ class Trainer:
             "float8": self.plan.float8,
             "float8_layers": self.float8_layers,
             "anomalies": len(self.anomalies),
+            **self._router_summary(),
             # every token of both splits is in some window except these (the end of each stream)
             "train_windows": len(self.train_data),
             "val_windows": len(self.val_data),
@@ -640,6 +698,17 @@ class Trainer:
             "dropped_tokens_val": self.val_data.dropped_tokens,
             "mem_before_engine_mb": round(self.mem_before_engine_mb, 1),
             "mem_peak_mb": round(peak_memory_mb(), 1),
+        }
+
+    def _router_summary(self) -> dict[str, Any]:
+        """A mixture of experts' routing over the run: each layer's share per expert and the smallest."""
+        if self.router is None:
+            return {}
+        shares = self.router.shares()
+        return {
+            "expert_shares": [[round(v, 4) for v in row] for row in shares],
+            "expert_share_min": min((v for row in shares for v in row), default=None),
+            "router_aux_loss": self.router_values.get("router_aux_loss"),
         }
 
     def _log_step(self, metrics: MetricsWriter, loss: float, tokens_per_s: float) -> None:
@@ -653,6 +722,7 @@ class Trainer:
         }
         if self.peak_flops:
             values["mfu"] = self.flops_per_token * tokens_per_s / self.peak_flops
+        values.update(self.router_values)  # a mixture of experts: each expert's share of its layer's tokens
         if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.max_steps:
             val = self.evaluate()
             if val is not None:

@@ -24,10 +24,12 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def flops_per_token(params: int, model: ModelConfig, seq_len: int, vocab_size: int) -> float:
-    """Training FLOPs per token: 6N over the parameters that do matmuls (an untied input
-    embedding is a lookup) plus attention scores (fwd+bwd)."""
-    dense = params - (0 if model.tie_embeddings else vocab_size * model.hidden_size)
-    return 6 * dense + 12 * model.num_layers * model.hidden_size * seq_len
+    """Training FLOPs per token: 6N over the parameters that do a token's matmuls (an untied input
+    embedding is a lookup; a mixture of experts counts its active parameters) plus attention scores (fwd+bwd)."""
+    from training.planner import matmul_parameters
+
+    active = matmul_parameters(params, model, vocab_size)  # a mixture of experts: the routed experts only
+    return 6 * active + 12 * model.num_layers * model.hidden_size * seq_len
 
 
 def memory_mb() -> float:

@@ -34,14 +34,54 @@ def llama_config(model: ModelConfig, vocab_size: int, max_positions: int, specia
     )
 
 
+def moe_config(model: ModelConfig, vocab_size: int, max_positions: int, special: dict[str, int]) -> Any:
+    """lmforge's Llama with every MLP replaced by `model.experts`: Mixtral's architecture, or Qwen2-MoE's
+    when there is a shared expert (Mixtral has none). Qwen2-MoE's attention biases are off, so both
+    keep lmforge's attention; top-k weights are renormalized in both (Mixtral always does)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    experts = model.experts
+    width = experts.intermediate_size or model.intermediate_size
+    dense = llama_config(model, vocab_size, max_positions, special).to_dict()
+    common = {
+        k: dense[k]
+        for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rope_parameters", "tie_word_embeddings", "initializer_range", "hidden_act",
+            "rms_norm_eps", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+        )
+    }  # fmt: skip
+    common |= {"num_experts_per_tok": experts.top_k, "router_aux_loss_coef": experts.router_aux_loss_coef}
+    if experts.shared_expert:
+        return Qwen2MoeConfig(
+            **common,
+            num_experts=experts.num,
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            intermediate_size=model.intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            qkv_bias=False,
+            use_sliding_window=False,
+        )
+    return MixtralConfig(**common, num_local_experts=experts.num, intermediate_size=width, sliding_window=None)
+
+
+def model_config(model: ModelConfig, vocab_size: int, max_positions: int, special: dict[str, int]) -> Any:
+    """The transformers config of lmforge's own model: Llama, or a mixture of experts (`moe_config`)."""
+    if model.experts.enabled:
+        return moe_config(model, vocab_size, max_positions, special)
+    return llama_config(model, vocab_size, max_positions, special)
+
+
 def build_model(model: ModelConfig, vocab_size: int, max_positions: int, special: dict[str, int], seed: int) -> Any:
-    """A freshly initialised LlamaForCausalLM; the same seed gives the same weights."""
+    """A freshly initialised causal LM of `model_config`; the same seed gives the same weights."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = llama_config(model, vocab_size, max_positions, special)
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(model_config(model, vocab_size, max_positions, special))
 
 
 def load_base(base_dir: Path, rope: dict[str, Any] | None = None, context: int | None = None) -> Any:
@@ -76,6 +116,22 @@ def decoder_shape(config: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": config.get("num_key_value_heads") or heads,
         "tie_embeddings": bool(config.get("tie_word_embeddings", True)),
         "rope_theta": float(rope),
+        "experts": experts_of(config),
+    }
+
+
+def experts_of(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE spellings) as `ExpertsConfig`
+    fields; {"num": 0} for a dense model."""
+    num = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if not num:
+        return {"num": 0}
+    return {
+        "num": num,
+        "top_k": int(config.get("num_experts_per_tok") or 2),
+        "intermediate_size": config.get("moe_intermediate_size") or config.get("intermediate_size"),
+        "shared_expert": bool(config.get("shared_expert_intermediate_size")),
+        "router_aux_loss_coef": float(config.get("router_aux_loss_coef") or 0.0),
     }
 
 

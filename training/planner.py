@@ -60,13 +60,31 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> int:
 
 
 def layer_parameters(model: ModelConfig) -> int:
+    """One decoder layer's parameters (a mixture of experts: every expert, the router and a shared one)."""
     h, kv_dim = model.hidden_size, model.num_kv_heads * (model.hidden_size // model.num_heads)
-    return 2 * h * h + 2 * h * kv_dim + 3 * h * model.intermediate_size + 2 * h
+    attention = 2 * h * h + 2 * h * kv_dim + 2 * h
+    experts = model.experts
+    if not experts.enabled:
+        return attention + 3 * h * model.intermediate_size
+    expert = 3 * h * (experts.intermediate_size or model.intermediate_size)
+    shared = expert + h if experts.shared_expert else 0  # its SwiGLU and its sigmoid gate
+    return attention + experts.num * expert + h * experts.num + shared
+
+
+def inactive_parameters(model: ModelConfig) -> int:
+    """Parameters a token does not use: the experts it is not routed to (0 for a dense model)."""
+    experts = model.experts
+    if not experts.enabled:
+        return 0
+    expert = 3 * model.hidden_size * (experts.intermediate_size or model.intermediate_size)
+    return model.num_layers * (experts.num - experts.top_k) * expert
 
 
 def matmul_parameters(params: int, model: ModelConfig, vocab_size: int) -> int:
-    """Parameters that take part in matmuls: all but an untied input embedding (a table lookup)."""
-    return params - (0 if model.tie_embeddings else vocab_size * model.hidden_size)
+    """Parameters that take part in a token's matmuls: all but an untied input embedding (a table
+    lookup) and, in a mixture of experts, the experts it is not routed to (FLOPs and MFU count these
+    active parameters; memory counts all)."""
+    return params - (0 if model.tie_embeddings else vocab_size * model.hidden_size) - inactive_parameters(model)
 
 
 @dataclass
@@ -314,6 +332,7 @@ def compute_budget(
     dense = matmul_parameters(params, cfg.model, vocab_size)
     budget: dict[str, Any] = {
         "params": params,
+        "active_params": params - inactive_parameters(cfg.model),
         "tokens": tokens,
         "flops_6nd": 6 * dense * tokens,
         "flops_with_attention": (6 * dense + attention) * tokens,

@@ -185,7 +185,11 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             "float8_layers": len(summary.get("float8_layers", [])),
         },
         "metrics": {
-            **{k: v for k, v in summary.items() if k not in ("final_step", "tokens", "params", "float8_layers")},
+            **{
+                k: v
+                for k, v in summary.items()
+                if k not in ("final_step", "tokens", "params", "float8_layers", "expert_shares")
+            },
             "unigram_entropy_nats": unigram,
             # the share of training tokens in documents at least seq_len long (context extension's mix)
             "long_document_fraction": round(TokenWindows(pack_dir, "train", cfg.seq_len).long_document_fraction(), 4),
@@ -210,6 +214,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             },
             "float8_layers": summary.get("float8_layers", []),
             "rope": rope,  # None: the model's own rotary settings (no context extension)
+            "expert_shares": summary.get("expert_shares"),  # a mixture of experts: [layer][expert] token share
             "budget": plan.budget,
             "hf_dir": str(out_dir / "hf"),
         },

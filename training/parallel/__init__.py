@@ -160,3 +160,11 @@ def modules() -> tuple[str, ...]:
         *(f"training.parallel.engines.{n}" for n in ENGINE_NAMES),
         *(f"training.parallel.dims.{n}" for n in DIMENSION_NAMES),
     )
+
+
+def moe_problem(field: str, degree: int) -> str:
+    """Why `field` at `degree` cannot train a mixture of experts (one line)."""
+    return (
+        f"{field} {degree} is for dense models: a mixture of experts trains data-parallel (FSDP2 or ZeRO "
+        "shard every expert; expert parallelism is not built), so set it to 1"
+    )

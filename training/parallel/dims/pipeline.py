@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.parallel import Dimension
+from training.parallel import Dimension, moe_problem
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -96,6 +96,8 @@ def schedule(stage: Any, pp_mesh: Any, micro_batches: int, loss_fn: Any, kind: s
 
 
 def shape_problem(shape: dict[str, Any], degree: int) -> str | None:
+    if degree > 1 and (shape.get("experts") or {}).get("num"):
+        return moe_problem("pipeline_parallel", degree)
     if shape["num_layers"] < degree:
         return f"pipeline_parallel {degree} exceeds num_layers {shape['num_layers']} (a stage needs a layer)"
     if shape.get("tie_embeddings"):

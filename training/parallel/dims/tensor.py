@@ -32,7 +32,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from training.parallel import Dimension
+from training.parallel import Dimension, moe_problem
 
 DECODER_PLAN: dict[str, str] = {
     "model.embed_tokens": "embedding",
@@ -137,6 +137,8 @@ def loss_parallel() -> Any:
 
 def shape_problem(shape: dict[str, Any], degree: int) -> str | None:
     """Every split dimension must divide evenly by the degree."""
+    if degree > 1 and (shape.get("experts") or {}).get("num"):
+        return moe_problem("tensor_parallel", degree)
     splits = {
         "num_heads": shape["num_heads"],
         "num_kv_heads": shape["num_kv_heads"],
