@@ -60,7 +60,8 @@ def _config(adapter: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable peft adapter config ({exc})") from None
-    for field, plain in (("use_dora", False), ("modules_to_save", None), ("bias", "none")):
+    # target_parameters: LoRA of a mixture of experts' fused expert weights (align.lora.target_parameters)
+    for field, plain in (("use_dora", False), ("modules_to_save", None), ("bias", "none"), ("target_parameters", None)):
         value = config.get(field, plain)
         if value != plain and value != []:
             raise ConfigError(

