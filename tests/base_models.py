@@ -185,6 +185,21 @@ def _byte_bpe_tokenizer(texts: list[str]) -> Any:
 _TOKENIZERS = {"unigram": _unigram_tokenizer, "byte_bpe": _byte_bpe_tokenizer}
 
 
+def _decoder_settings(tok: Any) -> dict[str, Any]:
+    """The config fields the Llama-like builders share: 2 layers, 4 heads over 2 KV heads, untied head,
+    the vocab padded past the tokenizer, its bos and eos."""
+    return {
+        "vocab_size": _padded_vocab(len(tok)),
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
+
+
 def build_qwen2_base(
     out_dir: Path,
     texts: list[str],
@@ -208,18 +223,7 @@ def build_qwen2_base(
 
     t0 = time.perf_counter()
     tok = _TOKENIZERS[tokenizer](texts)
-    settings: dict[str, Any] = {
-        "vocab_size": _padded_vocab(len(tok)),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": _MAX_POSITIONS,
-        "tie_word_embeddings": False,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-    }
+    settings = {**_decoder_settings(tok), "hidden_size": 64, "intermediate_size": 128}
     config = Qwen2Config(**{**settings, **config_overrides})
     with _deterministic(seed):
         model = Qwen2ForCausalLM(config)
@@ -234,18 +238,7 @@ def build_moe_base(out_dir: Path, texts: list[str], kind: str, steps: int = 150,
 
     t0 = time.perf_counter()
     tok = _byte_bpe_tokenizer(texts)
-    settings: dict[str, Any] = {
-        "vocab_size": _padded_vocab(len(tok)),
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": _MAX_POSITIONS,
-        "tie_word_embeddings": False,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "num_experts_per_tok": 2,
-    }
+    settings = {**_decoder_settings(tok), "hidden_size": 128, "num_experts_per_tok": 2}
     if kind == "mixtral":
         config, cls = MixtralConfig(**settings, num_local_experts=4, intermediate_size=128), MixtralForCausalLM
     else:

@@ -72,15 +72,14 @@ def save_hf(
     `rope`, the context extended to seq_len (lmforge/rope.py). config.json carries the rotary
     settings in both of transformers' shapes."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from lmforge.rope import apply, with_both_shapes
+    from lmforge.rope import with_both_shapes
+    from training.model import base_config
 
     if base_dir is not None:
-        config = AutoConfig.from_pretrained(str(base_dir))
-        trained = getattr(config, "max_position_embeddings", None)
-        if rope is not None:
-            apply(config, rope, trainer_cfg.seq_len)
+        config = base_config(base_dir, rope, trainer_cfg.seq_len)
+        trained = json.loads((base_dir / "config.json").read_text()).get("max_position_embeddings")
         context = int(getattr(config, "max_position_embeddings", None) or trainer_cfg.seq_len)
         generation = GenerationConfig.from_pretrained(str(base_dir))
         if rope is not None and generation.max_length == trained:  # lmforge's own: generation up to the context

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.moe import experts_of
+from lmforge.rope import apply, rope_parameters_of
 from training.config import ModelConfig
 
 
@@ -85,17 +86,24 @@ def build_model(model: ModelConfig, vocab_size: int, max_positions: int, special
     return AutoModelForCausalLM.from_config(model_config(model, vocab_size, max_positions, special))
 
 
-def load_base(base_dir: Path, rope: dict[str, Any] | None = None, context: int | None = None) -> Any:
-    """A base model's weights in fp32 (the engine casts for mixed precision), ready to train; with
-    `rope`, its rotary positions stretched to `context` tokens (context extension, lmforge/rope.py)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def base_config(base_dir: Path, rope: dict[str, Any] | None = None, context: int | None = None) -> Any:
+    """A base model's transformers config; with `rope`, its rotary positions stretched to `context`
+    tokens (context extension, lmforge/rope.py): what training loads and the export saves."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(base_dir))
     if rope is not None:
-        from lmforge.rope import apply
-
         apply(config, rope, int(context or config.max_position_embeddings))
+    return config
+
+
+def load_base(base_dir: Path, rope: dict[str, Any] | None = None, context: int | None = None) -> Any:
+    """A base model's weights in fp32 (the engine casts for mixed precision), ready to train, with
+    `base_config`'s settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = base_config(base_dir, rope, context)
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), config=config, dtype=torch.float32)
     model.config.use_cache = False
     return model
@@ -106,8 +114,6 @@ def decoder_shape(config: dict[str, Any]) -> dict[str, Any]:
     GPT-2 spellings), for the planner's memory model and the FLOP count."""
     hidden = config.get("hidden_size") or config.get("n_embd") or config["d_model"]
     heads = config.get("num_attention_heads") or config.get("n_head") or config["num_heads"]
-    from lmforge.rope import rope_parameters_of
-
     rope = rope_parameters_of(config)["rope_theta"]
     return {
         "hidden_size": hidden,
