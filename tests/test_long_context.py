@@ -50,6 +50,7 @@ def test_yarn_extends_the_trained_context_fourfold_and_the_export_and_vllm_carry
     }
     metrics = extended["metrics"]
     assert 0.0 <= metrics["long_document_fraction"] <= 1.0
+    assert extended["extra"]["document_mask"] is True  # auto: an extension attends within each document
     # the base, read at 256 positions with the stretched rotary table, before any step; then after 30
     assert metrics["final_val_loss"] < metrics["base_val_loss"], metrics
     out = Path(extended["dir"]) / "hf"

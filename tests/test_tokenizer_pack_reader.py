@@ -115,3 +115,51 @@ def test_a_resumed_run_may_split_the_batch_differently() -> None:
 def test_schedule_refuses_too_little_data() -> None:
     with pytest.raises(ValueError, match="fewer than one micro-batch"):
         BatchSchedule(3, 4, 1, 0, seed=0)
+
+
+def _pack(directory: Path, lengths: list[int]) -> Path:
+    """A one-shard pack of documents of `lengths` tokens (random ids), as curate/pack writes it."""
+    import pyarrow as pa
+
+    directory.mkdir()
+    stream = np.random.default_rng(0).integers(1, 90, sum(lengths)).astype("<u2")
+    stream.tofile(directory / "s0.bin")
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    ids = [f"d{i}" for i in range(len(lengths))]
+    pq.write_table(pa.table({"id": ids, "start": starts, "length": lengths}), directory / "s0.parquet")
+    shard = {"shard": "s0", "file": "s0.bin", "docs": "s0.parquet", "num_tokens": int(sum(lengths))}
+    index = {"vocab_size": 100, "eos_id": 0, "dtype": "uint16", "splits": {"train": [shard], "val": []}}
+    (directory / "index.json").write_text(json.dumps(index))
+    return directory
+
+
+def test_document_positions_restart_at_every_document_start(tmp_path: Path) -> None:
+    windows = TokenWindows(_pack(tmp_path / "pack", [5, 12, 3, 20, 7, 9, 30]), "train", 16)  # starts 0 5 17 20 40
+    positions = windows.positions([0, 1, 2])
+    assert positions[0].tolist() == [0, 1, 2, 3, 4] + list(range(11))
+    assert positions[1].tolist() == [0, 0, 1, 2] + list(range(12))  # 16: the tail of a document; 17 and 20 start
+    assert positions[2].tolist() == list(range(8)) + list(range(7)) + [0]  # 40 and 47 start
+
+
+def test_a_packed_document_sees_only_itself(tmp_path: Path) -> None:
+    """pretrain.document_mask: with the positions above (and no cache), transformers masks across
+    document boundaries, so the second document's logits in a packed window are the logits it gets
+    alone; attending across changes them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    windows = TokenWindows(_pack(tmp_path / "pack", [5, 12, 3, 20]), "train", 16)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.from_numpy(windows.batch([0]))[:, :-1]
+    with torch.no_grad():
+        alone = model(input_ids=ids[:, 5:]).logits
+        for implementation in ("sdpa", "eager"):
+            model.config._attn_implementation = implementation
+            packed = model(input_ids=ids, position_ids=torch.from_numpy(windows.positions([0]))).logits
+            assert (packed[:, 5:] - alone).abs().max() < 1e-5, implementation
+        across = model(input_ids=ids).logits
+    assert (across[:, 5:] - alone).abs().max() > 1e-3

@@ -453,6 +453,13 @@ def test_mfu_flops_leave_out_an_untied_input_embedding() -> None:
             "FSDP2 grad_op offload=none",
             "tie with ZeRO-0 offload=none broken by prefer_backend=fsdp2",
         ),
+        (  # a mixture of experts: FSDP2 on the tie (prefer_backend auto; measured in benchmarks/pretrain.py)
+            "tiny-cpu",
+            ["pretrain.model.experts.num=4"],
+            DeviceInfo("cpu", "AMD EPYC", 1, 24 * GIB, True, 2, 24 * GIB),
+            "FSDP2 grad_op offload=none",
+            "tie with ZeRO-0 offload=none broken by prefer_backend=fsdp2",
+        ),
         ("gpu-1node", [], gpu(80), "ZeRO-0 offload=none", "no offload, the least traffic that fits)"),
         ("gpu-multinode", [], gpu(80), "FSDP2 hybrid offload=none", "the least traffic that fits across nodes"),
     ],

@@ -67,6 +67,7 @@ class Trainer:
         nan_grad_at_batches: tuple[int, ...] = (),
         step_delay_s: float = 0.0,
         rope: dict[str, Any] | None = None,
+        document_mask: bool = False,
     ):
         import torch
 
@@ -78,6 +79,7 @@ class Trainer:
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         self.out_dir, self.special, self.base_dir = out_dir, special, base_dir
         self.rope = rope  # the base's rotary positions stretched to seq_len (context extension), or None
+        self.document_mask = document_mask  # attention within each packed document (TokenWindows.positions)
         self.train_data = TokenWindows(pack_dir, "train", cfg.seq_len)
         self.val_data = TokenWindows(pack_dir, "val", cfg.seq_len)
         self.vocab_size = self.train_data.vocab_size
@@ -278,11 +280,15 @@ class Trainer:
         import torch
 
         batch = torch.from_numpy(data.batch(windows)).to(self.device)
+        inputs: dict[str, Any] = {"input_ids": batch[:, :-1]}
+        if self.document_mask:
+            # no cache: transformers reads packed sequences from position ids only without one
+            inputs.update(position_ids=torch.from_numpy(data.positions(windows)).to(self.device), use_cache=False)
         if self.router is None or not train:
-            logits = self.engine(input_ids=batch[:, :-1]).logits
+            logits = self.engine(**inputs).logits
             with self.loss_context():
                 return token_loss(logits, batch[:, 1:])
-        out = self.engine(input_ids=batch[:, :-1], output_router_logits=True)
+        out = self.engine(**inputs, output_router_logits=True)
         with self.loss_context():
             loss = token_loss(out.logits, batch[:, 1:])
         self.router.add(out.router_logits, out.aux_loss)

@@ -395,6 +395,15 @@ def resolve_ranks(cfg: PretrainConfig, device: DeviceInfo) -> int:
     return device.count if device.kind == "cuda" else 2
 
 
+def preferred_backend(cfg: PretrainConfig) -> str:
+    """The engine that wins a tie (pretrain.distributed.prefer_backend): auto = FSDP2 for a mixture of
+    experts, which trained it at 0.96x a plain transformers loop's tokens/s where DeepSpeed ZeRO-0 gave
+    0.82x (`benchmarks/pretrain.py`, docs/benchmarks.md), DeepSpeed otherwise."""
+    if cfg.distributed.prefer_backend != "auto":
+        return cfg.distributed.prefer_backend
+    return "fsdp2" if cfg.model.experts.enabled else ENGINE_NAMES[0]
+
+
 def plan_parallelism(
     cfg: PretrainConfig,
     vocab_size: int = 8192,
@@ -428,6 +437,7 @@ def plan_parallelism(
     if cfg.float8 != "off":
         reasons.append(float8_reason(cfg.float8, float8, device))
     cpu = device.kind == "cpu"
+    prefer = preferred_backend(cfg)
     fitting: list[tuple[tuple[Any, ...], Strategy, dict[str, float], float, dict[str, int]]] = []
     layouts = mesh_candidates(cfg, ranks, vocab_size)
     if float8 != "off" and any(layouts):
@@ -501,7 +511,7 @@ def plan_parallelism(
                 f"({', '.join(f'{k} {v:.3f}' for k, v in parts.items())}{offloaded}), {traffic} -> {verdict}"
             )
             if fits:
-                preferred = strategy.backend == cfg.distributed.prefer_backend
+                preferred = strategy.backend == prefer
                 # no offload first, then the least model parallelism (its collectives run every layer),
                 # then the least traffic across nodes and in all, then the preferred engine
                 rank_key = (OFFLOAD_ORDER[strategy.offload], model_parallel, across, volume, not preferred, index)
@@ -519,7 +529,7 @@ def plan_parallelism(
         why += "the least model parallelism, "
     why += "the least traffic that fits" + (" across nodes" if cfg.distributed.num_nodes > 1 else "")
     if ties:
-        why += f"; tie with {ties[0]} broken by prefer_backend={cfg.distributed.prefer_backend}"
+        why += f"; tie with {ties[0]} broken by prefer_backend={prefer}"
     model_parallel = math.prod(degrees.values())
     grad_accum = cfg.global_batch_size // (cfg.distributed.micro_batch_size * (world // model_parallel))
     plan = Plan(

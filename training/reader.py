@@ -49,6 +49,7 @@ class TokenWindows:
         # tokens in no window: the stream's end (< seq_len), or everything when it is too short
         self.dropped_tokens = self.total_tokens - (self._count * seq_len + 1) if self._count else self.total_tokens
         self._docs: dict[int, dict[str, list[Any]]] = {}
+        self._doc_starts: np.ndarray | None = None  # every document's first token in the whole stream
 
     def __len__(self) -> int:
         return self._count
@@ -74,6 +75,32 @@ class TokenWindows:
 
     def batch(self, windows: list[int]) -> np.ndarray:
         return np.stack([self[w] for w in windows]) if windows else np.zeros((0, self.seq_len + 1), np.int64)
+
+    def positions(self, windows: list[int]) -> np.ndarray:
+        """Position ids of the windows' `seq_len` input tokens that restart at 0 at every document start
+        inside a window (a window's first, partial document counts from the window's start). Given to the
+        model without an attention mask, transformers reads each restart as a new sequence and builds a
+        block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`; flash-attention takes
+        them as varlen boundaries): no token attends across a document boundary, and every document sees
+        the positions it would see alone (pretrain.document_mask)."""
+        if self._doc_starts is None:
+            self._doc_starts = np.concatenate(
+                [np.zeros(0, np.int64)]
+                + [
+                    np.asarray(pq.read_table(self.pack_dir / s["docs"], columns=["start"])["start"], np.int64)
+                    + self._offsets[i]
+                    for i, s in enumerate(self.shards)
+                ]
+            )
+        index = np.arange(self.seq_len, dtype=np.int64)
+        out = np.empty((len(windows), self.seq_len), np.int64)
+        for row, window in enumerate(windows):
+            first = window * self.seq_len
+            lo, hi = np.searchsorted(self._doc_starts, [first + 1, first + self.seq_len])
+            restart = np.zeros(self.seq_len, np.int64)
+            restart[self._doc_starts[lo:hi] - first] = self._doc_starts[lo:hi] - first
+            out[row] = index - np.maximum.accumulate(restart)
+        return out
 
     def _shard_docs(self, shard: int) -> dict[str, list[Any]]:
         if shard not in self._docs:

@@ -30,7 +30,8 @@ from training.parallel.mesh import shape as mesh_shape
 
 if TYPE_CHECKING:
     from lmforge.processes.launch import Launcher
-    from training.config import DistributedConfig
+    from training.config import DistributedConfig, PretrainConfig
+    from training.planner import Plan
 
 log = logging.getLogger(__name__)
 TRAIN = "pretrain/train"
@@ -136,6 +137,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         cfg, vocab_size, device, peak_tflops=per_device, params=params
     )  # the budget's time estimate needs the peak
     log.info("%s", format_plan(plan))
+    masked = document_mask(cfg, plan, extending=rope is not None)
     _check_resumable(out_dir, cfg.resume)
     d = cfg.distributed
     from training.parallel import all_engines, engine
@@ -154,6 +156,7 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_dir": str(tokenizer_dir),
         "base_dir": str(base_dir) if base_dir is not None else None,
         "rope": rope,
+        "document_mask": masked,
         "special": special,
         "debug": ctx.config.debug.pretrain.model_dump(mode="json"),
         "peak_tflops": per_device * devices_used(plan.world_size, device),
@@ -214,11 +217,31 @@ def _train_finalize(ctx: StepContext, _: dict[str, Any]) -> dict[str, Any]:
             },
             "float8_layers": summary.get("float8_layers", []),
             "rope": rope,  # None: the model's own rotary settings (no context extension)
+            "document_mask": masked,  # attention within each packed document only
             "expert_shares": summary.get("expert_shares"),  # a mixture of experts: [layer][expert] token share
             "budget": plan.budget,
             "hf_dir": str(out_dir / "hf"),
         },
     }
+
+
+def document_mask(cfg: PretrainConfig, plan: Plan, extending: bool) -> bool:
+    """Whether attention stays within each packed document (pretrain.document_mask; auto: on for a
+    context extension). Pipeline stages take input ids alone and the tensor-parallel plans are not checked
+    with a block-diagonal mask, so a model-parallel run is refused (`on`) or keeps attending across (`auto`)."""
+    wanted = cfg.document_mask == "on" or (cfg.document_mask == "auto" and extending)
+    split = [f"{name} {degree}" for name, degree in plan.degrees.items() if name in ("tp", "pp") and degree > 1]
+    if wanted and split:
+        if cfg.document_mask == "on":
+            raise ConfigError(
+                f"pretrain.document_mask=on is not built for model parallelism ({', '.join(split)}): "
+                "set it to off, or train data-parallel"
+            )
+        log.info("document mask off: %s splits the model (tokens attend across packed documents)", ", ".join(split))
+        return False
+    if wanted:
+        log.info("document mask on: tokens attend within their own packed document only")
+    return wanted
 
 
 def _read_anomalies(out_dir: Path) -> list[dict[str, Any]]:

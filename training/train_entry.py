@@ -69,6 +69,7 @@ def run(spec: dict, rank: int, world: int) -> dict:
         tuple(spec["debug"]["nan_grad_at_batches"]),
         spec["debug"].get("step_delay_s", 0.0),
         spec.get("rope"),
+        spec.get("document_mask", False),
     )
     summary = trainer.run()
     state = engine(plan.backend).consolidated_state(trainer.engine, plan)
