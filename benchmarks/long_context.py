@@ -1,16 +1,21 @@
 """Context extension on the demo: tiny-cpu trained at 64 tokens, then continued at 256 with YaRN and,
 as the baseline in the same command, with the positions unscaled; both measured by length.
 
-    .venv/bin/python benchmarks/long_context.py [--workdir DIR] [--short-steps 300] [--long-steps 100]
-        [--passkey-docs 2000] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/long_context.py [--workdir DIR] [--short-steps 2000] [--long-steps 300]
+        [--passkey-docs 4000] [--set KEY=VALUE ...]
 
-The corpus is the demo plus `--passkey-docs` synthetic retrieval documents (a five-digit key at a
-random depth of real demo sentences, asked for at the end), so the model can learn what the
-passkey task asks; the evaluated items are new keys in the evaluation's own filler. Every run
-goes through `lmforge run --local` (curate -> pretrain -> evaluate); the three workspaces stay in
-`--workdir` for inspection. Prints passkey accuracy and held-out perplexity at 64 and 256 tokens for
-the 64-token model and both extensions, with the acceptance ratios (YaRN: passkey at 256 >= 0.8 and
-above the unscaled run; perplexity at 256 <= 1.15x perplexity at 64).
+The corpus is the demo plus synthetic retrieval documents in the passkey task's own words (its
+opening line, the key's sentence and the question, around short real demo sentences), in their own
+`passkey` domain at half the training tokens: documents of 24-56 tokens for the 64-token model, of
+64-240 tokens (and a quarter as many short ones) for the extension. Curation keeps them as it keeps
+the demo's prose (near-dedup off: they are near-duplicates by design; the web rules and language ID
+skip the domain), and both extensions attend within each packed document (`pretrain.document_mask`),
+so only the scaling differs. The evaluated items are new keys in the evaluation's own filler.
+
+Every run goes through `lmforge run --local` (curate -> pretrain -> evaluate); the three workspaces
+stay in `--workdir` for inspection. Prints passkey accuracy and held-out perplexity at 64 and 256
+tokens for the 64-token model and both extensions, with the acceptance ratios (YaRN: passkey at 256
+>= 0.8 and above the unscaled run; perplexity at 256 <= 1.15x perplexity at 64).
 """
 
 from __future__ import annotations
@@ -26,19 +31,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def passkey_corpus(path: Path, docs: int, seed: int = 0) -> Path:
-    """Retrieval documents from real demo sentences: the key at a random depth, the question last."""
+CHARS_PER_TOKEN = 3.6  # the demo tokenizer's English prose, measured: documents are sized in characters
+
+
+def passkey_corpus(path: Path, docs: int, tokens: tuple[int, int], seed: int) -> Path:
+    """Retrieval documents in the task's own words (its opening line, the key's sentence and the question)
+    around short real demo sentences as filler, each of about `tokens` (low, high) tokens, the key at a
+    uniform depth. The evaluation's items have new keys in other filler (`evaluation/build.py`)."""
+    from evaluation.build import PASSKEY_HEAD, PASSKEY_QUESTION
     from tests.base_models import demo_texts
 
-    sentences = [s.strip() + "." for text in demo_texts(600) for s in text.split(". ") if 6 <= len(s.split()) <= 30]
+    pieces = (" ".join(s.split()).rstrip(".") for text in demo_texts(600) for s in text.split(". "))
+    sentences = sorted({s + "." for s in pieces if 3 <= len(s.split()) <= 12})
     rng = random.Random(seed)
     with path.open("w") as out:
         for i in range(docs):
             key = rng.randint(10_000, 99_999)
-            filler = rng.sample(sentences, rng.randint(4, 14))
-            filler.insert(rng.randint(0, len(filler)), f"The pass key is {key}. Remember it.")
-            text = " ".join(filler) + f" What is the pass key? The pass key is {key}."
-            out.write(json.dumps({"id": f"passkey-{i}", "text": text, "meta": {"domain": "prose"}}) + "\n")
+            needle = f"The pass key is {key}. Remember it."
+            budget = rng.randint(*tokens) * CHARS_PER_TOKEN - len(PASSKEY_HEAD + needle + PASSKEY_QUESTION) - 8
+            filler: list[str] = []
+            while sum(len(f) + 1 for f in filler) < budget:
+                filler.append(rng.choice(sentences))
+            filler.insert(rng.randint(0, len(filler)), needle)
+            text = f"{PASSKEY_HEAD} {' '.join(filler)}{PASSKEY_QUESTION} {key}."
+            out.write(
+                json.dumps({"id": f"passkey-{tokens[1]}-{i}", "text": text, "meta": {"domain": "passkey"}}) + "\n"
+            )
     return path
 
 
@@ -61,17 +79,42 @@ def by_length(workspace: Path) -> dict[str, dict[str, dict[int, float]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lmforge-long-context"))
-    parser.add_argument("--short-steps", type=int, default=300)
-    parser.add_argument("--long-steps", type=int, default=100)
-    parser.add_argument("--passkey-docs", type=int, default=2000)
+    parser.add_argument("--short-steps", type=int, default=600)
+    parser.add_argument("--long-steps", type=int, default=200)
+    parser.add_argument("--passkey-docs", type=int, default=4000)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    corpus = passkey_corpus(args.workdir / "passkey.jsonl", args.passkey_docs)
-    common = [f"curate.inputs=[builtin:demo, {corpus}]", *args.overrides]
+    # documents that fit a 64-token window for the first model; for the extension, documents up to
+    # 240 tokens (most longer than 64, so the key is often further back than the model has seen) and
+    # a quarter as many short ones
+    short_docs = passkey_corpus(args.workdir / "passkey-short.jsonl", args.passkey_docs, (24, 56), seed=0)
+    long_docs = passkey_corpus(args.workdir / "passkey-long.jsonl", args.passkey_docs, (64, 240), seed=1)
+    short_mix = passkey_corpus(args.workdir / "passkey-short-2.jsonl", args.passkey_docs // 4, (24, 56), seed=2)
+    common = [
+        # template-made documents are near-duplicates by design: MinHash would keep one in two; and
+        # short ones: the web rules (as for the demo's prose) and language ID pass them as they are
+        "curate.near_dedup.enabled=false",
+        *(
+            f"curate.{f}.skip_domains=[code, dialogue, prose, passkey]"
+            for f in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "quality_classifier")
+        ),
+        "curate.langid.skip_domains=[code, passkey]",
+        # half the tokens retrieval, the rest the demo's own mix
+        "curate.mix.weights={passkey: 0.5, code: 0.2, prose: 0.15, web: 0.075, dialogue: 0.075}",
+        "pretrain.document_mask=on",  # both extensions alike: only the scaling differs
+        *args.overrides,
+    ]
     short = args.workdir / "short"
     lmforge(
-        short, [*common, "stages=[curate, pretrain]", "pretrain.seq_len=64", f"pretrain.max_steps={args.short_steps}"]
+        short,
+        [
+            *common,
+            f"curate.inputs=[builtin:demo, {short_docs}]",
+            "stages=[curate, pretrain]",
+            "pretrain.seq_len=64",
+            f"pretrain.max_steps={args.short_steps}",
+        ],
     )
     base = next(short.glob("pretrain/train/*/hf"))
     evaluate = [
@@ -92,6 +135,7 @@ def main() -> None:
             [
                 *common,
                 *evaluate,
+                f"curate.inputs=[builtin:demo, {long_docs}, {short_mix}]",
                 "stages=[curate, pretrain, evaluate]",
                 f"base_model.path={base}",
                 "pretrain.seq_len=256",
