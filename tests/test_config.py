@@ -12,7 +12,7 @@ from lmforge.config import load_config
 from lmforge.errors import ConfigError
 
 
-@pytest.mark.parametrize("preset", ["tiny-cpu", "gpu-1node", "gpu-multinode", "gpu-finetune"])
+@pytest.mark.parametrize("preset", ["tiny-cpu", "gpu-1node", "gpu-multinode", "gpu-finetune", "gpu-long-context"])
 def test_presets_validate(preset: str) -> None:
     config = load_config(preset, check_paths=False)
     assert config.name == preset

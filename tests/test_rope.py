@@ -229,3 +229,33 @@ def test_the_passkey_and_perplexity_scorers_and_the_by_length_table(tokenizer_di
            "ci_low": 0.5, "ci_high": 1.0, "clean_value": 0.75, "clean_items": 3, "contaminated_share": 0.0,
            "by_length": [[64, 0.5], [256, 1.0]]}  # fmt: skip
     assert "| pretrained | hf | lmforge_passkey | acc | 64: 0.5, 256: 1 |" in report.card([row], [], [], [])
+
+
+def test_the_gpu_long_context_preset_extends_a_llama_3_base_fourfold_and_plans_on_one_node() -> None:
+    """The preset on Meta-Llama-3-8B's config (8,192 tokens, theta 500k): YaRN x4 to 32k recorded against
+    the trained context, attention within documents, and a plan that fits 8 GPUs of 80 GiB."""
+    from lmforge.config import load_config
+    from training.device import DeviceInfo
+    from training.model import model_config_of
+    from training.planner import plan_parallelism
+
+    llama3_8b = {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    config = load_config("gpu-long-context", check_paths=False)
+    assert extension(config.pretrain.rope_scaling, llama3_8b, config.pretrain.seq_len) == {
+        "rope_type": "yarn",
+        "rope_theta": 500000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    assert config.serve.engine.max_model_len == config.pretrain.seq_len == 32768
+    assert max(config.evaluate.builtin.context_lengths) == 32768
+    cfg = config.pretrain.model_copy(update={"model": model_config_of(llama3_8b)})
+    node = DeviceInfo("cuda", "H100", 8, 80 * 1024**3, True, 64, capability=(9, 0))
+    plan = plan_parallelism(cfg, 128256, node, peak_tflops=989.0, params=8_030_261_248)
+    assert plan.world_size == 8 and plan.reasoning[-1].startswith("chosen:")
