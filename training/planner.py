@@ -396,12 +396,14 @@ def resolve_ranks(cfg: PretrainConfig, device: DeviceInfo) -> int:
 
 
 def preferred_backend(cfg: PretrainConfig) -> str:
-    """The engine that wins a tie (pretrain.distributed.prefer_backend): auto = FSDP2 for a mixture of
-    experts, which trained it at 0.96x a plain transformers loop's tokens/s where DeepSpeed ZeRO-0 gave
-    0.82x (`benchmarks/pretrain.py`, docs/benchmarks.md), DeepSpeed otherwise."""
+    """The engine that wins a tie (pretrain.distributed.prefer_backend): auto = for a mixture of experts
+    the engine that says it `prefers_experts` (FSDP2 trained one at 0.96x a plain transformers loop's
+    tokens/s where DeepSpeed ZeRO-0 gave 0.82x: `benchmarks/pretrain.py`, docs/benchmarks.md), else
+    the first engine."""
     if cfg.distributed.prefer_backend != "auto":
         return cfg.distributed.prefer_backend
-    return "fsdp2" if cfg.model.experts.enabled else ENGINE_NAMES[0]
+    experts = [e.name for e in all_engines() if e.prefers_experts]
+    return experts[0] if cfg.model.experts.enabled and experts else ENGINE_NAMES[0]
 
 
 def plan_parallelism(

@@ -97,6 +97,8 @@ class Engine:
     align_problem: Callable[[str], str | None]
     # libraries whose versions are part of a run's identity
     libraries: tuple[str, ...] = ()
+    # the planner's choice on a tie for a mixture of experts (prefer_backend auto): measured faster there
+    prefers_experts: bool = False
 
 
 @dataclass(frozen=True)

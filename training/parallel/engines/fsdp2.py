@@ -326,4 +326,6 @@ ENGINE = Engine(
     align_stage=lambda zero_stage: 3,  # parameters, gradients and optimizer states all sharded
     trl_arguments=trl_arguments,
     align_problem=align_problem,
+    # the tiny MoE at 0.96x a plain transformers loop's tokens/s, DeepSpeed ZeRO-0 at 0.82x (docs/benchmarks.md)
+    prefers_experts=True,
 )
