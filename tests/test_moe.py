@@ -161,12 +161,13 @@ def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
         f"base_model.path={base}",
         "stages=[align,evaluate,quantize,serve]",
         "align.dpo.enabled=false",  # DPO is the same trainer and export from whichever model SFT made
+        "align.sft.max_steps=60",  # the property is the MoE road, not the answers (120 took 70 s of 2 ranks)
         "evaluate.backends=[hf]",
         "evaluate.backend_models={}",
         "evaluate.tasks=[lmforge_chat_exact]",
         "quantize.schemes=[w8a8-int8]",
         "quantize.gate.enabled=false",
-        "serve.slo.concurrency=[1]",
+        "serve.slo.enabled=false",  # the SLO gate has its own tests; here: served, answering through openai
     ]
     stages = ["align", "evaluate", "quantize", "serve"]
     try:
