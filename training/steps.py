@@ -229,15 +229,16 @@ def document_mask(cfg: PretrainConfig, plan: Plan, extending: bool) -> bool:
     """Whether attention stays within each packed document (pretrain.document_mask; auto: on for a
     context extension). Pipeline stages take input ids alone and the tensor-parallel plans are not checked
     with a block-diagonal mask, so a model-parallel run is refused (`on`) or keeps attending across (`auto`)."""
+    from training.planner import mesh_label
+
     wanted = cfg.document_mask == "on" or (cfg.document_mask == "auto" and extending)
-    split = [f"{name} {degree}" for name, degree in plan.degrees.items() if name in ("tp", "pp") and degree > 1]
-    if wanted and split:
+    if wanted and plan.degrees:  # the model-parallel dimensions above 1
         if cfg.document_mask == "on":
             raise ConfigError(
-                f"pretrain.document_mask=on is not built for model parallelism ({', '.join(split)}): "
+                f"pretrain.document_mask=on is not built for model parallelism ({mesh_label(plan.degrees)}): "
                 "set it to off, or train data-parallel"
             )
-        log.info("document mask off: %s splits the model (tokens attend across packed documents)", ", ".join(split))
+        log.info("document mask off: %s splits the model (tokens attend across documents)", mesh_label(plan.degrees))
         return False
     if wanted:
         log.info("document mask on: tokens attend within their own packed document only")
