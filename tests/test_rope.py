@@ -208,6 +208,9 @@ def test_the_passkey_and_perplexity_scorers_and_the_by_length_table(tokenizer_di
     items = ppl_by_length_items(docs, tokenizer_dir, [64, 128], limit=2)
     assert [i["id"] for i in items] == ["L64-d0", "L128-d0", "L64-d1", "L128-d1"]
     assert all(12 <= i["tokens"] <= 20 and i["continuation"] for i in items)
+    # every length scores the same tokens; only the context before them grows
+    assert items[0]["continuation"] == items[1]["continuation"] and items[1]["context"].endswith(items[0]["context"])
+    assert len(items[1]["context"]) > len(items[0]["context"])
 
     import shutil
 
