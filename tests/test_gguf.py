@@ -134,22 +134,32 @@ def test_an_architecture_llama_cpp_does_not_know_is_refused_in_one_line(tmp_path
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "neox"])
+@pytest.mark.parametrize("architecture", ["qwen2", "neox", "mixtral", "qwen2_moe"])
 def test_the_base_model_architectures_convert_faithfully(tmp_path: Path, architecture: str) -> None:
-    """Qwen2 and GPT-NeoX (the base-model fixtures, byte-level BPE): llama.cpp tokenizes as transformers
-    does, the bf16 file's perplexity is transformers' own, and Q8_0 stays within 2% of it."""
+    """Qwen2, GPT-NeoX and the two mixtures of experts (the base-model fixtures, byte-level BPE):
+    llama.cpp tokenizes as transformers does, the file keeps the experts (count and top-k), the bf16
+    file's perplexity is transformers' own, and Q8_0 stays within 2% of it."""
     from evaluation import stats
     from serving.backends.llamacpp import llamacpp_python
     from serving.quantize import gguf
-    from tests.base_models import build_neox_base, build_qwen2_base, demo_texts
+    from tests.base_models import build_moe_base, build_neox_base, build_qwen2_base, demo_texts
 
     texts = demo_texts(120)
-    build = build_qwen2_base if architecture == "qwen2" else build_neox_base
-    model_dir = build(tmp_path / architecture, texts, steps=30, tokenizer="byte_bpe")
+    if architecture in ("mixtral", "qwen2_moe"):
+        model_dir = build_moe_base(tmp_path / architecture, texts, architecture, steps=30)
+    else:
+        build = build_qwen2_base if architecture == "qwen2" else build_neox_base
+        model_dir = build(tmp_path / architecture, texts, steps=30, tokenizer="byte_bpe")
     python = llamacpp_python(None, "quantize.gguf.python")
     bf16, q8 = tmp_path / "bf16.gguf", tmp_path / "Q8_0.gguf"
     gguf.convert(model_dir, bf16, python, tmp_path / "work")
     gguf.quantize(bf16, q8, "Q8_0", python)
+    if architecture in ("mixtral", "qwen2_moe"):  # llama.cpp's names: Mixtral is "llama" with experts
+        prefix = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}[architecture]
+        fields = gguf_fields(
+            q8, python, ("general.architecture", f"{prefix}.expert_count", f"{prefix}.expert_used_count")
+        )
+        assert fields == {"general.architecture": prefix, f"{prefix}.expert_count": 4, f"{prefix}.expert_used_count": 2}
     docs = [{"id": str(i), "text": t} for i, t in enumerate(texts[-6:])]
     spec = {**gguf.measure_spec(model_dir, docs, [], ""), "chat": None}
     measured = {name: gguf.measure(path, python, spec, tmp_path / "m") for name, path in (("bf16", bf16), ("q8", q8))}
@@ -161,3 +171,21 @@ def test_the_base_model_architectures_convert_faithfully(tmp_path: Path, archite
     )
     assert abs(ppl["bf16"] / reference - 1) < 0.01, (ppl, reference)
     assert ppl["q8"] / ppl["bf16"] < 1.02, ppl
+
+
+def gguf_fields(path: Path, python: Path, names: tuple[str, ...]) -> dict:
+    """Metadata fields of a GGUF file, read with llama.cpp's own gguf-py reader."""
+    import os
+    import subprocess
+    import sys
+
+    from serving.quantize import gguf
+
+    script = (
+        "import json, sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); "
+        "print(json.dumps({k: r.fields[k].contents() for k in sys.argv[2:] if k in r.fields}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(gguf.converter_dir(python) / "gguf-py")}
+    done = subprocess.run([sys.executable, "-c", script, str(path), *names], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)

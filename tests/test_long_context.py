@@ -81,28 +81,14 @@ def test_yarn_extends_the_trained_context_fourfold_and_the_export_and_vllm_carry
 def test_the_gguf_file_keeps_the_scaling(extended: dict, tmp_path: Path) -> None:
     from serving.backends.llamacpp import llamacpp_python
     from serving.quantize import gguf
+    from tests.test_gguf import gguf_fields
 
     out = Path(extended["dir"]) / "hf"
     python = llamacpp_python(None, "quantize.gguf.python")
     gguf.convert(out, tmp_path / "model.gguf", python, tmp_path)
-    reader = gguf.converter_dir(python) / "gguf-py"
-    import subprocess
-    import sys
-
-    script = (
-        "import json, sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); "
-        "print(json.dumps({k: (f.contents() if hasattr(f, 'contents') else None) for k, f in r.fields.items() "
-        "if 'rope' in k or 'context_length' in k}))"
-    )
-    fields = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", script, str(tmp_path / "model.gguf")],
-            env={**os.environ, "PYTHONPATH": str(reader)},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+    names = ("llama.context_length", "llama.rope.freq_base")
+    names += tuple(f"llama.rope.scaling.{k}" for k in ("type", "factor", "original_context_length"))
+    fields = gguf_fields(tmp_path / "model.gguf", python, names)
     assert fields["llama.context_length"] == 256
     assert fields["llama.rope.scaling.type"] == "yarn"
     assert fields["llama.rope.scaling.factor"] == 4.0

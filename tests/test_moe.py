@@ -6,6 +6,7 @@ counts total parameters for memory and active ones for FLOPs."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -142,11 +143,14 @@ def moe_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "architecture"), [("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM")]
+    ("kind", "architecture", "recipe"),
+    [("mixtral", "MixtralForCausalLM", "sft"), ("qwen2_moe", "Qwen2MoeForCausalLM", "sft -> dpo")],
 )
 def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
-    kind: str, architecture: str, moe_bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path
+    kind: str, architecture: str, recipe: str, moe_bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path
 ) -> None:
+    """Mixtral through SFT, Qwen2-MoE through SFT and DPO (the router's auxiliary loss rides along in
+    both trainers): each export keeps its architecture, the card reads the lineage, vLLM answers."""
     from openai import OpenAI
 
     from lmforge.engine.executor import run_pipeline_locally
@@ -160,7 +164,8 @@ def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
     quick = [
         f"base_model.path={base}",
         "stages=[align,evaluate,quantize,serve]",
-        "align.dpo.enabled=false",  # DPO is the same trainer and export from whichever model SFT made
+        f"align.dpo.enabled={'dpo' in recipe}",
+        "align.dpo.max_steps=10",
         "align.sft.max_steps=60",  # the property is the MoE road, not the answers (120 took 70 s of 2 ranks)
         "evaluate.backends=[hf]",
         "evaluate.backend_models={}",
@@ -182,12 +187,19 @@ def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
         result = run_pipeline_locally(small_config(workspace, *quick), stages)
         sft = result["align/sft"]
         assert sft["metrics"]["heldout_loss_after"] < sft["metrics"]["heldout_loss_before"], sft["metrics"]
-        for step, folder in (("align/sft", "hf"), ("quantize/w8a8-int8", "model")):
+        if "dpo" in recipe:  # TRL's DPO adds the router's load-balancing loss, and it was logged
+            logged = [json.loads(line) for line in (Path(result["align/dpo"]["dir"]) / "metrics.jsonl").open()]
+            aux = [row["aux_loss"] for row in logged if "aux_loss" in row]
+            assert aux and all(math.isfinite(a) and a > 0 for a in aux), logged
+            assert any("rewards/margins" in row for row in logged), logged
+        for step, folder in (("align/sft", "hf"), ("align/dpo", "hf"), ("quantize/w8a8-int8", "model")):
             if step in result:
                 config = json.loads((Path(result[step]["dir"]) / folder / "config.json").read_text())
                 assert config["architectures"] == [architecture], (step, config["architectures"])
         card = (Path(result["evaluate/report"]["dir"]) / "comparison.md").read_text()
-        assert "| hf | lmforge_chat_exact | exact_match | base -> sft |" in card
+        chain = ["base", *recipe.split(" -> ")]
+        for before, after in zip(chain, chain[1:]):  # each step of the lineage against the one before
+            assert f"| hf | lmforge_chat_exact | exact_match | {before} -> {after} |" in card, card
         record, key = served(workspace)
         client = OpenAI(base_url=f"{record['endpoint']}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(
