@@ -210,11 +210,13 @@ def test_a_users_moe_base_is_aligned_evaluated_quantized_and_served(
         release.stop(workspace)
 
 
-def test_lora_on_a_users_experts_merges_into_the_same_model(
+def test_a_users_moe_base_continues_pretraining_and_takes_lora_on_its_experts(
     moe_bases: dict[str, Path], curated: tuple[Path, dict], tmp_path: Path
 ) -> None:
-    """LoRA on attention and on Mixtral's fused experts (PEFT's target_parameters): the adapter holds the
-    experts' update, and the merged export reproduces the PEFT model (the stage's own parity check)."""
+    """Continued pretraining of the user's Mixtral (its experts read from its config.json: the router's
+    loss and watch as for lmforge's own), then LoRA on attention and on its fused experts (PEFT's
+    target_parameters): the adapter holds the experts' update, and the merged export reproduces the
+    PEFT model (the stage's own parity check)."""
     from lmforge.engine.executor import run_pipeline_locally
     from tests.conftest import small_config
 
@@ -222,7 +224,9 @@ def test_lora_on_a_users_experts_merges_into_the_same_model(
     shutil.copytree(curated[0], workspace, symlinks=True)
     lora = [
         f"base_model.path={moe_bases['mixtral']}",
-        "stages=[align]",
+        "stages=[pretrain, align]",
+        "pretrain.max_steps=30",
+        "pretrain.optim.lr=3e-3",
         "align.dpo.enabled=false",
         "align.method=lora",
         "align.sft.max_steps=20",
@@ -230,7 +234,14 @@ def test_lora_on_a_users_experts_merges_into_the_same_model(
         "align.lora.dropout=0",
         "align.lora.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
     ]
-    sft = run_pipeline_locally(small_config(workspace, *lora), ["align"])["align/sft"]
+    result = run_pipeline_locally(small_config(workspace, *lora), ["pretrain", "align"])
+    pretrained = result["pretrain/train"]
+    assert pretrained["metrics"]["final_val_loss"] < pretrained["metrics"]["base_val_loss"], pretrained["metrics"]
+    shares = pretrained["extra"]["expert_shares"]  # [layer][expert]: Mixtral's 4 experts in each layer, watched
+    assert len(shares) == 2 and all(len(row) == 4 and abs(sum(row) - 1) < 1e-3 for row in shares), shares
+    config = json.loads((Path(pretrained["dir"]) / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    sft = result["align/sft"]
     adapter = json.loads((Path(sft["dir"]) / "adapter" / "adapter_config.json").read_text())
     assert {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"} <= set(adapter["target_parameters"])
     assert sft["metrics"]["merge_parity_max_abs_logit_diff"] <= 1e-3
