@@ -5,6 +5,7 @@ transformers' shapes, and a setting that cannot apply is refused in one line."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -143,6 +144,35 @@ def test_transformers_and_llama_cpp_read_the_written_shapes_alike(tmp_path) -> N
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert rope_parameters_of(loaded.to_dict()) | {"type": "yarn"} == {**_rope("yarn"), "type": "yarn"}
     assert loaded.max_position_embeddings == LONG
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3"])
+def test_vllm_serves_each_scaling_at_the_context_the_model_was_trained_at(kind: str, tmp_path, tokenizer_dir) -> None:
+    """vLLM multiplies max_position_embeddings by the factor for linear and dynamic (not for yarn and
+    llama3): lmforge's command holds it to the trained context, and vLLM's own reading agrees."""
+    from vllm.config import ModelConfig
+
+    from lmforge.inference.vllm_server import EngineConfig, NotServable, server_command
+
+    context = TRAINED if kind == "dynamic" else LONG  # dynamic: a base that ships it; the rest: an extension
+    config = _llama(_rope(kind), context)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(with_both_shapes(json.loads(path.read_text()))))
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    command = server_command(tmp_path, EngineConfig(), port=8000)
+    held = int(command[command.index("--max-model-len") + 1]) if "--max-model-len" in command else None
+    assert held == (context if kind in ("linear", "dynamic") else None), command
+    served = ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32", max_model_len=held)
+    assert served.max_model_len == context
+    if kind in ("linear", "dynamic"):  # what vLLM would have served without it
+        assert ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), dtype="float32").max_model_len == 4 * context
+    if kind == "dynamic":  # its one rotary table has `context` rows: a longer serve is refused in one line
+        with pytest.raises(
+            NotServable, match=f"exceeds this dynamic-NTK model's max_position_embeddings .{context}."
+        ) as no:
+            server_command(tmp_path, EngineConfig(max_model_len=4 * context), port=8000)
+        assert "\n" not in str(no.value)
 
 
 def test_gguf_refuses_a_scaling_llama_cpp_would_drop() -> None:

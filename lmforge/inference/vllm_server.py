@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 from lmforge.configbase import StrictModel, runtime_field
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.inference.vllm_guard import CLIENT_PATHS
+from lmforge.rope import rope_parameters_of, trained_context
 
 log = logging.getLogger(__name__)
 NOISE = ("Setting accelerator to CPU", "tcmalloc", "libiomp", "Triton", "ulimit")
@@ -283,6 +284,8 @@ def server_command(
     ]
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
+    if held := rope_length(model_dir, cfg.max_model_len):
+        command += ["--max-model-len", str(held)]
     if cfg.kv_cache_dtype != "auto":
         if problem := kv_cache_problem(cfg, model_dir):
             raise NotServable(problem)
@@ -321,6 +324,38 @@ def check_key(key: str, where: str) -> str:
 
         raise ConfigError(f"{where}: the API key must be at least {MIN_KEY_CHARS} characters (got {len(key.strip())})")
     return key.strip()
+
+
+# vLLM (`_get_and_verify_max_len`) multiplies `max_position_embeddings` by the scaling factor for these
+# RoPE types; for yarn, llama3 and longrope it reads `max_position_embeddings` as the scaled length
+# already, as transformers, lmforge's exports and llama.cpp do for every type.
+VLLM_MULTIPLIES = ("linear", "dynamic")
+
+
+def rope_length(model_dir: Path, max_model_len: int | None) -> int | None:
+    """The `--max-model-len` vLLM must be given for this model's RoPE scaling (None: vLLM's own is right).
+
+    A linear x4 extension trained at 256 tokens would otherwise be served at 1,024, and a dynamic-NTK
+    model past the rows of its one rotary table (`max_position_embeddings` of them). So for those two
+    types the length is held to `max_position_embeddings`; a larger `serve.engine.max_model_len` is
+    refused for dynamic (positions past the table are not computed) and left to the user for linear
+    (the math holds; the model never saw those positions)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # a GGUF file or an unreadable config: vLLM reads what it can
+    kind, context = rope_parameters_of(config)["rope_type"], trained_context(config)
+    if kind not in VLLM_MULTIPLIES or not context:
+        return None
+    if max_model_len is None:
+        return int(context)
+    if kind == "dynamic" and max_model_len > context:
+        raise NotServable(
+            f"serve.engine.max_model_len {max_model_len} exceeds this dynamic-NTK model's "
+            f"max_position_embeddings ({context}): vLLM keeps one rotary table of {context} positions for it, "
+            "and positions past it are not computed; serve at most that length"
+        )
+    return None
 
 
 def served_context(model_dir: Path, cfg: EngineConfig) -> int:
