@@ -242,8 +242,6 @@ def test_the_passkey_and_perplexity_scorers_and_the_by_length_table(tokenizer_di
     assert items[0]["continuation"] == items[1]["continuation"] and items[1]["context"].endswith(items[0]["context"])
     assert len(items[1]["context"]) > len(items[0]["context"])
 
-    import shutil
-
     from evaluation.build import SANDBOX, TEMPLATES, VERIFY
 
     for source in (TEMPLATES / "utils.py", SANDBOX, VERIFY):  # as build() lays the task folder out

@@ -282,10 +282,8 @@ def server_command(
         "--middleware",
         "lmforge.inference.vllm_guard.Guard",
     ]
-    if cfg.max_model_len:
-        command += ["--max-model-len", str(cfg.max_model_len)]
-    if held := rope_length(model_dir, cfg.max_model_len):
-        command += ["--max-model-len", str(held)]
+    if length := served_length(model_dir, cfg.max_model_len):
+        command += ["--max-model-len", str(length)]
     if cfg.kv_cache_dtype != "auto":
         if problem := kv_cache_problem(cfg, model_dir):
             raise NotServable(problem)
@@ -332,41 +330,44 @@ def check_key(key: str, where: str) -> str:
 VLLM_MULTIPLIES = ("linear", "dynamic")
 
 
-def rope_length(model_dir: Path, max_model_len: int | None) -> int | None:
-    """The `--max-model-len` vLLM must be given for this model's RoPE scaling (None: vLLM's own is right).
+def _model_config(model_dir: Path) -> dict[str, Any] | None:
+    """The model's config.json, or None for a GGUF file or an unreadable config."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def served_length(model_dir: Path, max_model_len: int | None) -> int | None:
+    """The `--max-model-len` to start vLLM with: `serve.engine.max_model_len`, else, for RoPE scaling vLLM
+    would stretch, the model's trained context; None where vLLM's own reading is right.
 
     A linear x4 extension trained at 256 tokens would otherwise be served at 1,024, and a dynamic-NTK
     model past the rows of its one rotary table (`max_position_embeddings` of them). So for those two
     types the length is held to `max_position_embeddings`; a larger `serve.engine.max_model_len` is
     refused for dynamic (positions past the table are not computed) and left to the user for linear
     (the math holds; the model never saw those positions)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # a GGUF file or an unreadable config: vLLM reads what it can
+    config = _model_config(model_dir)
+    if config is None:
+        return max_model_len  # vLLM reads what it can
     kind, context = rope_parameters_of(config)["rope_type"], trained_context(config)
     if kind not in VLLM_MULTIPLIES or not context:
-        return None
-    if max_model_len is None:
-        return int(context)
-    if kind == "dynamic" and max_model_len > context:
+        return max_model_len
+    if kind == "dynamic" and max_model_len and max_model_len > context:
         raise NotServable(
             f"serve.engine.max_model_len {max_model_len} exceeds this dynamic-NTK model's "
             f"max_position_embeddings ({context}): vLLM keeps one rotary table of {context} positions for it, "
             "and positions past it are not computed; serve at most that length"
         )
-    return None
+    return max_model_len or int(context)
 
 
 def served_context(model_dir: Path, cfg: EngineConfig) -> int:
     """The context length the server serves: `max_model_len`, else the model's own."""
     if cfg.max_model_len:
         return cfg.max_model_len
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 4096  # a GGUF file or an unreadable config: the guard's default
-    return int(config.get("max_position_embeddings") or config.get("n_positions") or 4096)
+    config = _model_config(model_dir)
+    return int((config and trained_context(config)) or 4096)  # 4096: the guard's default without a config
 
 
 def server_env(
